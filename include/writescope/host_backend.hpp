@@ -1,0 +1,284 @@
+// writescope/host_backend.hpp — a backend that emulates the device in host
+// memory, so the whole per-step pipeline (routing, eviction, streaming through
+// ping-pong in chunks, per-split partials, merge) runs on machines without a
+// GPU, CI included (DESIGN.md §3).
+//
+// Emulation: "device memory" is host memory that only this backend touches,
+// typed device_space; DMA is memcpy; a GPU kernel is the CPU kernel run on one
+// persistent worker thread (the "device"), concurrently with the CPU engine's
+// threads, as the real GPU side runs concurrently with them. The worker
+// executes exactly the order the CUDA backend enqueues: for each chunk, copy
+// its runs into its ping-pong buffer, attend its splits, fold each split into
+// the sequence's running streamed state in split order; then attend the
+// D-window. Activations (appended KV, queries, outputs) are pageable host memory.
+//
+// Threading: one host_backend may serve several caches; each gpu_engine owns
+// its worker thread. Calls into one engine come from one thread.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "backend.hpp"
+#include "cpu/attention.hpp"
+#include "host_memory.hpp"
+#include "partial_state.hpp"
+#include "stream_plan.hpp"
+
+namespace writescope {
+
+/// Arguments of the GPU side of one step (one layer), see gpu_engine::launch.
+template <kv_layout Layout, memory_space ActSpace>
+struct gpu_step_args {
+  block_format<Layout> format;
+  float softmax_scale = 1.0f;
+  int batch = 0;
+  mem_span<const float, ActSpace> q;          ///< [batch][Hq][q_dim], fp32
+  const stream_plan* plan = nullptr;          ///< pinned blocks to stream (host memory)
+  std::span<const window_ref> windows;        ///< [batch] D-window of each sequence
+  std::span<bf16* const> ping_pong;           ///< device buffers, plan chunk c uses ping_pong[chunk.buffer]
+  bool poison_workspaces = false;             ///< fill partial workspaces with NaN first (tests)
+};
+
+/// Outputs of a step: the merged attention output and, optionally, its LSE.
+template <memory_space ActSpace>
+struct step_outputs {
+  mem_span<float, ActSpace> out;   ///< [batch][Hq][v_dim] fp32
+  mem_span<float, ActSpace> lse;   ///< [batch][Hq] fp32 natural log; may be empty
+  debug_partials* debug = nullptr; ///< when set, receives each engine's partial (host copies)
+};
+
+class host_backend {
+ public:
+  using backend_concept = backend_tag;
+  using activation_space = pageable_host_space;
+
+  /// Emulated device memory.
+  class device_buffer {
+   public:
+    device_buffer() = default;
+    explicit device_buffer(host_allocation a) : mem_(std::move(a)) {}
+    [[nodiscard]] std::byte* data() const noexcept { return mem_.data(); }
+    [[nodiscard]] index_t size_bytes() const noexcept { return mem_.size_bytes(); }
+    [[nodiscard]] device_span<std::byte> span() const noexcept { return device_span<std::byte>(data(), size_bytes()); }
+
+   private:
+    host_allocation mem_;
+  };
+
+  [[nodiscard]] std::string_view name() const noexcept { return "host (emulated device)"; }
+
+  device_buffer allocate_device(index_t bytes, const char* what) {
+    return device_buffer(detail::map_pageable(bytes, what));
+  }
+  host_allocation allocate_staging(index_t bytes) { return detail::map_pageable(bytes, "staging buffer"); }
+
+  /// Fills `bytes` of device memory with a repeated 16-bit pattern (poisoning).
+  void fill_device(std::byte* dst, index_t bytes, std::uint16_t pattern) {
+    auto* p = reinterpret_cast<std::uint16_t*>(dst);
+    std::fill(p, p + bytes / 2, pattern);
+  }
+
+  /// Scatters token-major KV into blocks (prefill routing and decode staging).
+  template <kv_layout Layout>
+  void write_blocks(const block_format<Layout>& fmt, const kv_tokens<Layout, activation_space>& kv,
+                    std::span<const block_write> writes) {
+    const index_t stride = kv.stride(fmt.layout);
+    for (const block_write& w : writes)
+      for (int p = 0; p < Layout::planes; ++p)
+        for (int h = 0; h < fmt.layout.kv_heads(); ++h)
+          for (int t = 0; t < w.num_tokens; ++t)
+            std::memcpy(w.dst + fmt.offset(p, h, w.dst_token + t, 0),
+                        kv.planes[std::size_t(p)] + (w.src_token + t) * stride + index_t{h} * Layout::row_elems,
+                        sizeof(bf16) * Layout::row_elems);
+  }
+
+  /// Eviction: device -> host copies, complete on return.
+  void copy_blocks_to_host(std::span<const block_copy> copies) {
+    for (const block_copy& c : copies) std::memcpy(c.dst, c.src, static_cast<std::size_t>(c.bytes));
+  }
+
+  void copy_to_host_sync(void* dst, const std::byte* src, index_t bytes) {
+    std::memcpy(dst, src, static_cast<std::size_t>(bytes));
+  }
+
+  /// The GPU side of a decode step for one layout (one per cache).
+  template <kv_layout Layout>
+  class gpu_engine;
+};
+
+template <kv_layout Layout>
+class host_backend::gpu_engine {
+ public:
+  using args_type = gpu_step_args<Layout, pageable_host_space>;
+
+  /// max_batch: sequences per step; nothing is allocated per step afterwards.
+  gpu_engine(host_backend&, const Layout& layout, int max_batch) : layout_(layout), max_batch_(max_batch) {
+    const auto rows = std::size_t(max_batch) * std::size_t(layout.num_q_heads());
+    streamed_o_.resize(rows * Layout::v_dim);
+    streamed_lse_.resize(rows);
+    window_o_.resize(rows * Layout::v_dim);
+    window_lse_.resize(rows);
+    cpu_o_.resize(rows * Layout::v_dim);
+    cpu_lse_.resize(rows);
+    split_o_.resize(std::size_t(layout.group_size()) * Layout::v_dim);
+    split_lse_.resize(std::size_t(layout.group_size()));
+    worker_ = std::thread([this] { worker_loop(); });
+  }
+  gpu_engine(const gpu_engine&) = delete;
+  gpu_engine& operator=(const gpu_engine&) = delete;
+  ~gpu_engine() {
+    {
+      std::lock_guard lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
+  }
+
+  /// Starts the GPU side; returns at once. `a` and everything it points to must
+  /// stay valid until finish() returns.
+  void launch(const args_type& a) {
+    std::unique_lock lk(mu_);
+    args_ = a;
+    pending_ = true;
+    done_ = false;
+    lk.unlock();
+    cv_.notify_all();
+  }
+
+  /// Host-readable queries for the CPU engine ([batch][Hq][q_dim]).
+  [[nodiscard]] const float* host_queries() const noexcept { return args_.q.data(); }
+
+  /// Where the CPU engine writes its merged partial: dense [batch][Hq][v_dim] / [batch][Hq].
+  [[nodiscard]] host_partial_view<float> cpu_partial(int batch) noexcept {
+    return host_partial_view<float>::dense(cpu_o_.data(), cpu_lse_.data(), batch, layout_.num_q_heads(),
+                                           Layout::v_dim);
+  }
+
+  /// Waits for the GPU side, merges streamed ⊕ D-window ⊕ CPU into `o`; returns
+  /// the GPU side's seconds (streaming + attention, merge excluded).
+  double finish(const step_outputs<pageable_host_space>& o) {
+    std::unique_lock lk(mu_);
+    cv_.wait(lk, [this] { return done_; });
+    lk.unlock();
+    const int batch = args_.batch;
+    const int hq = layout_.num_q_heads();
+    constexpr int V = Layout::v_dim;
+    if (o.debug) {
+      const auto rows = std::size_t(batch) * std::size_t(hq);
+      o.debug->cpu_o.assign(cpu_o_.begin(), cpu_o_.begin() + std::ptrdiff_t(rows * V));
+      o.debug->cpu_lse.assign(cpu_lse_.begin(), cpu_lse_.begin() + std::ptrdiff_t(rows));
+      o.debug->streamed_o.assign(streamed_o_.begin(), streamed_o_.begin() + std::ptrdiff_t(rows * V));
+      o.debug->streamed_lse.assign(streamed_lse_.begin(), streamed_lse_.begin() + std::ptrdiff_t(rows));
+      o.debug->window_o.assign(window_o_.begin(), window_o_.begin() + std::ptrdiff_t(rows * V));
+      o.debug->window_lse.assign(window_lse_.begin(), window_lse_.begin() + std::ptrdiff_t(rows));
+    }
+    std::vector<float>& tmp = merge_tmp_;
+    tmp.resize(V);
+    for (int i = 0; i < batch; ++i)
+      for (int h = 0; h < hq; ++h) {
+        const std::size_t r = std::size_t(i) * std::size_t(hq) + std::size_t(h);
+        float gpu_lse = 0;
+        merge_state_row(&streamed_o_[r * V], streamed_lse_[r], &window_o_[r * V], window_lse_[r], tmp.data(), &gpu_lse,
+                        V);
+        float lse = 0;
+        merge_state_row(tmp.data(), gpu_lse, &cpu_o_[r * V], cpu_lse_[r], o.out.data() + r * V, &lse, V);
+        if (!o.lse.empty()) o.lse.data()[r] = lse;
+      }
+    return gpu_seconds_;
+  }
+
+ private:
+  void worker_loop() {
+    for (;;) {
+      std::unique_lock lk(mu_);
+      cv_.wait(lk, [this] { return pending_ || stop_; });
+      if (stop_) return;
+      pending_ = false;
+      lk.unlock();
+      const auto t0 = std::chrono::steady_clock::now();
+      run_gpu_side(args_);
+      gpu_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      lk.lock();
+      done_ = true;
+      lk.unlock();
+      cv_.notify_all();
+    }
+  }
+
+  void run_gpu_side(const args_type& a) {
+    const int hq = layout_.num_q_heads();
+    const int group = layout_.group_size();
+    constexpr int V = Layout::v_dim;
+    const auto rows = std::size_t(a.batch) * std::size_t(hq);
+    if (a.poison_workspaces) {
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      std::fill_n(split_o_.begin(), split_o_.size(), nan);
+      std::fill_n(window_o_.begin(), rows * V, nan);
+    }
+    // Running streamed state starts empty: (0, -inf) is the identity of the merge.
+    std::fill_n(streamed_o_.begin(), rows * V, 0.0f);
+    std::fill_n(streamed_lse_.begin(), rows, empty_lse);
+    const block_format<Layout>& f = a.format;
+    const index_t block_elems = f.block_elems();
+    const float* q = a.q.data();
+    std::vector<cpu::kv_segment>& segs = segs_;
+    for (const stream_chunk& c : a.plan->chunks) {
+      bf16* buf = a.ping_pong[std::size_t(c.buffer)];
+      for (index_t r = c.run_begin; r < c.run_end; ++r) {  // "H2D" of the chunk
+        const stream_run& run = a.plan->runs[std::size_t(r)];
+        std::memcpy(buf + run.dst_block * block_elems, run.src,
+                    static_cast<std::size_t>(run.num_blocks * f.block_bytes()));
+      }
+      for (index_t s = c.split_begin; s < c.split_end; ++s) {  // "kernel" over the chunk
+        const stream_split& sp = a.plan->splits[std::size_t(s)];
+        segs.clear();
+        for (int b = 0; b < sp.num_blocks; ++b)
+          segs.push_back({buf + (sp.first_block + b) * block_elems, f.block_tokens});
+        for (int kvh = 0; kvh < layout_.kv_heads(); ++kvh) {
+          const std::size_t row0 = std::size_t(sp.batch_index) * std::size_t(hq) + std::size_t(kvh) * group;
+          cpu::decode_kernel<Layout>::run(f, kvh, q + row0 * Layout::q_dim, Layout::q_dim, group, a.softmax_scale,
+                                          segs, split_o_.data(), V, split_lse_.data());
+          for (int g = 0; g < group; ++g)  // fold into the running state, split order
+            merge_state_row(&streamed_o_[(row0 + g) * V], streamed_lse_[row0 + g], &split_o_[std::size_t(g) * V],
+                            split_lse_[std::size_t(g)], &streamed_o_[(row0 + g) * V], &streamed_lse_[row0 + g], V);
+        }
+      }
+    }
+    for (int i = 0; i < a.batch; ++i) {  // D-window "kernel"
+      const window_ref& w = a.windows[std::size_t(i)];
+      segs.clear();
+      for (int t0 = 0; t0 < w.tokens; t0 += f.block_tokens)
+        segs.push_back({w.slot + index_t(t0 / f.block_tokens) * block_elems, std::min(f.block_tokens, w.tokens - t0)});
+      for (int kvh = 0; kvh < layout_.kv_heads(); ++kvh) {
+        const std::size_t row0 = std::size_t(i) * std::size_t(hq) + std::size_t(kvh) * group;
+        cpu::decode_kernel<Layout>::run(f, kvh, q + row0 * Layout::q_dim, Layout::q_dim, group, a.softmax_scale, segs,
+                                        &window_o_[row0 * V], V, &window_lse_[row0]);
+      }
+    }
+  }
+
+  Layout layout_;
+  int max_batch_;
+  std::vector<float> streamed_o_, streamed_lse_, window_o_, window_lse_, cpu_o_, cpu_lse_, split_o_, split_lse_,
+      merge_tmp_;
+  std::vector<cpu::kv_segment> segs_;
+  args_type args_{};
+  double gpu_seconds_ = 0.0;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool pending_ = false, done_ = true, stop_ = false;
+  std::thread worker_;
+};
+
+static_assert(backend<host_backend>);
+
+}  // namespace writescope

@@ -1,0 +1,162 @@
+// writescope/host_memory.hpp — owning host allocations and the host-side
+// pinned-allocation strategies (paper §4.3, §7.7; FAULT-KINDS K8).
+//
+// host_allocation is one owning RAII type for every kind of host memory the
+// library takes (pageable regions, page-locked regions, staging buffers); its
+// release function is chosen by whoever allocated it. Allocation failures throw
+// resource_error / pinned_memory_error naming the size, at init or at region
+// growth — never in the middle of a decode step.
+#pragma once
+
+#include <sys/mman.h>
+#include <sys/resource.h>
+
+#include <cerrno>
+#include <concepts>
+#include <cstdio>
+#include <cstddef>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "config.hpp"
+#include "error.hpp"
+
+namespace writescope {
+
+/// "6.00 GiB (6442450944 bytes)".
+inline std::string format_bytes(index_t bytes) {
+  char buf[96];
+  const double gib = double(bytes) / double(index_t{1} << 30);
+  const double mib = double(bytes) / double(index_t{1} << 20);
+  if (gib >= 1.0)
+    std::snprintf(buf, sizeof buf, "%.2f GiB (%lld bytes)", gib, static_cast<long long>(bytes));
+  else
+    std::snprintf(buf, sizeof buf, "%.2f MiB (%lld bytes)", mib, static_cast<long long>(bytes));
+  return buf;
+}
+
+/// An owning block of host memory with a custom release function. Movable, not copyable.
+class host_allocation {
+ public:
+  using release_fn = void (*)(void* ptr, index_t bytes, void* context) noexcept;
+
+  host_allocation() noexcept = default;
+  host_allocation(void* ptr, index_t bytes, release_fn release, void* context = nullptr) noexcept
+      : ptr_(ptr), bytes_(bytes), release_(release), context_(context) {}
+  host_allocation(host_allocation&& o) noexcept
+      : ptr_(std::exchange(o.ptr_, nullptr)),
+        bytes_(std::exchange(o.bytes_, 0)),
+        release_(std::exchange(o.release_, nullptr)),
+        context_(std::exchange(o.context_, nullptr)) {}
+  host_allocation& operator=(host_allocation&& o) noexcept {
+    if (this != &o) {
+      reset();
+      ptr_ = std::exchange(o.ptr_, nullptr);
+      bytes_ = std::exchange(o.bytes_, 0);
+      release_ = std::exchange(o.release_, nullptr);
+      context_ = std::exchange(o.context_, nullptr);
+    }
+    return *this;
+  }
+  host_allocation(const host_allocation&) = delete;
+  host_allocation& operator=(const host_allocation&) = delete;
+  ~host_allocation() { reset(); }
+
+  void reset() noexcept {
+    if (ptr_ && release_) release_(ptr_, bytes_, context_);
+    ptr_ = nullptr;
+    bytes_ = 0;
+  }
+  /// Gives up ownership without releasing; returns the pointer.
+  [[nodiscard]] void* detach() noexcept {
+    bytes_ = 0;
+    return std::exchange(ptr_, nullptr);
+  }
+  [[nodiscard]] std::byte* data() const noexcept { return static_cast<std::byte*>(ptr_); }
+  [[nodiscard]] index_t size_bytes() const noexcept { return bytes_; }
+  [[nodiscard]] explicit operator bool() const noexcept { return ptr_ != nullptr; }
+
+ private:
+  void* ptr_ = nullptr;
+  index_t bytes_ = 0;
+  release_fn release_ = nullptr;
+  void* context_ = nullptr;
+};
+
+namespace detail {
+
+inline void munmap_release(void* p, index_t bytes, void*) noexcept { ::munmap(p, static_cast<std::size_t>(bytes)); }
+inline void munlock_munmap_release(void* p, index_t bytes, void*) noexcept {
+  ::munlock(p, static_cast<std::size_t>(bytes));
+  ::munmap(p, static_cast<std::size_t>(bytes));
+}
+
+/// Reserves `bytes` of pageable, zero-filled, not-yet-resident memory (pages
+/// become resident on first touch). Throws resource_error naming `what`.
+inline host_allocation map_pageable(index_t bytes, const char* what) {
+  if (bytes <= 0) return {};
+  void* p = ::mmap(nullptr, static_cast<std::size_t>(bytes), PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED)
+    throw resource_error(std::string(what) + ": reserving " + format_bytes(bytes) +
+                         " of host memory failed: " + std::strerror(errno));
+  return host_allocation(p, bytes, &munmap_release);
+}
+
+}  // namespace detail
+
+/// Opt-in tag of the pinned_allocator concept.
+struct pinned_allocator_tag {};
+
+/// How the pinned load region gets its memory: `allocate(bytes)` returns a
+/// host_allocation that is page-locked for the backend's DMA engine (or, for
+/// ablations and the host backend, deliberately not). Called at init and when
+/// the region grows, never inside a step.
+template <class A>
+concept pinned_allocator = std::same_as<typename A::allocator_concept, pinned_allocator_tag> &&
+                           requires(A& a, index_t bytes) {
+                             { a.allocate(bytes) } -> std::same_as<host_allocation>;
+                             { A::name } -> std::convertible_to<const char*>;
+                             { A::page_locked } -> std::convertible_to<bool>;
+                           };
+
+/// Pageable memory standing in for the pinned region: the host backend's
+/// default, and the "unpinned source" ablation on a real GPU (copies from it
+/// are staged by the driver at a fraction of the pinned bandwidth).
+struct pageable_allocator {
+  using allocator_concept = pinned_allocator_tag;
+  static constexpr const char* name = "pageable (not page-locked)";
+  static constexpr bool page_locked = false;
+  host_allocation allocate(index_t bytes) const { return detail::map_pageable(bytes, "pinned load region"); }
+};
+
+/// Page-locks host memory with mlock(2): the host backend's faithful stand-in
+/// for cudaHostRegister (pre-touched, locked, counted against RLIMIT_MEMLOCK).
+/// A refusal throws pinned_memory_error naming the size and the limit.
+struct mlock_allocator {
+  using allocator_concept = pinned_allocator_tag;
+  static constexpr const char* name = "mlock";
+  static constexpr bool page_locked = true;
+  host_allocation allocate(index_t bytes) const {
+    host_allocation a = detail::map_pageable(bytes, "pinned load region");
+    if (!a) return a;
+    if (::mlock(a.data(), static_cast<std::size_t>(bytes)) != 0) {
+      const int err = errno;
+      struct rlimit rl {};
+      ::getrlimit(RLIMIT_MEMLOCK, &rl);
+      std::string limit = rl.rlim_cur == RLIM_INFINITY ? std::string("unlimited")
+                                                       : format_bytes(static_cast<index_t>(rl.rlim_cur));
+      throw pinned_memory_error("pinned memory: locking " + format_bytes(bytes) + " with mlock failed: " +
+                                std::strerror(err) + " (RLIMIT_MEMLOCK, ulimit -l, is " + limit + ")");
+    }
+    // Re-own the mapping with a release that unlocks before unmapping.
+    const index_t n = a.size_bytes();
+    return host_allocation(a.detach(), n, &detail::munlock_munmap_release);
+  }
+};
+
+static_assert(pinned_allocator<pageable_allocator>);
+static_assert(pinned_allocator<mlock_allocator>);
+
+}  // namespace writescope

@@ -1,0 +1,272 @@
+// writescope/hybrid_attention.hpp — one decode-attention step of one layer over
+// an inplace_kv_cache, with the CPU and GPU engines running at once and their
+// partial states merged exactly by LSE (paper §4.2, §5.1, §6; DESIGN.md §5).
+//
+// Per step, for a batch of sequences:
+//   1. the stream plan cuts each sequence's pinned blocks into splits and packs
+//      them into ping-pong chunks (stream_plan.hpp);
+//   2. the backend's GPU engine starts: it streams the chunks through ping-pong
+//      and attends them, and attends the D-window — asynchronously;
+//   3. meanwhile the CPU engine's threads attend the unpinned blocks in place,
+//      split into tasks of (sequence, KV head, cpu_task_blocks blocks), and
+//      merge each (sequence, head)'s task partials in task order;
+//   4. the GPU engine merges streamed ⊕ D-window ⊕ CPU into the output;
+//   5. the measured cost of both sides goes to the routing policy (online A).
+//
+// Determinism: task and split boundaries depend only on each sequence's own
+// blocks, and every merge runs in a fixed order, so outputs are bit-identical
+// across reruns, thread counts, and batchmates at a fixed placement (K10).
+// Threading: call step() from one thread (the one that drives the GPU). The
+// CPU engine uses OpenMP with `cpu_threads` threads.
+#pragma once
+
+#include <chrono>
+#include <cmath>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(_OPENMP)
+#  include <omp.h>
+#endif
+
+#include "cpu/attention.hpp"
+#include "error.hpp"
+#include "inplace_kv_cache.hpp"
+#include "partial_state.hpp"
+#include "stream_plan.hpp"
+
+namespace writescope {
+
+struct attention_options {
+  /// CPU engine threads; 0 = one less than the hardware threads (a core is
+  /// left for the thread that drives the GPU), at least 1.
+  int cpu_threads = 0;
+  /// Fill partial-state workspaces with NaN before every step (tests: an
+  /// unwritten partial shows as NaN in the output).
+  bool poison_workspaces = false;
+};
+
+/// What one step did and how long each side took.
+struct step_report {
+  double cpu_seconds = 0.0;      ///< CPU engine wall time (attend + merge its tasks)
+  double gpu_seconds = 0.0;      ///< GPU side time (stream + attend)
+  double total_seconds = 0.0;    ///< the whole step, as the caller sees it
+  index_t cpu_tokens = 0;        ///< KV tokens attended by the CPU engine
+  index_t streamed_tokens = 0;   ///< KV tokens streamed through ping-pong
+  index_t window_tokens = 0;     ///< KV tokens attended in the D-window
+  index_t copies = 0;            ///< H2D copies issued (after coalescing)
+  index_t chunks = 0;            ///< ping-pong fills
+  int cpu_tasks = 0;
+};
+
+template <class Cache, class CpuKernel = cpu::decode_kernel<typename Cache::layout_type>>
+class hybrid_attention {
+ public:
+  using layout_type = typename Cache::layout_type;
+  using backend_type = typename Cache::backend_type;
+  using activation_space = typename Cache::activation_space;
+  using engine_type = typename backend_type::template gpu_engine<layout_type>;
+
+  /// Binds to `cache` (which must outlive this object) and creates the GPU
+  /// engine with workspaces for up to spec().max_sequences sequences per step.
+  explicit hybrid_attention(Cache& cache, attention_options options = {})
+      : cache_(&cache),
+        options_(options),
+        engine_(cache.backend(), cache.layout(), cache.spec().max_sequences) {
+    if (options_.cpu_threads <= 0)
+      options_.cpu_threads = std::max(1, int(std::thread::hardware_concurrency()) - 1);
+  }
+
+  /// Attends `layer` for the batch `seqs` (distinct live sequences, ragged).
+  ///   q        [batch][Hq][q_dim] fp32, activation space (MLA: absorbed q')
+  ///   scale    softmax scale applied to q·k (the caller's; DeepSeek: incl. mscale²)
+  ///   out      [batch][Hq][v_dim] fp32 (+ optional LSE [batch][Hq]), activation space
+  /// Throws shape_error / state_error (before any work) for bad input. Feeds
+  /// the measured costs to the cache's policy.
+  step_report step(int layer, std::span<const sequence_id> seqs, mem_span<const float, activation_space> q,
+                   float scale, const step_outputs<activation_space>& out) {
+    const auto t_start = std::chrono::steady_clock::now();
+    const layout_type& L = cache_->layout();
+    const int batch = int(seqs.size());
+    const int hq = L.num_q_heads();
+    validate(layer, seqs, q, scale, out);
+
+    const layer_views<layout_type> v = cache_->views(layer);
+    const partition_spec& spec = cache_->spec();
+    const index_t block_elems = v.format.block_elems();
+
+    // 1. stream plan + D-window refs
+    plan_.build(
+        batch, [&](int i) { return std::span<const block_id>(v.sequences[std::size_t(seqs[std::size_t(i)])].pinned_blocks); },
+        [&](block_id id) { return v.pinned_block(id); }, block_elems, v.ping_pong_blocks, spec.gpu_split_blocks,
+        int(v.ping_pong.size()));
+    windows_.resize(std::size_t(batch));
+    step_report rep;
+    for (int i = 0; i < batch; ++i) {
+      const sequence_state& st = v.sequences[std::size_t(seqs[std::size_t(i)])];
+      windows_[std::size_t(i)] = {v.window_slot(st.window_slot), st.window_tokens[std::size_t(layer)]};
+      rep.window_tokens += st.window_tokens[std::size_t(layer)];
+    }
+
+    // 2. GPU side, asynchronous
+    gpu_step_args<layout_type, activation_space> args;
+    args.format = v.format;
+    args.softmax_scale = scale;
+    args.batch = batch;
+    args.q = q;
+    args.plan = &plan_;
+    args.windows = windows_;
+    args.ping_pong = v.ping_pong;
+    args.poison_workspaces = options_.poison_workspaces;
+    engine_.launch(args);
+
+    // 3. CPU side, concurrently
+    const auto t_cpu = std::chrono::steady_clock::now();
+    build_cpu_tasks(v, seqs, rep);
+    run_cpu_side(v, batch, engine_.host_queries(), scale);
+    rep.cpu_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_cpu).count();
+
+    // 4. merge
+    rep.gpu_seconds = engine_.finish(out);
+    rep.streamed_tokens = plan_.streamed_blocks * spec.block_tokens;
+    rep.copies = index_t(plan_.runs.size());
+    rep.chunks = index_t(plan_.chunks.size());
+    rep.cpu_tasks = int(tasks_.size());
+
+    // 5. online feedback
+    cost_sample s;
+    s.cpu_seconds = rep.cpu_seconds;
+    s.cpu_tokens = rep.cpu_tokens;
+    s.gpu_seconds = rep.gpu_seconds;
+    s.gpu_streamed_tokens = rep.streamed_tokens;
+    s.batch_size = batch;
+    cache_->policy().observe(s);
+    rep.total_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    (void)hq;
+    return rep;
+  }
+
+  [[nodiscard]] const attention_options& options() const noexcept { return options_; }
+  [[nodiscard]] const stream_plan& last_plan() const noexcept { return plan_; }
+
+ private:
+  struct cpu_task {
+    int batch_index;
+    int kv_head;
+    index_t first_block;  // index into the sequence's cpu_blocks
+    int num_blocks;
+  };
+
+  void validate(int layer, std::span<const sequence_id> seqs, const mem_span<const float, activation_space>& q,
+                float scale, const step_outputs<activation_space>& out) const {
+    const layout_type& L = cache_->layout();
+    const index_t batch = index_t(seqs.size());
+    if (layer < 0 || layer >= cache_->spec().num_layers)
+      throw shape_error("step: layer " + std::to_string(layer) + " outside [0, " +
+                        std::to_string(cache_->spec().num_layers) + ")");
+    if (batch > cache_->spec().max_sequences)
+      throw shape_error("step: batch of " + std::to_string(batch) + " sequences exceeds max_sequences " +
+                        std::to_string(cache_->spec().max_sequences));
+    const index_t rows = batch * L.num_q_heads();
+    if (q.size() != rows * layout_type::q_dim)
+      throw shape_error("step: q has " + std::to_string(q.size()) + " elements, expected batch*Hq*q_dim = " +
+                        std::to_string(rows * layout_type::q_dim));
+    if (out.out.size() != rows * layout_type::v_dim)
+      throw shape_error("step: out has " + std::to_string(out.out.size()) + " elements, expected batch*Hq*v_dim = " +
+                        std::to_string(rows * layout_type::v_dim));
+    if (!out.lse.empty() && out.lse.size() != rows)
+      throw shape_error("step: lse has " + std::to_string(out.lse.size()) + " elements, expected batch*Hq = " +
+                        std::to_string(rows));
+    if (!(std::isfinite(scale) && scale > 0.0f))
+      throw config_error("step: softmax scale " + std::to_string(scale) + " must be finite and positive");
+    cache_->check_batch(seqs, layer, "step");
+  }
+
+  void build_cpu_tasks(const layer_views<layout_type>& v, std::span<const sequence_id> seqs, step_report& rep) {
+    tasks_.clear();
+    head_task_begin_.clear();
+    const int per_task = cache_->spec().cpu_task_blocks;
+    const int hkv = cache_->layout().kv_heads();
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      const sequence_state& st = v.sequences[std::size_t(seqs[i])];
+      const index_t n = index_t(st.cpu_blocks.size());
+      rep.cpu_tokens += n * v.format.block_tokens;
+      for (int h = 0; h < hkv; ++h) {
+        head_task_begin_.push_back(int(tasks_.size()));
+        for (index_t b0 = 0; b0 < n; b0 += per_task)
+          tasks_.push_back({int(i), h, b0, int(std::min<index_t>(per_task, n - b0))});
+      }
+    }
+    head_task_begin_.push_back(int(tasks_.size()));
+    const std::size_t g = std::size_t(cache_->layout().group_size());
+    task_o_.resize(tasks_.size() * g * layout_type::v_dim);
+    task_lse_.resize(tasks_.size() * g);
+    seqs_.assign(seqs.begin(), seqs.end());
+  }
+
+  void run_cpu_side(const layer_views<layout_type>& v, int batch, const float* q, float scale) {
+    const layout_type& L = cache_->layout();
+    const int group = L.group_size();
+    const int hq = L.num_q_heads();
+    const int hkv = L.kv_heads();
+    constexpr int V = layout_type::v_dim;
+    constexpr int Q = layout_type::q_dim;
+    host_partial_view<float> cpu = engine_.cpu_partial(batch);
+    const int ntasks = int(tasks_.size());
+    const int npairs = batch * hkv;
+    const auto& seqs = seqs_;
+    const auto& tasks = tasks_;
+    auto run_task = [&](int t) {
+      thread_local std::vector<cpu::kv_segment> segs;
+      const cpu_task& task = tasks[std::size_t(t)];
+      const sequence_state& st = v.sequences[std::size_t(seqs[std::size_t(task.batch_index)])];
+      segs.clear();
+      for (int b = 0; b < task.num_blocks; ++b)
+        segs.push_back({v.cpu_block(st.cpu_blocks[std::size_t(task.first_block + b)]), v.format.block_tokens});
+      const std::size_t row0 = std::size_t(task.batch_index) * std::size_t(hq) + std::size_t(task.kv_head) * group;
+      CpuKernel::run(v.format, task.kv_head, q + row0 * Q, Q, group, scale, segs,
+                     task_o_.data() + std::size_t(t) * group * V, V, task_lse_.data() + std::size_t(t) * group);
+    };
+    auto merge_pair = [&](int p) {  // (sequence, kv head): fold its tasks in order
+      const int i = p / hkv;
+      const int h = p % hkv;
+      const int t0 = head_task_begin_[std::size_t(p)];
+      const int t1 = head_task_begin_[std::size_t(p) + 1];
+      for (int g = 0; g < group; ++g) {
+        float* o = cpu.o_row(i, h * group + g);
+        float& lse = cpu.lse_at(i, h * group + g);
+        std::fill(o, o + V, 0.0f);
+        lse = empty_lse;
+        for (int t = t0; t < t1; ++t)
+          merge_state_row(o, lse, task_o_.data() + (std::size_t(t) * group + g) * V,
+                          task_lse_[std::size_t(t) * group + g], o, &lse, V);
+      }
+    };
+#if defined(_OPENMP)
+#  pragma omp parallel num_threads(options_.cpu_threads)
+    {
+#  pragma omp for schedule(dynamic, 1)
+      for (int t = 0; t < ntasks; ++t) run_task(t);
+#  pragma omp for schedule(static)
+      for (int p = 0; p < npairs; ++p) merge_pair(p);
+    }
+#else
+    for (int t = 0; t < ntasks; ++t) run_task(t);
+    for (int p = 0; p < npairs; ++p) merge_pair(p);
+#endif
+  }
+
+  Cache* cache_;
+  attention_options options_;
+  engine_type engine_;
+  stream_plan plan_;
+  std::vector<window_ref> windows_;
+  std::vector<cpu_task> tasks_;
+  std::vector<int> head_task_begin_;
+  std::vector<float> task_o_, task_lse_;
+  std::vector<sequence_id> seqs_;
+};
+
+}  // namespace writescope

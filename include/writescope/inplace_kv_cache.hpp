@@ -1,0 +1,632 @@
+// writescope/inplace_kv_cache.hpp — the InplaceKVCache format (paper §4).
+//
+// Every cached token of every sequence lives in exactly one of three places,
+// chosen when it is written and never moved afterwards:
+//
+//   unpinned compute region  host, pageable; attended in place by the CPU engine
+//   pinned load region       host, page-locked; streamed to the GPU through ping-pong
+//   D-window                 device; the newest < D tokens of each sequence
+//
+// plus the fourth region, ping-pong: fixed device buffers the streamed blocks
+// pass through, overwritten every step, never rebuilt. All regions store whole
+// blocks in the block format of layout.hpp; all layers share one block table
+// per sequence (one routing decision per eviction batch covers every layer);
+// each layer has its own arena in each region.
+//
+// The paper's four operations (§4.3):
+//   init    — the constructor: sizes and allocates the regions (the pinned
+//             region may start smaller and grow batch by batch, never mid-step)
+//   append  — append_prefill() routes a prompt's KV to its final regions at
+//             write time (whole eviction batches, by the policy; the remainder
+//             stays in the D-window); append() stages one decode token per
+//             sequence in the D-window
+//   views   — zero-copy views of a layer's regions and block tables
+//   flush   — evicts every full D-window (D tokens, all layers) whole to the
+//             region the policy picks
+//
+// Ragged batches: each sequence has its own length, block table and share.
+// end_sequence() returns its blocks and D-window slot for in-place reuse.
+//
+// Errors: every operation validates before it mutates; on a throw the cache is
+// unchanged (strong guarantee). docs/ERRORS.md lists the cases.
+// Threading: not thread-safe; drive a cache from one thread.
+#pragma once
+
+#include <algorithm>
+#include <cstring>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "backend.hpp"
+#include "block_pool.hpp"
+#include "error.hpp"
+#include "host_memory.hpp"
+#include "layout.hpp"
+#include "memory_space.hpp"
+#include "partition_spec.hpp"
+#include "policy.hpp"
+
+namespace writescope {
+
+/// A placed block of a sequence: its region and its id in that region's pool.
+struct block_ref {
+  placement region = placement::gpu_load;
+  block_id id = 0;
+};
+
+/// Bookkeeping of one sequence (read-only to users, through views()).
+struct sequence_state {
+  bool live = false;
+  index_t prompt_tokens = 0;
+  index_t placed_tokens = 0;          ///< tokens in the two host regions (a multiple of D)
+  index_t cpu_placed_tokens = 0;      ///< of which in the unpinned compute region
+  int window_slot = -1;               ///< D-window slot
+  std::vector<block_ref> block_table; ///< placed blocks in token order
+  std::vector<block_id> cpu_blocks;   ///< unpinned compute blocks, token order
+  std::vector<block_id> pinned_blocks;///< pinned load blocks, token order
+  std::vector<int> window_tokens;     ///< [layer] valid D-window rows
+  std::vector<std::uint8_t> layer_ready;  ///< [layer] prompt written (or no prompt)
+
+  [[nodiscard]] index_t total_tokens(int layer) const noexcept { return placed_tokens + window_tokens[std::size_t(layer)]; }
+};
+
+/// Options that change no result, only diagnostics.
+struct cache_options {
+  /// Fill every region with poison at init (K = 3e4, V = 1e4 as bf16 via a
+  /// single pattern 3e4) so that an over-read or unwritten row shows in the
+  /// output. Touches all memory: tests only.
+  bool poison = false;
+};
+
+/// Poison bf16 value (3e4) used by cache_options::poison.
+inline constexpr std::uint16_t poison_bf16_bits = bf16::from_float(3.0e4f).bits;
+
+/// Zero-copy views of one layer's regions (paper §4.3 `views`). Valid until
+/// the next mutating call on the cache.
+template <kv_layout Layout>
+struct layer_views {
+  int layer = 0;
+  block_format<Layout> format;
+  int window_blocks = 0;
+  std::span<const sequence_state> sequences;  ///< indexed by sequence_id; check `live`
+
+  // Region arenas of this layer.
+  mem_span<const bf16, pageable_host_space> cpu_arena;  ///< [cpu_capacity_blocks] blocks
+  std::span<bf16* const> pinned_slabs;                  ///< pinned memory, slab k holds blocks [k*slab_blocks, ...)
+  index_t pinned_slab_blocks = 0;
+  index_t pinned_layer_stride_elems = 0;                ///< elements between layers inside a slab
+  bf16* window_base = nullptr;                          ///< device: this layer's D-window slots
+  std::span<bf16* const> ping_pong;                     ///< device buffers
+  index_t ping_pong_blocks = 0;                         ///< blocks per ping-pong buffer
+
+  [[nodiscard]] const bf16* cpu_block(block_id id) const noexcept {
+    return cpu_arena.data() + index_t(id) * format.block_elems();
+  }
+  [[nodiscard]] const bf16* pinned_block(block_id id) const noexcept {
+    return pinned_slabs[std::size_t(id / pinned_slab_blocks)] + index_t(layer) * pinned_layer_stride_elems +
+           index_t(id % pinned_slab_blocks) * format.block_elems();
+  }
+  [[nodiscard]] const bf16* window_slot(int slot) const noexcept {
+    return window_base + index_t(slot) * window_blocks * format.block_elems();
+  }
+};
+
+/// Occupancy of the regions, in blocks (per layer) and bytes (all layers).
+struct region_usage {
+  index_t cpu_used_blocks = 0, cpu_capacity_blocks = 0;
+  index_t pinned_used_blocks = 0, pinned_capacity_blocks = 0, pinned_max_blocks = 0;
+  int live_sequences = 0, max_sequences = 0;
+  index_t cpu_region_bytes = 0, pinned_region_bytes = 0, d_window_bytes = 0, ping_pong_bytes = 0;
+};
+
+/// What one flush() did.
+struct flush_report {
+  int evicted_sequences = 0;
+  int cpu_batches = 0;
+  int gpu_batches = 0;
+};
+
+template <kv_layout Layout, backend Backend, pinned_allocator PinnedAllocator, routing_policy Policy>
+class inplace_kv_cache {
+ public:
+  using layout_type = Layout;
+  using backend_type = Backend;
+  using policy_type = Policy;
+  using pinned_allocator_type = PinnedAllocator;
+  using activation_space = typename Backend::activation_space;
+  using kv_input = kv_tokens<Layout, activation_space>;
+
+  /// init (§4.3): validates `spec`, allocates the unpinned compute region
+  /// (reserved, resident on first write), the pinned load region's initial
+  /// slabs (page-locked now, off the step path), the D-window and ping-pong.
+  /// Throws config_error for an invalid spec, resource_error /
+  /// pinned_memory_error when memory is refused (nothing stays allocated).
+  inplace_kv_cache(Backend& backend, const Layout& layout, const partition_spec& spec, Policy policy,
+                   PinnedAllocator pinned_allocator = {}, cache_options options = {})
+      : backend_(&backend),
+        layout_(layout),
+        spec_((spec.validate(layout), spec)),
+        format_{layout, spec.block_tokens},
+        policy_(std::move(policy)),
+        pinned_alloc_(std::move(pinned_allocator)),
+        options_(options) {
+    const index_t block_bytes = format_.block_bytes();
+    const index_t cap_cpu = spec_.cpu_capacity_blocks();
+    const index_t cap_pin = spec_.pinned_capacity_blocks();
+    slab_blocks_ = spec_.pinned_growth_tokens > 0
+                       ? (spec_.pinned_growth_tokens + spec_.block_tokens - 1) / spec_.block_tokens
+                       : index_t(spec_.window_blocks()) * spec_.max_sequences;
+    slab_blocks_ = std::max<index_t>(1, std::min<index_t>(slab_blocks_, std::max<index_t>(cap_pin, 1)));
+    cpu_pool_ = block_pool(cap_cpu, cap_cpu, "unpinned compute region");
+    pinned_pool_ = block_pool(0, cap_pin, "pinned load region");
+
+    cpu_mem_ = detail::map_pageable(cap_cpu * block_bytes * spec_.num_layers, "unpinned compute region");
+    const index_t initial_pin = spec_.pinned_initial_tokens < 0
+                                    ? cap_pin
+                                    : (spec_.pinned_initial_tokens + spec_.block_tokens - 1) / spec_.block_tokens;
+    grow_pinned_to(initial_pin);
+
+    const index_t window_bytes = index_t(spec_.max_sequences) * spec_.window_blocks() * block_bytes * spec_.num_layers;
+    d_window_ = backend_->allocate_device(window_bytes, "D-window");
+    pp_blocks_ = spec_.ping_pong_blocks(layout_);
+    ping_pong_mem_ = backend_->allocate_device(pp_blocks_ * block_bytes * spec_.ping_pong_buffers, "ping-pong");
+    for (int b = 0; b < spec_.ping_pong_buffers; ++b)
+      ping_pong_.push_back(reinterpret_cast<bf16*>(ping_pong_mem_.data()) + index_t(b) * pp_blocks_ * format_.block_elems());
+    slot_used_.assign(std::size_t(spec_.max_sequences), 0);
+    if (options_.poison) {
+      backend_->fill_device(d_window_.data(), d_window_.size_bytes(), poison_bf16_bits);
+      backend_->fill_device(ping_pong_mem_.data(), ping_pong_mem_.size_bytes(), poison_bf16_bits);
+      auto* c = reinterpret_cast<std::uint16_t*>(cpu_mem_.data());
+      std::fill(c, c + cpu_mem_.size_bytes() / 2, poison_bf16_bits);
+    }
+  }
+
+  inplace_kv_cache(const inplace_kv_cache&) = delete;
+  inplace_kv_cache& operator=(const inplace_kv_cache&) = delete;
+
+  // ---------------------------------------------------------------------------
+  // Sequences
+  // ---------------------------------------------------------------------------
+
+  /// Admits a sequence whose prompt has `prompt_tokens` tokens: routes its
+  /// floor(P/D) whole eviction batches by the policy (write-time routing),
+  /// allocates their blocks in every layer and reserves a D-window slot for
+  /// the remaining P mod D tokens and the decode tokens to come. The KV itself
+  /// arrives through append_prefill(), layer by layer.
+  /// Throws shape_error for P < 0, capacity_error when no slot or too few
+  /// blocks are free, pinned_memory_error if growing the pinned region is
+  /// refused. Strong guarantee.
+  sequence_id begin_sequence(index_t prompt_tokens) {
+    if (prompt_tokens < 0) throw shape_error("begin_sequence: prompt_tokens " + std::to_string(prompt_tokens) + " < 0");
+    const auto slot_it = std::find(slot_used_.begin(), slot_used_.end(), std::uint8_t{0});
+    if (slot_it == slot_used_.end())
+      throw capacity_error("begin_sequence: all " + std::to_string(spec_.max_sequences) +
+                           " D-window slots are in use (partition_spec::max_sequences)");
+    const int slot = int(slot_it - slot_used_.begin());
+
+    sequence_state st;
+    st.live = true;
+    st.prompt_tokens = prompt_tokens;
+    st.window_slot = slot;
+    st.window_tokens.assign(std::size_t(spec_.num_layers), 0);
+    st.layer_ready.assign(std::size_t(spec_.num_layers), prompt_tokens == 0 ? 1 : 0);
+
+    const sequence_id id = free_sequence_id();
+    const index_t batches = prompt_tokens / spec_.d_window_tokens;
+    try {
+      for (index_t k = 0; k < batches; ++k) place_batch(id, st, total_placed_tokens_, live_count_ + 1);
+    } catch (...) {
+      release_blocks(st);
+      throw;
+    }
+    slot_used_[std::size_t(slot)] = 1;
+    if (std::size_t(id) == seqs_.size()) seqs_.emplace_back();
+    total_placed_tokens_ += st.placed_tokens;
+    seqs_[std::size_t(id)] = std::move(st);
+    ++live_count_;
+    return id;
+  }
+
+  /// Ends a sequence: its blocks and D-window slot return to their pools for
+  /// in-place reuse. Throws shape_error for an unknown or ended sequence.
+  void end_sequence(sequence_id seq) {
+    sequence_state& st = live_state(seq, "end_sequence");
+    release_blocks(st);
+    slot_used_[std::size_t(st.window_slot)] = 0;
+    total_placed_tokens_ -= st.placed_tokens;
+    st = sequence_state{};
+    --live_count_;
+  }
+
+  // ---------------------------------------------------------------------------
+  // append (§4.3)
+  // ---------------------------------------------------------------------------
+
+  /// Writes the prompt KV of `seq` for `layer` (kv.num_tokens == prompt tokens)
+  /// straight to its final regions: placed batches to their unpinned / pinned
+  /// blocks, the last P mod D tokens to the D-window. Input in the backend's
+  /// activation space (host for host_backend, device for cuda_backend).
+  /// Throws shape_error (layer, sequence, token count, null plane) or
+  /// state_error (layer already written). Strong guarantee.
+  void append_prefill(int layer, sequence_id seq, const kv_input& kv) {
+    check_layer(layer, "append_prefill");
+    sequence_state& st = live_state(seq, "append_prefill");
+    if (st.layer_ready[std::size_t(layer)])
+      throw state_error("append_prefill: layer " + std::to_string(layer) + " of sequence " + std::to_string(seq) +
+                        " already holds its prompt (" + std::to_string(st.prompt_tokens) + " tokens)");
+    if (kv.num_tokens != st.prompt_tokens)
+      throw shape_error("append_prefill: " + std::to_string(kv.num_tokens) + " tokens given, sequence " +
+                        std::to_string(seq) + " was begun with a prompt of " + std::to_string(st.prompt_tokens));
+    check_kv(kv, "append_prefill");
+    writes_.clear();
+    const int bt = spec_.block_tokens;
+    for (std::size_t j = 0; j < st.block_table.size(); ++j) {
+      const block_ref& b = st.block_table[j];
+      writes_.push_back({index_t(j) * bt, bt, 0, block_ptr(layer, b), kind_of(b.region)});
+    }
+    const index_t rem = st.prompt_tokens - st.placed_tokens;
+    bf16* slot = window_slot_ptr(layer, st.window_slot);
+    for (index_t t0 = 0; t0 < rem; t0 += bt)
+      writes_.push_back({st.placed_tokens + t0, int(std::min<index_t>(bt, rem - t0)), 0,
+                         slot + (t0 / bt) * format_.block_elems(), memory_kind::device});
+    backend_->write_blocks(format_, kv, writes_);
+    st.layer_ready[std::size_t(layer)] = 1;
+    st.window_tokens[std::size_t(layer)] = int(rem);
+  }
+
+  /// Stages one decode token per sequence in the D-window of `layer`:
+  /// token i of `kv` belongs to seqs[i]. Throws shape_error (sizes, unknown or
+  /// repeated sequence) or state_error (prompt not yet written, D-window full:
+  /// call flush() after the step's last layer). Strong guarantee.
+  void append(int layer, std::span<const sequence_id> seqs, const kv_input& kv) {
+    check_layer(layer, "append");
+    if (kv.num_tokens != index_t(seqs.size()))
+      throw shape_error("append: " + std::to_string(kv.num_tokens) + " tokens for " + std::to_string(seqs.size()) +
+                        " sequences (one token per sequence)");
+    check_kv(kv, "append");
+    check_batch(seqs, layer, "append");
+    writes_.clear();
+    const int bt = spec_.block_tokens;
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      const sequence_state& st = seqs_[std::size_t(seqs[i])];
+      const int w = st.window_tokens[std::size_t(layer)];
+      if (w >= spec_.d_window_tokens)
+        throw state_error("append: the D-window of sequence " + std::to_string(seqs[i]) + " in layer " +
+                          std::to_string(layer) + " is full (" + std::to_string(w) +
+                          " tokens); call flush() after the last layer of each step");
+      writes_.push_back({index_t(i), 1, w % bt,
+                         window_slot_ptr(layer, st.window_slot) + index_t(w / bt) * format_.block_elems(),
+                         memory_kind::device});
+    }
+    backend_->write_blocks(format_, kv, writes_);
+    for (sequence_id s : seqs) ++seqs_[std::size_t(s)].window_tokens[std::size_t(layer)];
+  }
+
+  // ---------------------------------------------------------------------------
+  // flush (§4.2, §4.3)
+  // ---------------------------------------------------------------------------
+
+  /// Evicts, whole, the D-window of every live sequence that holds D tokens in
+  /// every layer: the policy routes each batch (marginal share, §5.3), its
+  /// blocks are allocated in every layer and the window is copied there (D2H on
+  /// the CUDA backend). Sequences with a partly full window are left alone.
+  /// Throws capacity_error / pinned_memory_error when the destination cannot
+  /// be allocated; then nothing is evicted (strong guarantee).
+  flush_report flush() {
+    flush_report rep;
+    std::vector<std::pair<sequence_id, sequence_state>> staged;
+    index_t total = total_placed_tokens_;
+    try {
+      for (std::size_t id = 0; id < seqs_.size(); ++id) {
+        const sequence_state& st = seqs_[id];
+        if (!st.live || !window_full(st)) continue;
+        sequence_state copy;  // only the fields place_batch touches
+        copy.placed_tokens = st.placed_tokens;
+        copy.cpu_placed_tokens = st.cpu_placed_tokens;
+        place_batch(sequence_id(id), copy, total, live_count_);
+        total += spec_.d_window_tokens;
+        staged.emplace_back(sequence_id(id), std::move(copy));
+      }
+    } catch (...) {
+      for (auto& [id, c] : staged) release_blocks(c);
+      throw;
+    }
+    copies_.clear();
+    const int wb = spec_.window_blocks();
+    const index_t block_bytes = format_.block_bytes();
+    for (auto& [id, c] : staged) {
+      sequence_state& st = seqs_[std::size_t(id)];
+      for (int layer = 0; layer < spec_.num_layers; ++layer) {
+        const bf16* slot = window_slot_ptr(layer, st.window_slot);
+        for (int k = 0; k < wb;) {  // coalesce destination runs of consecutive blocks
+          const block_ref first = c.block_table[std::size_t(k)];
+          int n = 1;
+          while (k + n < wb && c.block_table[std::size_t(k + n)].region == first.region &&
+                 block_ptr(layer, c.block_table[std::size_t(k + n)]) ==
+                     block_ptr(layer, first) + index_t(n) * format_.block_elems())
+            ++n;
+          copies_.push_back({slot + index_t(k) * format_.block_elems(), block_ptr(layer, first), n * block_bytes,
+                             kind_of(first.region)});
+          k += n;
+        }
+      }
+      for (const block_ref& b : c.block_table) {
+        st.block_table.push_back(b);
+        (b.region == placement::cpu_compute ? st.cpu_blocks : st.pinned_blocks).push_back(b.id);
+      }
+      ++(c.cpu_placed_tokens > st.cpu_placed_tokens ? rep.cpu_batches : rep.gpu_batches);
+      st.cpu_placed_tokens = c.cpu_placed_tokens;
+      st.placed_tokens = c.placed_tokens;
+      std::fill(st.window_tokens.begin(), st.window_tokens.end(), 0);
+      ++rep.evicted_sequences;
+    }
+    backend_->copy_blocks_to_host(copies_);
+    total_placed_tokens_ = total;
+    return rep;
+  }
+
+  // ---------------------------------------------------------------------------
+  // views (§4.3)
+  // ---------------------------------------------------------------------------
+
+  /// Zero-copy views of `layer`. Throws shape_error for a bad layer.
+  [[nodiscard]] layer_views<Layout> views(int layer) const {
+    check_layer(layer, "views");
+    layer_views<Layout> v;
+    v.layer = layer;
+    v.format = format_;
+    v.window_blocks = spec_.window_blocks();
+    v.sequences = std::span<const sequence_state>(seqs_);
+    const index_t cap_cpu = spec_.cpu_capacity_blocks();
+    v.cpu_arena = mem_span<const bf16, pageable_host_space>(
+        reinterpret_cast<const bf16*>(cpu_mem_.data()) + index_t(layer) * cap_cpu * format_.block_elems(),
+        cap_cpu * format_.block_elems());
+    v.pinned_slabs = std::span<bf16* const>(pinned_slab_ptrs_);
+    v.pinned_slab_blocks = slab_blocks_;
+    v.pinned_layer_stride_elems = slab_blocks_ * format_.block_elems();
+    v.window_base = reinterpret_cast<bf16*>(d_window_.data()) +
+                    index_t(layer) * spec_.max_sequences * spec_.window_blocks() * format_.block_elems();
+    v.ping_pong = std::span<bf16* const>(ping_pong_);
+    v.ping_pong_blocks = pp_blocks_;
+    return v;
+  }
+
+  // ---------------------------------------------------------------------------
+  // Introspection
+  // ---------------------------------------------------------------------------
+
+  [[nodiscard]] const Layout& layout() const noexcept { return layout_; }
+  [[nodiscard]] const partition_spec& spec() const noexcept { return spec_; }
+  [[nodiscard]] const block_format<Layout>& format() const noexcept { return format_; }
+  [[nodiscard]] Policy& policy() noexcept { return policy_; }
+  [[nodiscard]] const Policy& policy() const noexcept { return policy_; }
+  [[nodiscard]] Backend& backend() const noexcept { return *backend_; }
+  [[nodiscard]] const cache_options& options() const noexcept { return options_; }
+  [[nodiscard]] int live_sequences() const noexcept { return live_count_; }
+  [[nodiscard]] index_t total_placed_tokens() const noexcept { return total_placed_tokens_; }
+
+  /// The state of a live sequence. Throws shape_error otherwise.
+  [[nodiscard]] const sequence_state& sequence(sequence_id seq) const {
+    return const_cast<inplace_kv_cache*>(this)->live_state(seq, "sequence");
+  }
+
+  [[nodiscard]] region_usage usage() const noexcept {
+    region_usage u;
+    u.cpu_used_blocks = cpu_pool_.used_blocks();
+    u.cpu_capacity_blocks = cpu_pool_.capacity();
+    u.pinned_used_blocks = pinned_pool_.used_blocks();
+    u.pinned_capacity_blocks = pinned_pool_.capacity();
+    u.pinned_max_blocks = pinned_pool_.max_capacity();
+    u.live_sequences = live_count_;
+    u.max_sequences = spec_.max_sequences;
+    u.cpu_region_bytes = cpu_mem_.size_bytes();
+    for (const auto& s : pinned_slabs_) u.pinned_region_bytes += s.size_bytes();
+    u.d_window_bytes = d_window_.size_bytes();
+    u.ping_pong_bytes = ping_pong_mem_.size_bytes();
+    return u;
+  }
+
+  /// Copies the K/V of token `position` (0 = first prompt token) of `seq` in
+  /// `layer` from wherever it lives into `out` (host, [planes][kv_heads][row]).
+  /// For tests and debugging; synchronous. Throws shape_error for a bad
+  /// position or a too small `out`.
+  void read_token(int layer, sequence_id seq, index_t position, std::span<bf16> out) const {
+    check_layer(layer, "read_token");
+    const sequence_state& st = sequence(seq);
+    if (position < 0 || position >= st.total_tokens(layer))
+      throw shape_error("read_token: position " + std::to_string(position) + " outside [0, " +
+                        std::to_string(st.total_tokens(layer)) + ")");
+    const index_t need = index_t{Layout::planes} * layout_.kv_heads() * Layout::row_elems;
+    if (index_t(out.size()) < need)
+      throw shape_error("read_token: out has " + std::to_string(out.size()) + " elements, needs " + std::to_string(need));
+    const int bt = spec_.block_tokens;
+    const bf16* block;
+    int row;
+    bool on_device = false;
+    if (position < st.placed_tokens) {
+      const block_ref& b = st.block_table[std::size_t(position / bt)];
+      block = const_cast<inplace_kv_cache*>(this)->block_ptr(layer, b);
+      row = int(position % bt);
+    } else {
+      const index_t w = position - st.placed_tokens;
+      block = const_cast<inplace_kv_cache*>(this)->window_slot_ptr(layer, st.window_slot) +
+              (w / bt) * format_.block_elems();
+      row = int(w % bt);
+      on_device = true;
+    }
+    for (int p = 0; p < Layout::planes; ++p)
+      for (int h = 0; h < layout_.kv_heads(); ++h) {
+        const bf16* src = block + format_.offset(p, h, row, 0);
+        bf16* dst = out.data() + (index_t(p) * layout_.kv_heads() + h) * Layout::row_elems;
+        if (on_device)
+          backend_->copy_to_host_sync(dst, reinterpret_cast<const std::byte*>(src), Layout::row_elems * index_t(sizeof(bf16)));
+        else
+          std::memcpy(dst, src, sizeof(bf16) * Layout::row_elems);
+      }
+  }
+
+  /// Pins ahead: grows the pinned region until at least `blocks` are free
+  /// (bounded by its capacity). Call between steps (paper §7.7: pin one
+  /// eviction window ahead). Throws pinned_memory_error if refused.
+  void reserve_pinned_blocks(index_t blocks) {
+    const index_t need = pinned_pool_.used_blocks() + blocks;
+    if (need > pinned_pool_.capacity()) grow_pinned_to(std::min(need, pinned_pool_.max_capacity()));
+  }
+
+ private:
+  [[nodiscard]] bool window_full(const sequence_state& st) const noexcept {
+    for (int w : st.window_tokens)
+      if (w < spec_.d_window_tokens) return false;
+    return true;
+  }
+
+  sequence_id free_sequence_id() const noexcept {
+    for (std::size_t i = 0; i < seqs_.size(); ++i)
+      if (!seqs_[i].live) return sequence_id(i);
+    return sequence_id(seqs_.size());
+  }
+
+  sequence_state& live_state(sequence_id seq, const char* what) {
+    if (seq < 0 || std::size_t(seq) >= seqs_.size() || !seqs_[std::size_t(seq)].live)
+      throw shape_error(std::string(what) + ": sequence " + std::to_string(seq) + " is not a live sequence");
+    return seqs_[std::size_t(seq)];
+  }
+
+  void check_layer(int layer, const char* what) const {
+    if (layer < 0 || layer >= spec_.num_layers)
+      throw shape_error(std::string(what) + ": layer " + std::to_string(layer) + " outside [0, " +
+                        std::to_string(spec_.num_layers) + ")");
+  }
+
+  void check_kv(const kv_input& kv, const char* what) const {
+    if (kv.num_tokens == 0) return;
+    for (int p = 0; p < Layout::planes; ++p)
+      if (kv.planes[std::size_t(p)] == nullptr)
+        throw shape_error(std::string(what) + ": KV plane " + std::to_string(p) + " is null");
+    const index_t dense = index_t{layout_.kv_heads()} * Layout::row_elems;
+    if (kv.token_stride != 0 && kv.token_stride < dense)
+      throw shape_error(std::string(what) + ": token_stride " + std::to_string(kv.token_stride) +
+                        " is smaller than kv_heads*row_elems = " + std::to_string(dense));
+  }
+
+ public:
+  /// Validates a decode batch for `layer`: live, distinct, prompt written.
+  /// Throws shape_error / state_error naming the sequence.
+  void check_batch(std::span<const sequence_id> seqs, int layer, const char* what) const {
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      const sequence_id s = seqs[i];
+      if (s < 0 || std::size_t(s) >= seqs_.size() || !seqs_[std::size_t(s)].live)
+        throw shape_error(std::string(what) + ": sequence " + std::to_string(s) + " is not a live sequence");
+      for (std::size_t j = 0; j < i; ++j)
+        if (seqs[j] == s)
+          throw shape_error(std::string(what) + ": sequence " + std::to_string(s) + " appears twice in the batch");
+      if (!seqs_[std::size_t(s)].layer_ready[std::size_t(layer)])
+        throw state_error(std::string(what) + ": layer " + std::to_string(layer) + " of sequence " +
+                          std::to_string(s) + " has no prompt KV yet (append_prefill first)");
+    }
+  }
+
+ private:
+  // Routes one eviction batch of `st` and allocates its blocks (all layers share them).
+  void place_batch(sequence_id id, sequence_state& st, index_t total_placed, int live) {
+    const int wb = spec_.window_blocks();
+    route_query q;
+    q.seq = id;
+    q.placed_tokens = st.placed_tokens;
+    q.cpu_placed_tokens = st.cpu_placed_tokens;
+    q.batch_tokens = spec_.d_window_tokens;
+    q.total_placed_tokens = total_placed + st.placed_tokens;
+    q.live_sequences = live;
+    const route_decision d = policy_.route(q);
+    tmp_ids_.clear();
+    if (d.region == placement::cpu_compute) {
+      cpu_pool_.allocate(wb, tmp_ids_);
+    } else {
+      if (pinned_pool_.free_blocks() < wb)
+        grow_pinned_to(std::min(pinned_pool_.max_capacity(),
+                                std::max(pinned_pool_.capacity() + slab_blocks_, pinned_pool_.used_blocks() + wb)));
+      pinned_pool_.allocate(wb, tmp_ids_);
+    }
+    for (block_id b : tmp_ids_) {
+      st.block_table.push_back({d.region, b});
+      (d.region == placement::cpu_compute ? st.cpu_blocks : st.pinned_blocks).push_back(b);
+    }
+    st.placed_tokens += spec_.d_window_tokens;
+    if (d.region == placement::cpu_compute) st.cpu_placed_tokens += spec_.d_window_tokens;
+  }
+
+  void release_blocks(sequence_state& st) {
+    cpu_pool_.release(st.cpu_blocks.data(), st.cpu_blocks.size());
+    pinned_pool_.release(st.pinned_blocks.data(), st.pinned_blocks.size());
+    st.cpu_blocks.clear();
+    st.pinned_blocks.clear();
+    st.block_table.clear();
+  }
+
+  // Grows the pinned region slab by slab up to `blocks` (rounded up to slabs,
+  // capped at the maximum). A refused slab throws; earlier slabs stay (they
+  // are valid, empty capacity), the pools stay consistent.
+  void grow_pinned_to(index_t blocks) {
+    blocks = std::min(blocks, pinned_pool_.max_capacity());
+    while (index_t(pinned_slabs_.size()) * slab_blocks_ < blocks) {
+      const index_t bytes = slab_blocks_ * format_.block_bytes() * spec_.num_layers;
+      host_allocation a = pinned_alloc_.allocate(bytes);
+      if (options_.poison) {
+        auto* p = reinterpret_cast<std::uint16_t*>(a.data());
+        std::fill(p, p + bytes / 2, poison_bf16_bits);
+      }
+      pinned_slab_ptrs_.push_back(reinterpret_cast<bf16*>(a.data()));
+      pinned_slabs_.push_back(std::move(a));
+      pinned_pool_.grow_to(std::min(index_t(pinned_slabs_.size()) * slab_blocks_, pinned_pool_.max_capacity()));
+    }
+  }
+
+  bf16* block_ptr(int layer, const block_ref& b) noexcept {
+    if (b.region == placement::cpu_compute)
+      return reinterpret_cast<bf16*>(cpu_mem_.data()) +
+             (index_t(layer) * spec_.cpu_capacity_blocks() + b.id) * format_.block_elems();
+    return pinned_slab_ptrs_[std::size_t(b.id / slab_blocks_)] +
+           (index_t(layer) * slab_blocks_ + b.id % slab_blocks_) * format_.block_elems();
+  }
+
+  bf16* window_slot_ptr(int layer, int slot) noexcept {
+    return reinterpret_cast<bf16*>(d_window_.data()) +
+           (index_t(layer) * spec_.max_sequences + slot) * spec_.window_blocks() * format_.block_elems();
+  }
+
+  static constexpr memory_kind kind_of(placement p) noexcept {
+    return p == placement::cpu_compute ? memory_kind::pageable_host : memory_kind::pinned_host;
+  }
+
+  Backend* backend_;
+  Layout layout_;
+  partition_spec spec_;
+  block_format<Layout> format_;
+  Policy policy_;
+  PinnedAllocator pinned_alloc_;
+  cache_options options_;
+
+  block_pool cpu_pool_;
+  block_pool pinned_pool_;
+  index_t slab_blocks_ = 1;
+  host_allocation cpu_mem_;
+  std::vector<host_allocation> pinned_slabs_;
+  std::vector<bf16*> pinned_slab_ptrs_;
+  typename Backend::device_buffer d_window_;
+  typename Backend::device_buffer ping_pong_mem_;
+  std::vector<bf16*> ping_pong_;
+  index_t pp_blocks_ = 0;
+
+  std::vector<sequence_state> seqs_;
+  std::vector<std::uint8_t> slot_used_;
+  int live_count_ = 0;
+  index_t total_placed_tokens_ = 0;
+
+  std::vector<block_write> writes_;
+  std::vector<block_copy> copies_;
+  std::vector<block_id> tmp_ids_;
+};
+
+}  // namespace writescope

@@ -1,0 +1,76 @@
+// writescope/partition_spec.hpp — the physical plan of an inplace_kv_cache
+// (paper §4.3, Fig. 5: "PartitionSpec").
+//
+// Sizes are per layer: every layer has the same regions with the same block
+// ids, and one routing decision per eviction batch covers all layers.
+// Roofline parameters live in the routing policy object (roofline_params), not
+// here, because a policy is a compile-time choice and fixed/gpu_only/cpu_only
+// have none.
+#pragma once
+
+#include <string>
+
+#include "config.hpp"
+#include "error.hpp"
+#include "layout.hpp"
+
+namespace writescope {
+
+struct partition_spec {
+  int num_layers = 1;                  ///< attention layers sharing the cache
+  int block_tokens = 64;               ///< tokens per block (all regions)
+  int d_window_tokens = 256;           ///< D: the D-window and the eviction batch, a multiple of block_tokens
+  int max_sequences = 1;               ///< live sequences at once (D-window slots)
+  index_t cpu_capacity_tokens = 0;     ///< unpinned compute region, tokens per layer (all sequences)
+  index_t pinned_capacity_tokens = 0;  ///< pinned load region at most, tokens per layer
+  index_t pinned_initial_tokens = -1;  ///< pinned tokens pinned at init; -1 = all of pinned_capacity_tokens
+  index_t pinned_growth_tokens = 0;    ///< tokens added per growth of the pinned region (0 = one D·max_sequences)
+  index_t ping_pong_bytes = index_t{64} << 20;  ///< bytes of one ping-pong buffer (rounded down to whole blocks)
+  int ping_pong_buffers = 2;           ///< ping-pong buffers (>= 2)
+  int gpu_split_blocks = 16;           ///< streamed blocks per GPU partial (split-K unit; batch-invariant)
+  int cpu_task_blocks = 16;            ///< blocks per CPU task (the unit of CPU parallelism; batch-invariant)
+
+  [[nodiscard]] int window_blocks() const noexcept { return d_window_tokens / block_tokens; }
+  [[nodiscard]] index_t cpu_capacity_blocks() const noexcept {
+    return (cpu_capacity_tokens + block_tokens - 1) / block_tokens;
+  }
+  [[nodiscard]] index_t pinned_capacity_blocks() const noexcept {
+    return (pinned_capacity_tokens + block_tokens - 1) / block_tokens;
+  }
+
+  /// Throws config_error naming the first field that breaks its rule.
+  template <kv_layout Layout>
+  void validate(const Layout& layout) const {
+    auto fail = [](const std::string& m) { throw config_error("partition_spec: " + m); };
+    if (num_layers < 1) fail("num_layers " + std::to_string(num_layers) + " must be >= 1");
+    if (block_tokens < 1) fail("block_tokens " + std::to_string(block_tokens) + " must be >= 1");
+    if (d_window_tokens < block_tokens || d_window_tokens % block_tokens != 0)
+      fail("D (d_window_tokens) " + std::to_string(d_window_tokens) + " is not a positive multiple of the block size " +
+           std::to_string(block_tokens));
+    if (max_sequences < 1) fail("max_sequences " + std::to_string(max_sequences) + " must be >= 1");
+    if (cpu_capacity_tokens < 0 || pinned_capacity_tokens < 0)
+      fail("region capacities must be >= 0 (cpu " + std::to_string(cpu_capacity_tokens) + ", pinned " +
+           std::to_string(pinned_capacity_tokens) + ")");
+    if (cpu_capacity_blocks() > INT32_MAX || pinned_capacity_blocks() > INT32_MAX)
+      fail("a region holds more than 2^31-1 blocks; raise block_tokens");
+    if (pinned_initial_tokens > pinned_capacity_tokens)
+      fail("pinned_initial_tokens " + std::to_string(pinned_initial_tokens) + " exceeds pinned_capacity_tokens " +
+           std::to_string(pinned_capacity_tokens));
+    if (pinned_growth_tokens < 0) fail("pinned_growth_tokens must be >= 0");
+    if (ping_pong_buffers < 2) fail("ping_pong_buffers " + std::to_string(ping_pong_buffers) + " must be >= 2");
+    if (gpu_split_blocks < 1) fail("gpu_split_blocks must be >= 1");
+    if (cpu_task_blocks < 1) fail("cpu_task_blocks must be >= 1");
+    const index_t block_bytes = block_format<Layout>{layout, block_tokens}.block_bytes();
+    if (ping_pong_bytes / block_bytes < gpu_split_blocks)
+      fail("a ping-pong buffer of " + std::to_string(ping_pong_bytes) + " bytes holds " +
+           std::to_string(ping_pong_bytes / block_bytes) + " blocks of " + std::to_string(block_bytes) +
+           " bytes, fewer than gpu_split_blocks=" + std::to_string(gpu_split_blocks));
+  }
+
+  template <kv_layout Layout>
+  [[nodiscard]] index_t ping_pong_blocks(const Layout& layout) const noexcept {
+    return ping_pong_bytes / block_format<Layout>{layout, block_tokens}.block_bytes();
+  }
+};
+
+}  // namespace writescope

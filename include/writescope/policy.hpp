@@ -1,0 +1,253 @@
+// writescope/policy.hpp — routing policies: where each eviction batch goes
+// (paper §5; DESIGN.md §3; STYLE.md §3, §5).
+//
+// A routing policy is a small value type. The cache asks it once per eviction
+// batch (D tokens of one sequence, all layers) whether the batch goes to the
+// unpinned compute region (attended by the CPU in place) or to the pinned load
+// region (streamed to the GPU); hybrid_attention reports the measured cost of
+// every step back to it. A policy changes where work runs, never what it
+// computes: every policy gives the same attention output up to fp32 rounding.
+//
+// Threading: the cache calls route() and observe() from the thread that calls
+// flush()/begin_sequence()/step(); policies need no locks.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <concepts>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "config.hpp"
+#include "error.hpp"
+
+namespace writescope {
+
+/// The region an eviction batch is written to, for good (the write-time principle).
+enum class placement : std::uint8_t {
+  cpu_compute = 0,  ///< unpinned compute region, attended in place by the CPU engine
+  gpu_load = 1,     ///< pinned load region, streamed to the GPU through ping-pong
+};
+
+[[nodiscard]] constexpr const char* to_string(placement p) noexcept {
+  return p == placement::cpu_compute ? "cpu_compute" : "gpu_load";
+}
+
+/// Target shares of placed tokens per engine; they sum to 1. A plan rather than
+/// one scalar, so that a third tier (GPU-resident blocks) is an added field.
+struct share_plan {
+  double cpu_compute = 0.0;
+  double gpu_load = 1.0;
+};
+
+/// What the policy knows when it routes one eviction batch.
+struct route_query {
+  sequence_id seq = 0;
+  index_t placed_tokens = 0;        ///< this sequence's tokens already placed (L), before this batch
+  index_t cpu_placed_tokens = 0;    ///< of which in the unpinned compute region
+  index_t batch_tokens = 0;         ///< tokens in this batch (D)
+  index_t total_placed_tokens = 0;  ///< placed tokens summed over all live sequences, before this batch
+  int live_sequences = 0;
+};
+
+struct route_decision {
+  placement region = placement::gpu_load;
+  share_plan target{};  ///< the share the policy is steering towards (reported, for tracking)
+};
+
+/// Measured cost of one attention step of one layer (both engines ran at once).
+struct cost_sample {
+  double cpu_seconds = 0.0;         ///< wall time of the CPU engine's share of the step
+  index_t cpu_tokens = 0;           ///< KV tokens the CPU engine attended, summed over sequences
+  double gpu_seconds = 0.0;         ///< time of the GPU side (stream + attend), excluding the merge
+  index_t gpu_streamed_tokens = 0;  ///< KV tokens streamed through ping-pong (D-window tokens excluded)
+  int batch_size = 0;
+};
+
+/// Opt-in tag: `using policy_concept = routing_policy_tag;` (STYLE.md §3).
+struct routing_policy_tag {};
+
+/// A routing policy: route(query) -> route_decision (const), observe(sample).
+template <class P>
+concept routing_policy =
+    std::same_as<typename P::policy_concept, routing_policy_tag> && std::copy_constructible<P> &&
+    requires(P& p, const P& cp, const route_query& q, const cost_sample& s) {
+      { cp.route(q) } -> std::same_as<route_decision>;
+      { p.observe(s) } -> std::same_as<void>;
+    };
+
+/// Marginal-share routing (paper §5.3): sends the batch to the side that leaves
+/// the sequence's cumulative CPU share closest to `target`; ties go to the GPU.
+/// The cumulative share thus stays within D/(2L) of a constant target.
+[[nodiscard]] constexpr placement route_toward(double target, const route_query& q) noexcept {
+  const double after = double(q.placed_tokens + q.batch_tokens);
+  const double cpu_if_cpu = double(q.cpu_placed_tokens + q.batch_tokens);
+  const double cpu_if_gpu = double(q.cpu_placed_tokens);
+  const double err_cpu = cpu_if_cpu / after - target;
+  const double err_gpu = cpu_if_gpu / after - target;
+  return (err_cpu < 0 ? -err_cpu : err_cpu) < (err_gpu < 0 ? -err_gpu : err_gpu) ? placement::cpu_compute
+                                                                                  : placement::gpu_load;
+}
+
+/// Everything streamed to the GPU (r = 0): the GPU-centric baseline (FlexGen / SolidAttention style).
+struct gpu_only {
+  using policy_concept = routing_policy_tag;
+  [[nodiscard]] route_decision route(const route_query&) const noexcept {
+    return {placement::gpu_load, {0.0, 1.0}};
+  }
+  void observe(const cost_sample&) noexcept {}
+};
+
+/// Everything attended in place by the CPU (r = 1): the CPU-centric baseline (FastDecode style).
+struct cpu_only {
+  using policy_concept = routing_policy_tag;
+  [[nodiscard]] route_decision route(const route_query&) const noexcept {
+    return {placement::cpu_compute, {1.0, 0.0}};
+  }
+  void observe(const cost_sample&) noexcept {}
+};
+
+/// A static CPU share r per sequence (HGCA-style static split), routed by
+/// marginal share. Placement depends only on the sequence's own length: this is
+/// the deterministic mode (split points do not depend on batchmates or load).
+class fixed_ratio {
+ public:
+  using policy_concept = routing_policy_tag;
+  /// Throws config_error unless 0 <= cpu_share <= 1.
+  explicit fixed_ratio(double cpu_share) : r_(cpu_share) {
+    if (!(cpu_share >= 0.0 && cpu_share <= 1.0))
+      throw config_error("fixed_ratio: CPU share " + std::to_string(cpu_share) + " is outside [0, 1]");
+  }
+  [[nodiscard]] route_decision route(const route_query& q) const noexcept {
+    return {route_toward(r_, q), {r_, 1.0 - r_}};
+  }
+  void observe(const cost_sample&) noexcept {}
+  [[nodiscard]] double cpu_share() const noexcept { return r_; }
+
+ private:
+  double r_;
+};
+
+/// Calibrated costs of the roofline model (paper eq. 1), all in seconds.
+struct roofline_params {
+  double cpu_cost_per_token_seconds = 0.0;  ///< A at admission: CPU time per KV token (batch summed)
+  double gpu_cost_per_token_seconds = 0.0;  ///< B: GPU transfer + attention time per streamed token
+  double cpu_fixed_seconds = 0.0;           ///< C_CPU: per-step fixed cost of the CPU side
+  double gpu_fixed_seconds = 0.0;           ///< C_GPU: per-step fixed cost of the GPU side
+  int cost_window_samples = 256;            ///< sliding-average length for online A (and B)
+  bool track_gpu_cost = false;              ///< also re-measure B online (contention on PCIe, §7.8)
+
+  /// Δ = C_GPU − C_CPU.
+  [[nodiscard]] double fixed_overhead_gap_seconds() const noexcept { return gpu_fixed_seconds - cpu_fixed_seconds; }
+};
+
+/// The roofline policy (paper §5.2–5.3, eq. 2):
+///
+///     r(L) = clamp( B/(A+B) + Δ/((A+B)·L), 0, 1 )
+///
+/// with L the placed tokens of all live sequences after the batch. Each batch is
+/// routed by marginal share toward r(L); A is re-estimated online from measured
+/// CPU time per attended token (sliding ratio-of-sums over the last
+/// `cost_window_samples` steps, fixed cost C_CPU removed), B likewise when
+/// `track_gpu_cost`. Not thread-safe (see file comment).
+class roofline_policy {
+ public:
+  using policy_concept = routing_policy_tag;
+
+  /// Throws config_error unless A > 0, B > 0 (finite) and cost_window_samples >= 1.
+  explicit roofline_policy(const roofline_params& p) : p_(p), a_(p.cpu_cost_per_token_seconds), b_(p.gpu_cost_per_token_seconds) {
+    auto positive = [](double v) { return v > 0.0 && std::isfinite(v); };
+    if (!positive(p.cpu_cost_per_token_seconds) || !positive(p.gpu_cost_per_token_seconds))
+      throw config_error("roofline_policy: per-token costs must be positive and finite (A=" +
+                         std::to_string(p.cpu_cost_per_token_seconds) +
+                         " s, B=" + std::to_string(p.gpu_cost_per_token_seconds) + " s)");
+    if (!std::isfinite(p.cpu_fixed_seconds) || !std::isfinite(p.gpu_fixed_seconds))
+      throw config_error("roofline_policy: fixed costs must be finite");
+    if (p.cost_window_samples < 1)
+      throw config_error("roofline_policy: cost_window_samples " + std::to_string(p.cost_window_samples) +
+                         " must be >= 1");
+  }
+
+  /// r(L) of eq. 2 for L placed tokens (L <= 0 gives the Δ-limited extreme).
+  [[nodiscard]] double target_share(index_t total_placed_tokens) const noexcept {
+    const double ab = a_ + b_;
+    const double delta = p_.fixed_overhead_gap_seconds();
+    double r = b_ / ab;
+    if (total_placed_tokens > 0)
+      r += delta / (ab * double(total_placed_tokens));
+    else if (delta != 0.0)
+      r = delta > 0 ? 1.0 : 0.0;
+    return std::clamp(r, 0.0, 1.0);
+  }
+
+  /// The converged share p = B/(A+B).
+  [[nodiscard]] double converged_share() const noexcept { return b_ / (a_ + b_); }
+
+  [[nodiscard]] route_decision route(const route_query& q) const noexcept {
+    const double r = target_share(q.total_placed_tokens + q.batch_tokens);
+    return {route_toward(r, q), {r, 1.0 - r}};
+  }
+
+  /// Feeds one measured step. Samples without CPU tokens leave A unchanged.
+  void observe(const cost_sample& s) {
+    if (s.cpu_tokens > 0 && std::isfinite(s.cpu_seconds))
+      push(cpu_window_, cpu_sum_, std::max(0.0, s.cpu_seconds - p_.cpu_fixed_seconds), s.cpu_tokens, a_);
+    if (p_.track_gpu_cost && s.gpu_streamed_tokens > 0 && std::isfinite(s.gpu_seconds))
+      push(gpu_window_, gpu_sum_, std::max(0.0, s.gpu_seconds - p_.gpu_fixed_seconds), s.gpu_streamed_tokens, b_);
+  }
+
+  /// Current A (seconds per CPU-attended token).
+  [[nodiscard]] double cpu_cost_per_token_seconds() const noexcept { return a_; }
+  /// Current B (seconds per streamed token).
+  [[nodiscard]] double gpu_cost_per_token_seconds() const noexcept { return b_; }
+  [[nodiscard]] const roofline_params& params() const noexcept { return p_; }
+
+ private:
+  struct sample {
+    double seconds;
+    index_t tokens;
+  };
+  struct window_sum {
+    double seconds = 0.0;
+    index_t tokens = 0;
+    std::size_t next = 0;
+  };
+
+  void push(std::vector<sample>& w, window_sum& sum, double seconds, index_t tokens, double& estimate) {
+    const auto cap = static_cast<std::size_t>(p_.cost_window_samples);
+    if (w.size() < cap) {
+      w.push_back({seconds, tokens});
+    } else {
+      sum.seconds -= w[sum.next].seconds;
+      sum.tokens -= w[sum.next].tokens;
+      w[sum.next] = {seconds, tokens};
+      sum.next = (sum.next + 1) % cap;
+    }
+    sum.seconds += seconds;
+    sum.tokens += tokens;
+    // Recompute the float sum exactly every full lap to stop drift from the running subtraction.
+    if (sum.next == 0 && w.size() == cap) {
+      sum.seconds = 0.0;
+      for (const auto& x : w) sum.seconds += x.seconds;
+    }
+    if (sum.tokens > 0) {
+      const double est = sum.seconds / double(sum.tokens);
+      // A zero estimate (timer resolution) would pin the share to an extreme; keep a floor.
+      estimate = std::max(est, 1e-15);
+    }
+  }
+
+  roofline_params p_;
+  double a_;
+  double b_;
+  std::vector<sample> cpu_window_, gpu_window_;
+  window_sum cpu_sum_, gpu_sum_;
+};
+
+static_assert(routing_policy<gpu_only>);
+static_assert(routing_policy<cpu_only>);
+static_assert(routing_policy<fixed_ratio>);
+static_assert(routing_policy<roofline_policy>);
+
+}  // namespace writescope
