@@ -31,13 +31,7 @@
 #include <string>
 #include <vector>
 
-// GCC 12 reports -Wmaybe-uninitialized inside its own AVX-512 intrinsic headers
-// (the _mm512_undefined_* idiom) wherever they are inlined; silence it for this
-// header only.
-#if defined(__GNUC__) && !defined(__clang__)
-#  pragma GCC diagnostic push
-#  pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
+#include "../detail/simd_include.hpp"
 #include <xsimd/xsimd.hpp>
 
 #include "../bf16.hpp"
@@ -270,7 +264,3 @@ struct decode_kernel {
 };
 
 }  // namespace writescope::cpu
-
-#if defined(__GNUC__) && !defined(__clang__)
-#  pragma GCC diagnostic pop
-#endif
