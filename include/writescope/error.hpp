@@ -7,7 +7,6 @@
 // throws what.
 #pragma once
 
-#include <source_location>
 #include <stdexcept>
 #include <string>
 
