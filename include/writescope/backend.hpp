@@ -20,6 +20,7 @@
 #include "host_memory.hpp"
 #include "layout.hpp"
 #include "memory_space.hpp"
+#include "stream_plan.hpp"
 
 namespace writescope {
 
@@ -77,6 +78,27 @@ struct debug_partials {
   std::vector<float> cpu_o, cpu_lse;            ///< unpinned region (CPU engine)
   std::vector<float> streamed_o, streamed_lse;  ///< pinned region, streamed through ping-pong
   std::vector<float> window_o, window_lse;      ///< D-window
+};
+
+/// Arguments of the GPU side of one step (one layer), see gpu_engine::launch.
+template <kv_layout Layout, memory_space ActSpace>
+struct gpu_step_args {
+  block_format<Layout> format;
+  float softmax_scale = 1.0f;
+  int batch = 0;
+  mem_span<const float, ActSpace> q;          ///< [batch][Hq][q_dim], fp32
+  const stream_plan* plan = nullptr;          ///< pinned blocks to stream (host memory)
+  std::span<const window_ref> windows;        ///< [batch] D-window of each sequence
+  std::span<bf16* const> ping_pong;           ///< device buffers, plan chunk c uses ping_pong[chunk.buffer]
+  bool poison_workspaces = false;             ///< fill partial workspaces with NaN first (tests)
+};
+
+/// Outputs of a step: the merged attention output and, optionally, its LSE.
+template <memory_space ActSpace>
+struct step_outputs {
+  mem_span<float, ActSpace> out;   ///< [batch][Hq][v_dim] fp32
+  mem_span<float, ActSpace> lse;   ///< [batch][Hq] fp32 natural log; may be empty
+  debug_partials* debug = nullptr; ///< when set, receives each engine's partial (host copies)
 };
 
 /// The structural part of the backend concept. Layout-dependent operations
