@@ -11,6 +11,12 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <memory>
+#include <string>
+#include <cstring>
+#include <bit>
+#include <initializer_list>
+#include <optional>
 #include <random>
 #include <span>
 #include <vector>
@@ -154,13 +160,23 @@ class decode_driver {
 
   kv_generator<layout_type> gen;
 
+  /// Optional query generator qgen(head, elem, source); default N(0,1).
+  std::function<float(int, int, bf16_source&)> qgen;
+
   /// Begins a sequence with a prompt of `p` tokens and writes every layer's prompt.
-  sequence_id add(index_t p) {
+  /// With `seed`, the sequence draws its KV and queries from its own source, so
+  /// its inputs do not depend on its batchmates (batch-invariance tests, K10).
+  sequence_id add(index_t p, std::optional<std::uint64_t> seed = std::nullopt) {
     const sequence_id id = cache_.begin_sequence(p);
-    if (std::size_t(id) >= hist_.size()) hist_.resize(std::size_t(id) + 1);
+    if (std::size_t(id) >= hist_.size()) {
+      hist_.resize(std::size_t(id) + 1);
+      own_src_.resize(std::size_t(id) + 1);
+    }
+    own_src_[std::size_t(id)].reset();
+    if (seed) own_src_[std::size_t(id)].emplace(*seed);
     hist_[std::size_t(id)].assign(std::size_t(cache_.spec().num_layers), kv_history<layout_type>{});
     for (int l = 0; l < cache_.spec().num_layers; ++l) {
-      auto b = gen.make(cache_.layout(), p, src_);
+      auto b = gen.make(cache_.layout(), p, source_of(id));
       cache_.append_prefill(l, id, b.view());
       record(hist_[std::size_t(id)][std::size_t(l)], cache_.layout(), b, 0, p);
     }
@@ -170,22 +186,42 @@ class decode_driver {
   void remove(sequence_id id) {
     cache_.end_sequence(id);
     hist_[std::size_t(id)].clear();
+    own_src_[std::size_t(id)].reset();
   }
 
   /// One decode step over every layer for `batch`: append one token per
   /// sequence, attend, compare (if `check`), then flush. Returns worst errors.
+  /// layer_out[l] / layer_lse[l] keep every layer's outputs of the step.
   compare_result step(std::span<const sequence_id> batch, bool check = true, debug_partials* dbg = nullptr) {
     compare_result r;
-    const layout_type& L = cache_.layout();
+    layer_out.resize(std::size_t(cache_.spec().num_layers));
+    layer_lse.resize(std::size_t(cache_.spec().num_layers));
     for (int l = 0; l < cache_.spec().num_layers; ++l) {
-      auto b = gen.make(L, index_t(batch.size()), src_);
-      cache_.append(l, batch, b.view());
-      for (std::size_t i = 0; i < batch.size(); ++i)
-        record(hist_[std::size_t(batch[i])][std::size_t(l)], L, b, index_t(i), 1);
+      append_layer(l, batch);
       attend_layer(l, batch, check, r, dbg);
+      layer_out[std::size_t(l)] = out;
+      layer_lse[std::size_t(l)] = lse;
     }
     last_flush = cache_.flush();
     return r;
+  }
+
+  /// Appends one new token per sequence of `batch` to `layer` (and to the history).
+  void append_layer(int l, std::span<const sequence_id> batch) {
+    const layout_type& L = cache_.layout();
+    const bool own = std::any_of(batch.begin(), batch.end(), [&](sequence_id s) { return has_own_source(s); });
+    kv_batch<layout_type> b;
+    if (!own) {
+      b = gen.make(L, index_t(batch.size()), src_);
+    } else {  // token by token, each from its sequence's source
+      b.n = index_t(batch.size());
+      for (sequence_id s : batch) {
+        auto one = gen.make(L, 1, source_of(s));
+        for (int p = 0; p < layout_type::planes; ++p) b.planes[p].insert(b.planes[p].end(), one.planes[p].begin(), one.planes[p].end());
+      }
+    }
+    cache_.append(l, batch, b.view());
+    for (std::size_t i = 0; i < batch.size(); ++i) record(hist_[std::size_t(batch[i])][std::size_t(l)], L, b, index_t(i), 1);
   }
 
   /// Attends one layer (no append) and compares.
@@ -194,7 +230,12 @@ class decode_driver {
     const layout_type& L = cache_.layout();
     const int hq = L.num_q_heads();
     q.resize(batch.size() * std::size_t(hq) * Q);
-    for (auto& x : q) x = src_.next_float();
+    for (std::size_t i = 0; i < batch.size(); ++i) {
+      bf16_source& s = source_of(batch[i]);
+      float* row = q.data() + i * std::size_t(hq) * Q;
+      for (int h = 0; h < hq; ++h)
+        for (int e = 0; e < Q; ++e) row[std::size_t(h) * Q + std::size_t(e)] = qgen ? qgen(h, e, s) : s.next_float();
+    }
     out.assign(batch.size() * std::size_t(hq) * V, std::numeric_limits<float>::quiet_NaN());
     lse.assign(batch.size() * std::size_t(hq), std::numeric_limits<float>::quiet_NaN());
     step_outputs<pageable_host_space> so{host_span<float>(out.data(), index_t(out.size())),
@@ -213,7 +254,15 @@ class decode_driver {
   hybrid_attention<Cache>& attention() { return attn_; }
   bf16_source& source() { return src_; }
 
+  bool has_own_source(sequence_id id) const {
+    return std::size_t(id) < own_src_.size() && own_src_[std::size_t(id)].has_value();
+  }
+  bf16_source& source_of(sequence_id id) { return has_own_source(id) ? *own_src_[std::size_t(id)] : src_; }
+  double scale() const { return scale_; }
+  Cache& cache() { return cache_; }
+
   std::vector<float> q, out, lse;
+  std::vector<std::vector<float>> layer_out, layer_lse;
   step_report last_report;
   flush_report last_flush;
 
@@ -223,6 +272,7 @@ class decode_driver {
   bf16_source src_;
   double scale_;
   std::vector<std::vector<kv_history<layout_type>>> hist_;
+  std::vector<std::optional<bf16_source>> own_src_;
 };
 
 /// A small spec for tests: block 16, D 32, generous capacities.
@@ -244,6 +294,127 @@ inline partition_spec small_spec(int layers = 1, int max_seqs = 4, int block_tok
 template <kv_layout Layout>
 void set_ping_pong_blocks(partition_spec& s, const Layout& L, index_t blocks) {
   s.ping_pong_bytes = blocks * block_format<Layout>{L, s.block_tokens}.block_bytes();
+}
+
+template <kv_layout Layout, routing_policy Policy>
+using host_cache = inplace_kv_cache<Layout, host_backend, pageable_allocator, Policy>;
+
+/// A test policy routing by a function of the query; every query it answers is
+/// logged (shared between copies), so tests can check what the cache asked.
+struct scripted_policy {
+  using policy_concept = routing_policy_tag;
+  std::function<placement(const route_query&)> fn = [](const route_query&) { return placement::gpu_load; };
+  std::shared_ptr<std::vector<route_query>> log = std::make_shared<std::vector<route_query>>();
+  route_decision route(const route_query& q) const {
+    log->push_back(q);
+    const placement p = fn(q);
+    return {p, p == placement::cpu_compute ? share_plan{1.0, 0.0} : share_plan{0.0, 1.0}};
+  }
+  void observe(const cost_sample&) {}
+};
+static_assert(routing_policy<scripted_policy>);
+
+/// The tokens of `h` whose index satisfies `keep`, as a history of their own.
+template <kv_layout Layout, class Pred>
+kv_history<Layout> select_tokens(const Layout& L, const kv_history<Layout>& h, Pred keep) {
+  kv_history<Layout> r;
+  const std::size_t row = std::size_t(L.kv_heads()) * Layout::row_elems;
+  for (index_t t = 0; t < h.tokens; ++t) {
+    if (!keep(t)) continue;
+    for (int p = 0; p < Layout::planes; ++p)
+      r.planes[p].insert(r.planes[p].end(), h.planes[p].begin() + std::ptrdiff_t(std::size_t(t) * row),
+                         h.planes[p].begin() + std::ptrdiff_t(std::size_t(t + 1) * row));
+    ++r.tokens;
+  }
+  return r;
+}
+
+/// Which engine attends token t of a sequence whose state is `st` (at attend time).
+enum class engine { cpu = 0, streamed = 1, window = 2 };
+inline engine engine_of(const sequence_state& st, index_t t, int block_tokens) {
+  if (t >= st.placed_tokens) return engine::window;
+  return st.block_table[std::size_t(t / block_tokens)].region == placement::cpu_compute ? engine::cpu
+                                                                                       : engine::streamed;
+}
+
+/// Checks one engine's partial of batch row `i` (debug_partials) against the
+/// fp64 reference of that engine's own keys: an empty key set must give exactly
+/// (0, -inf); a non-empty one its own natural-log LSE (a base-2 leak shows as a
+/// ratio of 1.4427) and normalised output within the bar.
+template <kv_layout Layout>
+compare_result check_engine_partial(const Layout& L, const kv_history<Layout>& hist, const sequence_state& st,
+                                    int block_tokens, engine e, const std::vector<float>& po,
+                                    const std::vector<float>& plse, std::size_t i, const float* q, double scale,
+                                    bool* was_empty = nullptr) {
+  const int hq = L.num_q_heads();
+  constexpr int V = Layout::v_dim;
+  const kv_history<Layout> sub = select_tokens(L, hist, [&](index_t t) { return engine_of(st, t, block_tokens) == e; });
+  compare_result r;
+  const float* o = po.data() + i * std::size_t(hq) * V;
+  const float* lse = plse.data() + i * std::size_t(hq);
+  if (was_empty) *was_empty = sub.tokens == 0;
+  if (sub.tokens == 0) {
+    for (int h = 0; h < hq; ++h) {
+      if (!(std::isinf(lse[h]) && lse[h] < 0)) r.max_lse_err = std::max(r.max_lse_err, 1.0);
+      for (int k = 0; k < V; ++k)
+        if (std::bit_cast<std::uint32_t>(o[std::size_t(h) * V + std::size_t(k)]) != 0u) r.non_finite = true;
+    }
+    return r;
+  }
+  std::vector<double> ro, rl;
+  reference_attention(L, sub, q, scale, ro, rl);
+  compare_rows(hq, V, o, lse, ro, rl, r);
+  return r;
+}
+
+/// Bitwise equality of two float vectors (NaN payloads and signed zeros included).
+inline bool same_bits(const float* a, const float* b, std::size_t n) { return std::memcmp(a, b, n * sizeof(float)) == 0; }
+inline bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && same_bits(a.data(), b.data(), a.size());
+}
+
+/// Everything observable about a cache's bookkeeping, for strong-guarantee checks.
+struct cache_snapshot {
+  index_t cpu_used = 0, pinned_used = 0, cpu_capacity = 0, pinned_max = 0, total_placed = 0;
+  int live = 0;
+  struct seq {
+    sequence_id id;
+    index_t prompt, placed, cpu_placed;
+    int slot;
+    std::vector<std::pair<int, block_id>> table;
+    std::vector<int> window;
+    std::vector<std::uint8_t> ready;
+    bool operator==(const seq&) const = default;
+  };
+  std::vector<seq> seqs;
+  bool operator==(const cache_snapshot&) const = default;
+};
+
+template <class Cache>
+cache_snapshot snapshot(const Cache& c, std::span<const sequence_id> ids) {
+  cache_snapshot s;
+  const region_usage u = c.usage();
+  s.cpu_used = u.cpu_used_blocks;
+  s.pinned_used = u.pinned_used_blocks;
+  s.cpu_capacity = u.cpu_capacity_blocks;
+  s.pinned_max = u.pinned_max_blocks;
+  s.total_placed = c.total_placed_tokens();
+  s.live = c.live_sequences();
+  for (sequence_id id : ids) {
+    const sequence_state& st = c.sequence(id);
+    cache_snapshot::seq q{id, st.prompt_tokens, st.placed_tokens, st.cpu_placed_tokens, st.window_slot, {}, st.window_tokens,
+                          st.layer_ready};
+    for (const block_ref& b : st.block_table) q.table.emplace_back(int(b.region), b.id);
+    s.seqs.push_back(std::move(q));
+  }
+  return s;
+}
+
+/// True when `what` contains every one of `parts`.
+inline bool mentions(const std::string& what, std::initializer_list<std::string> parts) {
+  for (const auto& p : parts)
+    if (what.find(p) == std::string::npos) return false;
+  return true;
 }
 
 }  // namespace wstest
