@@ -13,8 +13,10 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <string>
+#include <utility>
 
 #include "config.hpp"
 #include "error.hpp"
@@ -90,21 +92,70 @@ void check_same_partial_shape(const A& a, const B& b, const char* what) {
                       std::to_string(a.num_seqs) + "][" + std::to_string(a.num_heads) + "][" +
                       std::to_string(a.v_dim) + "]");
 }
+/// True when the n1 x n2 grid of `width`-element rows at offsets i*s1 + j*s2
+/// is pairwise disjoint. Sufficient test (nested strides, either order, any
+/// sign); layouts it cannot prove disjoint are rejected.
+inline bool rows_disjoint(index_t n1, index_t s1, index_t n2, index_t s2, index_t width) noexcept {
+  if (n1 <= 1) s1 = 0;
+  if (n2 <= 1) s2 = 0;
+  s1 = s1 < 0 ? -s1 : s1;
+  s2 = s2 < 0 ? -s2 : s2;
+  if (s2 < s1) {
+    std::swap(s1, s2);
+    std::swap(n1, n2);
+  }
+  index_t extent = width;
+  if (n1 > 1) {
+    if (s1 < extent) return false;
+    extent += (n1 - 1) * s1;
+  }
+  return n2 <= 1 || s2 >= extent;
+}
+/// [lowest, highest) element offsets a view's O rows (o = true) or LSEs cover.
+template <class V>
+std::pair<index_t, index_t> view_extent(const V& v, bool o) noexcept {
+  const index_t ss = o ? v.o_seq_stride : v.lse_seq_stride, hs = o ? v.o_head_stride : v.lse_head_stride;
+  const index_t ds = (v.num_seqs - 1) * ss, dh = index_t(v.num_heads - 1) * hs;
+  return {(ds < 0 ? ds : 0) + (dh < 0 ? dh : 0), (ds > 0 ? ds : 0) + (dh > 0 ? dh : 0) + (o ? v.v_dim : 1)};
+}
 template <class V>
 void check_partial_strides(const V& v, const char* what) {
-  if (v.o_head_stride < v.v_dim || v.o_seq_stride < index_t{v.num_heads - 1} * v.o_head_stride + v.v_dim) {
+  if (v.num_seqs <= 0 || v.num_heads <= 0) return;
+  if (!rows_disjoint(v.num_seqs, v.o_seq_stride, v.num_heads, v.o_head_stride, v.v_dim))
     // Rows overlap: a merge would read values it already overwrote.
-    if (v.num_heads > 1 || v.num_seqs > 1)
-      throw shape_error(std::string("merge_states: ") + what + " has overlapping rows (o_head_stride=" +
-                        std::to_string(v.o_head_stride) + ", o_seq_stride=" + std::to_string(v.o_seq_stride) +
-                        ", v_dim=" + std::to_string(v.v_dim) + "): rows must not overlap");
-  }
+    throw shape_error(std::string("merge_states: ") + what + " has overlapping rows (o_head_stride=" +
+                      std::to_string(v.o_head_stride) + ", o_seq_stride=" + std::to_string(v.o_seq_stride) +
+                      ", v_dim=" + std::to_string(v.v_dim) + "): rows must not overlap");
+  if (!rows_disjoint(v.num_seqs, v.lse_seq_stride, v.num_heads, v.lse_head_stride, 1))
+    throw shape_error(std::string("merge_states: ") + what + " has overlapping LSEs (lse_head_stride=" +
+                      std::to_string(v.lse_head_stride) + ", lse_seq_stride=" + std::to_string(v.lse_seq_stride) +
+                      "): LSEs must not overlap");
+}
+/// `out` must alias `in` exactly (same pointers and strides) or not at all:
+/// a partial overlap would read rows the merge already overwrote.
+template <class I, class O>
+void check_alias(const I& in, const O& out, const char* what) {
+  if (in.num_seqs <= 0 || in.num_heads <= 0) return;
+  auto overlaps = [](const auto* p, std::pair<index_t, index_t> ep, const auto* q, std::pair<index_t, index_t> eq) {
+    const auto a0 = reinterpret_cast<std::uintptr_t>(p + ep.first), a1 = reinterpret_cast<std::uintptr_t>(p + ep.second);
+    const auto b0 = reinterpret_cast<std::uintptr_t>(q + eq.first), b1 = reinterpret_cast<std::uintptr_t>(q + eq.second);
+    return a0 < b1 && b0 < a1;
+  };
+  const bool same_o = static_cast<const void*>(in.o) == static_cast<const void*>(out.o) &&
+                      in.o_seq_stride == out.o_seq_stride && in.o_head_stride == out.o_head_stride;
+  const bool same_lse = static_cast<const void*>(in.lse) == static_cast<const void*>(out.lse) &&
+                        in.lse_seq_stride == out.lse_seq_stride && in.lse_head_stride == out.lse_head_stride;
+  if ((!same_o && overlaps(in.o, view_extent(in, true), out.o, view_extent(out, true))) ||
+      (!same_lse && overlaps(in.lse, view_extent(in, false), out.lse, view_extent(out, false))))
+    throw shape_error(std::string("merge_states: the output partly overlaps the ") + what +
+                      " with different pointers or strides; alias an input exactly or not at all");
 }
 }  // namespace detail
 
 /// out = merge(a, b) for every (sequence, head), on the host. Views may have any
-/// non-overlapping strides; `out` may alias `a` or `b` exactly (same pointers and
-/// strides). Throws shape_error on a shape mismatch or overlapping rows.
+/// non-overlapping strides (dense, transposed, padded); `out` may alias `a` or
+/// `b` exactly (same pointers and strides). Throws shape_error on a shape
+/// mismatch, overlapping rows or LSEs, or an output that partly overlaps an input.
 /// Deterministic; single-threaded.
 template <class A, class B, class O>
 void merge_states(const partial_state_view<A, pageable_host_space>& a,
@@ -115,6 +166,8 @@ void merge_states(const partial_state_view<A, pageable_host_space>& a,
   detail::check_partial_strides(a, "first input");
   detail::check_partial_strides(b, "second input");
   detail::check_partial_strides(out, "output");
+  detail::check_alias(a, out, "first input");
+  detail::check_alias(b, out, "second input");
   for (index_t s = 0; s < a.num_seqs; ++s)
     for (int h = 0; h < a.num_heads; ++h)
       merge_state_row(a.o_row(s, h), a.lse_at(s, h), b.o_row(s, h), b.lse_at(s, h), out.o_row(s, h),
