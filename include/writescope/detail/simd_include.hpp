@@ -12,6 +12,7 @@
 #if defined(__GNUC__) && !defined(__clang__)
 #  pragma GCC diagnostic push
 #  pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#  pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 #if defined(__x86_64__) || defined(__i386__)
 #  include <immintrin.h>
