@@ -325,7 +325,10 @@ class inplace_kv_cache {
         sequence_state copy;  // only the fields place_batch touches
         copy.placed_tokens = st.placed_tokens;
         copy.cpu_placed_tokens = st.cpu_placed_tokens;
-        place_batch(sequence_id(id), copy, total, live_count_);
+        // `total` already counts this sequence's placed tokens; place_batch adds
+        // them again, so pass the other sequences' share (route_query contract:
+        // all live sequences' placed tokens before this batch, counted once).
+        place_batch(sequence_id(id), copy, total - copy.placed_tokens, live_count_);
         total += spec_.d_window_tokens;
         staged.emplace_back(sequence_id(id), std::move(copy));
       }
@@ -530,6 +533,7 @@ class inplace_kv_cache {
 
  private:
   // Routes one eviction batch of `st` and allocates its blocks (all layers share them).
+  // `total_placed`: placed tokens of every other live sequence (st's own are added here).
   void place_batch(sequence_id id, sequence_state& st, index_t total_placed, int live) {
     const int wb = spec_.window_blocks();
     route_query q;
