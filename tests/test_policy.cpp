@@ -35,10 +35,10 @@ double eq2(double a, double b, double delta, double L) {
 }
 
 // The marginal-share rule: the side leaving the cumulative share closest to
-// the target; ties to the GPU.
+// the target, measured in tokens after the batch; exact ties to the GPU.
 bool to_cpu(double target, index_t placed, index_t cpu, index_t batch) {
-  const double after = double(placed + batch);
-  return std::abs(double(cpu + batch) / after - target) < std::abs(double(cpu) / after - target);
+  const double want = target * double(placed + batch);  // CPU tokens on target
+  return std::abs(double(cpu + batch) - want) < std::abs(double(cpu) - want);
 }
 
 }  // namespace
@@ -101,12 +101,23 @@ TEST_CASE("the marginal-share rule keeps the cumulative share within D/(2L) of a
       REQUIRE(std::abs(double(cpu) / double(placed) - target) <= double(D) / (2.0 * double(placed)) + 1e-12);
     }
   }
-  // Ties go to the GPU.
+  // Ties go to the GPU: r = 0.5 alternates GPU, CPU, GPU, CPU exactly.
   route_query q;
   q.batch_tokens = 64;
-  CHECK(route_toward(0.5, q) == placement::gpu_load);
-  q.placed_tokens = 64;
-  CHECK(route_toward(0.5, q) == placement::cpu_compute);
+  for (int k = 0; k < 40; ++k) {
+    const placement p = route_toward(0.5, q);
+    REQUIRE(p == (k % 2 ? placement::cpu_compute : placement::gpu_load));
+    q.cpu_placed_tokens += p == placement::cpu_compute ? 64 : 0;
+    q.placed_tokens += 64;
+  }
+  // r = 0.3 at L = 320 (D = 32): 96 CPU tokens wanted, options 80 and 112: a tie.
+  route_query t;
+  t.placed_tokens = 288;
+  t.cpu_placed_tokens = 80;
+  t.batch_tokens = 32;
+  CHECK(route_toward(0.3, t) == placement::gpu_load);
+  t.cpu_placed_tokens = 79;  // options 79 / 111 for 96 wanted: the CPU side is closer (15 vs 17)
+  CHECK(route_toward(0.3, t) == placement::cpu_compute);
   CHECK(gpu_only{}.route(q).region == placement::gpu_load);
   CHECK(cpu_only{}.route(q).region == placement::cpu_compute);
 }

@@ -79,13 +79,14 @@ concept routing_policy =
 
 /// Marginal-share routing (paper §5.3): sends the batch to the side that leaves
 /// the sequence's cumulative CPU share closest to `target`; ties go to the GPU.
-/// The cumulative share thus stays within D/(2L) of a constant target.
+/// The cumulative share thus stays within D/(2L) of a constant target. The
+/// errors are compared in tokens (scaled by the length after the batch), so an
+/// exact tie (r = 0.5 after an odd number of batches) is exact in floating
+/// point too and goes to the GPU, as documented.
 [[nodiscard]] constexpr placement route_toward(double target, const route_query& q) noexcept {
-  const double after = double(q.placed_tokens + q.batch_tokens);
-  const double cpu_if_cpu = double(q.cpu_placed_tokens + q.batch_tokens);
-  const double cpu_if_gpu = double(q.cpu_placed_tokens);
-  const double err_cpu = cpu_if_cpu / after - target;
-  const double err_gpu = cpu_if_gpu / after - target;
+  const double want = target * double(q.placed_tokens + q.batch_tokens);  // CPU tokens on target after the batch
+  const double err_cpu = double(q.cpu_placed_tokens + q.batch_tokens) - want;
+  const double err_gpu = double(q.cpu_placed_tokens) - want;
   return (err_cpu < 0 ? -err_cpu : err_cpu) < (err_gpu < 0 ? -err_gpu : err_gpu) ? placement::cpu_compute
                                                                                   : placement::gpu_load;
 }
