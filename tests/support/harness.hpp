@@ -175,7 +175,7 @@ class decode_driver {
     own_src_[std::size_t(id)].reset();
     if (seed) own_src_[std::size_t(id)].emplace(*seed);
     hist_[std::size_t(id)].assign(std::size_t(cache_.spec().num_layers), kv_history<layout_type>{});
-    for (int l = 0; l < cache_.spec().num_layers; ++l) {
+    for (int l = 0; l < cache_.spec().num_layers && p > 0; ++l) {  // an empty prompt needs no prefill
       auto b = gen.make(cache_.layout(), p, source_of(id));
       cache_.append_prefill(l, id, b.view());
       record(hist_[std::size_t(id)][std::size_t(l)], cache_.layout(), b, 0, p);
