@@ -1,0 +1,830 @@
+// writescope/cuda/cuda_backend.hpp — the real device backend (DESIGN.md §3, §5;
+// paper §4.2, §4.3, §6). Host compiler only: this header holds no kernels and
+// includes nothing beyond <cuda_runtime_api.h>; the kernels it launches are
+// declared in kernels.hpp and instantiated by one .cu of the program
+// (kernels.cuh explains how). docs/CUDA-ENGINE.md has the full ordering table.
+//
+// Memory spaces: activation_space = device_space. Appended KV, queries and
+// outputs are device pointers; the D-window and ping-pong buffers are device
+// memory; the unpinned compute region is pageable host memory, the pinned load
+// region page-locked host memory (cuda_host_alloc / cuda_host_register).
+//
+// Streams (one backend, one device, driven from one host thread):
+//   caller  the caller's stream (given at construction, or created): appends,
+//           prefill scatter, the final merge. Everything a step produces is
+//           ordered before work the caller enqueues on it afterwards.
+//   h2d     streamed copies pinned -> ping-pong (shared by all engines).
+//   d2h     eviction and prefill copies device -> host.
+//   per engine: compute (split attention, fold, D-window) and a small stream
+//           for the D2H copy of the queries.
+// Events (all guards, see docs/CUDA-ENGINE.md for the hazard -> guard -> test table):
+//   launch  caller -> compute, q: the appended KV and q are written (RAW)
+//   filled[b] / consumed[b]  h2d -> compute (RAW) / compute -> h2d (WAR), per
+//           ping-pong buffer, persisting across layers and steps
+//   h2d_done  h2d -> d2h: no D2H rewrites a (recycled) pinned block an earlier
+//           H2D still reads (FAULT-KINDS C9)
+//   d2h_done  d2h -> h2d: evicted / prefilled pinned blocks have landed before
+//           a step streams them; d2h -> caller after an eviction: the D-window
+//           slots are not overwritten by the next append before they are copied
+//   evict_src caller -> d2h: the eviction copies what the appends wrote (RAW)
+//   compute_done compute -> caller: the merge reads finished partials, and the
+//           caller's next writes (append, q) come after every read of them
+// Host blocking: launch() never blocks and allocates nothing; host_queries()
+// waits only for the q copy; cpu_partial() waits for the previous step's
+// CPU-partial upload (in practice long done); finish() does not block (unless
+// debug partials are requested). Evictions and prefill writes whose destination
+// is pageable (the unpinned compute region) complete before they return, since
+// the CPU reads those blocks directly; pinned destinations are asynchronous.
+//
+// Lifetimes: the backend outlives every cache and engine that uses it; a cache
+// is destroyed after its hybrid_attention (engine). Destructors synchronize.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "../backend.hpp"
+#include "../config.hpp"
+#include "../error.hpp"
+#include "../host_memory.hpp"
+#include "../layout.hpp"
+#include "../memory_space.hpp"
+#include "../partial_state.hpp"
+#include "../stream_plan.hpp"
+#include "cuda_error.hpp"
+#include "kernels.hpp"
+#include "pinned_allocators.hpp"
+
+namespace writescope {
+
+/// Switches that REMOVE a guard, for mutation tests only (FAULT-KINDS: "with
+/// the guarding event/wait removed, the test must fail"). All off by default;
+/// never set them in production. Read at every call, so tests may flip them
+/// between steps.
+struct cuda_debug_options {
+  bool skip_consumed_wait = false;   ///< WAR: refill a ping-pong buffer without waiting for its last reader
+  bool skip_filled_wait = false;     ///< RAW: attend a ping-pong buffer without waiting for its copies
+  bool skip_caller_event = false;    ///< RAW: read appended KV / q without waiting for the caller stream
+  bool skip_eviction_wait = false;   ///< RAW: evict the D-window without waiting for the caller stream
+  bool skip_block_reuse_wait = false;  ///< C9: D2H into host blocks without waiting for earlier H2D reads
+  bool skip_landing_wait = false;    ///< RAW: stream pinned blocks without waiting for pending D2H writes
+  /// Debug builds (WS_DEBUG_CHECKS()) reject H2D sources that are not page-locked;
+  /// set this for the deliberate pageable-source ablation (pageable_allocator).
+  bool allow_pageable_sources = false;
+  /// Each CTA of the streamed-split attention kernel spins this many SM cycles
+  /// before reading its buffer (a slow consumer).
+  long long consumer_delay_cycles = 0;
+};
+
+namespace cuda_detail {
+
+class unique_stream {
+ public:
+  unique_stream() = default;
+  static unique_stream create() {
+    unique_stream s;
+    WS_CUDA_TRY(cudaStreamCreateWithFlags(&s.s_, cudaStreamNonBlocking));
+    return s;
+  }
+  unique_stream(unique_stream&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
+  unique_stream& operator=(unique_stream&& o) noexcept {
+    std::swap(s_, o.s_);
+    return *this;
+  }
+  ~unique_stream() {
+    if (s_ != nullptr) {
+      ignore(cudaStreamSynchronize(s_));
+      ignore(cudaStreamDestroy(s_));
+    }
+  }
+  [[nodiscard]] cudaStream_t get() const noexcept { return s_; }
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
+class unique_event {
+ public:
+  unique_event() = default;
+  static unique_event create(bool timing = false) {
+    unique_event e;
+    WS_CUDA_TRY(cudaEventCreateWithFlags(&e.e_, timing ? cudaEventDefault : cudaEventDisableTiming));
+    return e;
+  }
+  unique_event(unique_event&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
+  unique_event& operator=(unique_event&& o) noexcept {
+    std::swap(e_, o.e_);
+    return *this;
+  }
+  ~unique_event() {
+    if (e_ != nullptr) ignore(cudaEventDestroy(e_));
+  }
+  [[nodiscard]] cudaEvent_t get() const noexcept { return e_; }
+
+ private:
+  cudaEvent_t e_ = nullptr;
+};
+
+inline void record(const unique_event& e, cudaStream_t s) { WS_CUDA_TRY(cudaEventRecord(e.get(), s)); }
+inline void wait(cudaStream_t s, const unique_event& e) { WS_CUDA_TRY(cudaStreamWaitEvent(s, e.get(), 0)); }
+
+/// cudaEventQuery without leaving cudaErrorNotReady in the runtime's last-error
+/// slot (the next WS_CUDA_CHECK_LAST must not see it). True when complete.
+inline bool event_done(const unique_event& e) {
+  const cudaError_t r = cudaEventQuery(e.get());
+  if (r == cudaSuccess) return true;
+  if (r == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  check(r, "cudaEventQuery", __FILE__, __LINE__);
+  return false;
+}
+
+inline void release_staging(void* p, index_t, void*) noexcept {
+  ignore(cudaDeviceSynchronize());
+  try {
+    pinned_registry::instance().remove(p);
+  } catch (...) {
+  }
+  ignore(cudaFreeHost(p));
+}
+
+}  // namespace cuda_detail
+
+class cuda_backend {
+ public:
+  using backend_concept = backend_tag;
+  using activation_space = device_space;
+
+  /// Device memory (cudaMalloc), freed on destruction. Movable.
+  class device_buffer {
+   public:
+    device_buffer() = default;
+    device_buffer(std::byte* p, index_t bytes) noexcept : p_(p), bytes_(bytes) {}
+    device_buffer(device_buffer&& o) noexcept : p_(std::exchange(o.p_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+    device_buffer& operator=(device_buffer&& o) noexcept {
+      std::swap(p_, o.p_);
+      std::swap(bytes_, o.bytes_);
+      return *this;
+    }
+    device_buffer(const device_buffer&) = delete;
+    device_buffer& operator=(const device_buffer&) = delete;
+    ~device_buffer() {
+      if (p_ != nullptr) cuda_detail::ignore(cudaFree(p_));  // cudaFree waits for work using it
+    }
+    [[nodiscard]] std::byte* data() const noexcept { return p_; }
+    [[nodiscard]] index_t size_bytes() const noexcept { return bytes_; }
+    [[nodiscard]] device_span<std::byte> span() const noexcept { return device_span<std::byte>(p_, bytes_); }
+    template <class T>
+    [[nodiscard]] T* as() const noexcept {
+      return reinterpret_cast<T*>(p_);
+    }
+
+   private:
+    std::byte* p_ = nullptr;
+    index_t bytes_ = 0;
+  };
+
+  /// Most ping-pong buffers an engine supports (events are created up front).
+  static constexpr int max_ping_pong_buffers = 16;
+
+  /// Uses the current device; creates its own (non-blocking) caller stream.
+  cuda_backend() : cuda_backend(nullptr, true) {}
+  /// Uses the current device and the caller's stream `caller` (0 = the legacy
+  /// default stream). Everything the backend writes for the caller (appends,
+  /// outputs) is ordered on `caller`.
+  explicit cuda_backend(cudaStream_t caller) : cuda_backend(caller, false) {}
+
+  cuda_backend(const cuda_backend&) = delete;
+  cuda_backend& operator=(const cuda_backend&) = delete;
+  ~cuda_backend() {
+    cuda_detail::ignore(cudaStreamSynchronize(caller_));
+    staging_ = device_buffer();
+  }
+
+  [[nodiscard]] std::string_view name() const noexcept { return name_; }
+  [[nodiscard]] int device() const noexcept { return device_; }
+  [[nodiscard]] cudaStream_t caller_stream() const noexcept { return caller_; }
+  [[nodiscard]] cudaStream_t copy_stream() const noexcept { return h2d_.get(); }
+  [[nodiscard]] cudaStream_t d2h_stream() const noexcept { return d2h_.get(); }
+  /// Mutation-test switches (see cuda_debug_options).
+  [[nodiscard]] cuda_debug_options& debug() noexcept { return debug_; }
+  /// Largest device staging buffer write_blocks uses for host destinations.
+  void set_max_staging_bytes(index_t bytes) noexcept { max_staging_bytes_ = std::max<index_t>(bytes, 1); }
+
+  /// cudaMalloc of `bytes`; throws resource_error naming `what` and the size.
+  device_buffer allocate_device(index_t bytes, const char* what) {
+    if (bytes <= 0) return {};
+    void* p = nullptr;
+    const cudaError_t e = cudaMalloc(&p, static_cast<std::size_t>(bytes));
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      throw resource_error(std::string(what) + ": cudaMalloc of " + format_bytes(bytes) + " of device memory failed: " +
+                           cuda_detail::cuda_error_text(e));
+    }
+    return device_buffer(static_cast<std::byte*>(p), bytes);
+  }
+
+  /// Page-locked host staging (cudaHostAlloc); throws pinned_memory_error.
+  host_allocation allocate_staging(index_t bytes) {
+    if (bytes <= 0) return {};
+    void* p = nullptr;
+    const cudaError_t e = cudaHostAlloc(&p, static_cast<std::size_t>(bytes), cudaHostAllocPortable);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      throw pinned_memory_error("pinned memory: cudaHostAlloc of " + format_bytes(bytes) +
+                                " for a staging buffer failed: " + cuda_detail::cuda_error_text(e));
+    }
+    try {
+      cuda_detail::pinned_registry::instance().add(p, bytes);
+    } catch (...) {
+      cuda_detail::ignore(cudaFreeHost(p));
+      throw;
+    }
+    return host_allocation(p, bytes, &cuda_detail::release_staging);
+  }
+
+  /// Fills `bytes` of device memory with a repeated 16-bit pattern (poisoning).
+  /// Synchronous (init-time only): later copies on other streams see the fill.
+  void fill_device(std::byte* dst, index_t bytes, std::uint16_t pattern) {
+    if (bytes <= 1) return;
+    gpu::launch_fill_u16(reinterpret_cast<std::uint16_t*>(dst), bytes / 2, pattern, caller_);
+    WS_CUDA_TRY(cudaStreamSynchronize(caller_));
+  }
+
+  /// Scatters token-major KV (device memory) into blocks. Device destinations
+  /// (the D-window) are written by a kernel on the caller stream. Host
+  /// destinations (prefill routed to the pinned / unpinned regions) go through a
+  /// device staging buffer (grown once, on first use; it is the only allocation
+  /// on this path) and D2H copies on the d2h stream, coalesced over consecutive
+  /// destination blocks, ordered after the scatter and after every earlier H2D
+  /// read (C9). Returns once pageable destinations are complete; pinned ones
+  /// complete asynchronously (read_token / synchronize_host_writes wait).
+  template <kv_layout Layout>
+  void write_blocks(const block_format<Layout>& fmt, const kv_tokens<Layout, device_space>& kv,
+                    std::span<const block_write> writes) {
+    if (writes.empty()) return;
+    gpu::scatter_params& sp = scatter_;
+    bool vec = kv.stride(fmt.layout) % 8 == 0;
+    for (int p = 0; p < 2; ++p) {
+      const bf16* plane = kv.planes[std::size_t(p < Layout::planes ? p : 0)];
+      sp.planes[p] = plane;
+      vec = vec && reinterpret_cast<std::uintptr_t>(plane) % 16 == 0;
+    }
+    sp.token_stride = kv.stride(fmt.layout);
+    sp.kv_heads = fmt.layout.kv_heads();
+    sp.block_tokens = fmt.block_tokens;
+    sp.vectorized = vec ? 1 : 0;
+    sp.num_items = 0;
+    auto push = [&](const block_write& w, bf16* dst) {
+      sp.items[sp.num_items++] = {w.src_token, dst, w.num_tokens, w.dst_token};
+      if (sp.num_items == gpu::max_scatter_items) {
+        gpu::launch_scatter<Layout>(sp, caller_);
+        sp.num_items = 0;
+      }
+    };
+    auto flush_scatter = [&] {
+      if (sp.num_items > 0) gpu::launch_scatter<Layout>(sp, caller_);
+      sp.num_items = 0;
+    };
+
+    // Device destinations: straight into the blocks, on the caller stream.
+    host_writes_.clear();
+    for (std::size_t i = 0; i < writes.size(); ++i) {
+      const block_write& w = writes[i];
+      if (w.num_tokens <= 0) continue;
+      if (w.dst_kind == memory_kind::device)
+        push(w, w.dst);
+      else
+        host_writes_.push_back(i);
+    }
+    flush_scatter();
+    if (host_writes_.empty()) return;
+
+    // Host destinations: scatter into staging block images, then D2H.
+    const index_t block_bytes = fmt.block_bytes();
+    const index_t block_elems = fmt.block_elems();
+    const index_t n = index_t(host_writes_.size());
+    ensure_staging(std::max(block_bytes, std::min(n * block_bytes, max_staging_bytes_ / block_bytes * block_bytes)));
+    const index_t per_group = staging_.size_bytes() / block_bytes;
+    bf16* staging = staging_.as<bf16>();
+    bool pageable = false;
+    for (index_t g0 = 0; g0 < n; g0 += per_group) {
+      const index_t g1 = std::min(n, g0 + per_group);
+      cuda_detail::wait(caller_, staging_free_);  // WAR: earlier D2H out of the staging buffer
+      for (index_t j = g0; j < g1; ++j) push(writes[host_writes_[std::size_t(j)]], staging + (j - g0) * block_elems);
+      flush_scatter();
+      cuda_detail::record(staged_, caller_);
+      cuda_detail::wait(d2h_.get(), staged_);  // RAW: the scatter wrote the images
+      if (!debug_.skip_block_reuse_wait) cuda_detail::wait(d2h_.get(), h2d_done_);  // C9
+      for (index_t j = g0; j < g1;) {
+        const block_write& w = writes[host_writes_[std::size_t(j)]];
+        const bf16* img = staging + (j - g0) * block_elems;
+        pageable = pageable || w.dst_kind == memory_kind::pageable_host;
+        const bool full = w.dst_token == 0 && w.num_tokens == fmt.block_tokens;
+        if (full) {  // coalesce consecutive full destination blocks
+          index_t run = 1;
+          while (j + run < g1) {
+            const block_write& x = writes[host_writes_[std::size_t(j + run)]];
+            if (x.dst_token != 0 || x.num_tokens != fmt.block_tokens || x.dst_kind != w.dst_kind ||
+                x.dst != w.dst + run * block_elems)
+              break;
+            ++run;
+          }
+          copy_d2h(w.dst, img, run * block_bytes);
+          j += run;
+        } else {  // only the written rows of every (plane, head) slice
+          const index_t slice = fmt.slice_elems();
+          const index_t row0 = index_t(w.dst_token) * Layout::row_elems;
+          const index_t len = index_t(w.num_tokens) * Layout::row_elems * index_t(sizeof(bf16));
+          for (index_t s = 0; s < index_t(Layout::planes) * fmt.layout.kv_heads(); ++s)
+            copy_d2h(w.dst + s * slice + row0, img + s * slice + row0, len);
+          ++j;
+        }
+      }
+      cuda_detail::record(staging_free_, d2h_.get());
+      cuda_detail::record(d2h_done_, d2h_.get());
+    }
+    if (pageable) WS_CUDA_TRY(cudaStreamSynchronize(d2h_.get()));
+  }
+
+  /// Eviction (paper §4.2): device -> host copies on the d2h stream, ordered
+  /// after everything enqueued on the caller stream so far (the appends that
+  /// wrote the D-window, RAW) and after every earlier H2D read of host blocks
+  /// (C9); the caller stream then waits for the copies before its next append
+  /// can overwrite the slots (WAR). Returns once pageable destinations are
+  /// complete (the CPU engine reads them in place); pinned ones land
+  /// asynchronously and the next step's streaming waits for them.
+  void copy_blocks_to_host(std::span<const block_copy> copies) {
+    if (copies.empty()) return;
+    cuda_detail::record(evict_src_, caller_);
+    if (!debug_.skip_eviction_wait) cuda_detail::wait(d2h_.get(), evict_src_);
+    if (!debug_.skip_block_reuse_wait) cuda_detail::wait(d2h_.get(), h2d_done_);
+    bool pageable = false;
+    for (const block_copy& c : copies) {
+      if (c.bytes <= 0) continue;
+      copy_d2h(c.dst, c.src, c.bytes);
+      pageable = pageable || c.dst_kind == memory_kind::pageable_host;
+    }
+    cuda_detail::record(d2h_done_, d2h_.get());
+    cuda_detail::wait(caller_, d2h_done_);
+    if (pageable) WS_CUDA_TRY(cudaStreamSynchronize(d2h_.get()));
+  }
+
+  /// Device -> host copy ordered after the caller stream; complete on return.
+  void copy_to_host_sync(void* dst, const std::byte* src, index_t bytes) {
+    if (bytes <= 0) return;
+    WS_CUDA_TRY(cudaMemcpyAsync(dst, src, static_cast<std::size_t>(bytes), cudaMemcpyDeviceToHost, caller_));
+    WS_CUDA_TRY(cudaStreamSynchronize(caller_));
+  }
+
+  /// Waits until every host block written by write_blocks / copy_blocks_to_host
+  /// has landed (inplace_kv_cache::read_token calls it before reading host memory).
+  void synchronize_host_writes() { WS_CUDA_TRY(cudaStreamSynchronize(d2h_.get())); }
+
+  /// Waits for the caller, copy and d2h streams.
+  void synchronize() {
+    WS_CUDA_TRY(cudaStreamSynchronize(caller_));
+    WS_CUDA_TRY(cudaStreamSynchronize(h2d_.get()));
+    WS_CUDA_TRY(cudaStreamSynchronize(d2h_.get()));
+  }
+
+  /// The GPU side of a decode step for one layout (one per cache).
+  template <kv_layout Layout>
+  class gpu_engine;
+
+ private:
+  cuda_backend(cudaStream_t caller, bool create) {
+    WS_CUDA_TRY(cudaGetDevice(&device_));
+    cudaDeviceProp prop{};
+    WS_CUDA_TRY(cudaGetDeviceProperties(&prop, device_));
+    name_ = std::string("cuda (") + prop.name + ", device " + std::to_string(device_) + ")";
+    if (create) {
+      own_caller_ = cuda_detail::unique_stream::create();
+      caller_ = own_caller_.get();
+    } else {
+      caller_ = caller;
+    }
+    h2d_ = cuda_detail::unique_stream::create();
+    d2h_ = cuda_detail::unique_stream::create();
+    h2d_done_ = cuda_detail::unique_event::create();
+    d2h_done_ = cuda_detail::unique_event::create();
+    staged_ = cuda_detail::unique_event::create();
+    staging_free_ = cuda_detail::unique_event::create();
+    evict_src_ = cuda_detail::unique_event::create();
+  }
+
+  // Device -> host, split where the host range crosses a page-locked
+  // registration (the driver rejects such copies).
+  void copy_d2h(void* dst, const void* src, index_t bytes) {
+    cuda_detail::pinned_registry::instance().split(dst, bytes, [&](index_t off, index_t len) {
+      WS_CUDA_TRY(cudaMemcpyAsync(static_cast<std::byte*>(dst) + off, static_cast<const std::byte*>(src) + off,
+                                  static_cast<std::size_t>(len), cudaMemcpyDeviceToHost, d2h_.get()));
+    });
+  }
+
+  void ensure_staging(index_t bytes) {
+    if (staging_.size_bytes() >= bytes) return;
+    WS_CUDA_TRY(cudaStreamSynchronize(caller_));  // nothing may still use the old buffer
+    WS_CUDA_TRY(cudaStreamSynchronize(d2h_.get()));
+    staging_ = device_buffer();
+    staging_ = allocate_device(bytes, "prefill staging buffer");
+  }
+
+  int device_ = 0;
+  std::string name_;
+  cuda_detail::unique_stream own_caller_;
+  cudaStream_t caller_ = nullptr;
+  cuda_detail::unique_stream h2d_, d2h_;
+  cuda_detail::unique_event h2d_done_, d2h_done_, staged_, staging_free_, evict_src_;
+  cuda_debug_options debug_{};
+  index_t max_staging_bytes_ = index_t{64} << 20;
+  device_buffer staging_;
+  gpu::scatter_params scatter_{};
+  std::vector<std::size_t> host_writes_;
+};
+
+/// The GPU side of a decode step of one layer (DESIGN.md §5 steps 2, 4, 5):
+/// the same interface and the same order of work as host_backend::gpu_engine.
+///
+/// Per launch, on the engine's compute stream unless noted:
+///   q D2H into pinned staging (own stream, after the caller's event);
+///   streamed state := empty;
+///   for each plan chunk c, buffer b = chunk.buffer:
+///     h2d: wait consumed[b]; copy the chunk's runs into ping-pong[b]; record filled[b]
+///     compute: wait filled[b]; attend the chunk's splits (per-split partials);
+///              record consumed[b]; fold the partials into each sequence's
+///              running streamed state, in split order
+///   D-window attention (ragged: only the valid rows are read);
+/// finish(): CPU partial H2D, then on the caller stream
+///   out = (streamed ⊕ D-window) ⊕ CPU  (merge_state_row semantics).
+/// Deterministic and batch-invariant: partial boundaries come from the plan
+/// (each sequence's own blocks) and every merge runs in a fixed order.
+///
+/// Workspaces are allocated at construction for `max_batch` sequences; launch
+/// allocates nothing and never blocks the host, so a step can be captured in a
+/// CUDA graph apart from the host-side CPU engine. One engine per cache: the
+/// filled/consumed events guard the ping-pong buffers of the cache it serves.
+template <kv_layout Layout>
+class cuda_backend::gpu_engine {
+ public:
+  using args_type = gpu_step_args<Layout, device_space>;
+  static constexpr int Q = Layout::q_dim;
+  static constexpr int V = Layout::v_dim;
+
+  /// max_batch: sequences per step. Allocates device workspaces and pinned
+  /// staging; throws resource_error / pinned_memory_error when refused.
+  gpu_engine(cuda_backend& backend, const Layout& layout, int max_batch)
+      : be_(&backend), layout_(layout), max_batch_(std::max(max_batch, 0)), hq_(layout.num_q_heads()) {
+    const index_t rows = index_t(max_batch_) * hq_;
+    const index_t split_rows = index_t(gpu::max_attend_items) * hq_;
+    streamed_o_ = be_->allocate_device(rows * V * 4, "streamed partial state");
+    streamed_lse_ = be_->allocate_device(rows * 4, "streamed partial state");
+    window_o_ = be_->allocate_device(rows * V * 4, "D-window partial state");
+    window_lse_ = be_->allocate_device(rows * 4, "D-window partial state");
+    cpu_o_ = be_->allocate_device(rows * V * 4, "CPU partial state");
+    cpu_lse_ = be_->allocate_device(rows * 4, "CPU partial state");
+    split_o_ = be_->allocate_device(split_rows * V * 4, "split partial workspace");
+    split_lse_ = be_->allocate_device(split_rows * 4, "split partial workspace");
+    q_host_ = be_->allocate_staging(rows * Q * 4);
+    cpu_o_host_ = be_->allocate_staging(rows * V * 4);
+    cpu_lse_host_ = be_->allocate_staging(rows * 4);
+    compute_ = cuda_detail::unique_stream::create();
+    qstream_ = cuda_detail::unique_stream::create();
+    launch_ev_ = cuda_detail::unique_event::create();
+    q_done_ = cuda_detail::unique_event::create();
+    compute_done_ = cuda_detail::unique_event::create();
+    cpu_h2d_done_ = cuda_detail::unique_event::create();
+    for (int b = 0; b < max_ping_pong_buffers; ++b) {
+      filled_[std::size_t(b)] = cuda_detail::unique_event::create();
+      consumed_[std::size_t(b)] = cuda_detail::unique_event::create();
+    }
+    for (int s = 0; s < 2; ++s) {
+      t_start_[std::size_t(s)] = cuda_detail::unique_event::create(true);
+      t_end_[std::size_t(s)] = cuda_detail::unique_event::create(true);
+    }
+  }
+  gpu_engine(const gpu_engine&) = delete;
+  gpu_engine& operator=(const gpu_engine&) = delete;
+  /// Waits for this engine's work (and the shared copy stream) before freeing.
+  ~gpu_engine() {
+    cuda_detail::ignore(cudaStreamSynchronize(be_->caller_));
+    cuda_detail::ignore(cudaStreamSynchronize(be_->h2d_.get()));
+  }
+
+  /// Starts the GPU side of one step; returns at once (enqueues only). `a.q`
+  /// (device), the D-window slots, the ping-pong buffers and the pinned
+  /// sources of a.plan must stay valid until the step's work completes (the
+  /// caller stream passes the merge); the plan and window list themselves are
+  /// read during the call only. Throws shape_error / config_error before
+  /// enqueueing anything for inconsistent arguments; in debug builds
+  /// (WS_DEBUG_CHECKS()) pinned_memory_error for a source that is not page-locked.
+  void launch(const args_type& a) {
+    validate(a);
+    const cuda_debug_options dbg = be_->debug_;
+    const stream_plan& plan = *a.plan;
+    const index_t rows = index_t(a.batch) * hq_;
+    const index_t block_elems = a.format.block_elems();
+    const index_t block_bytes = a.format.block_bytes();
+    cudaStream_t caller = be_->caller_;
+    cudaStream_t h2d = be_->h2d_.get();
+    cudaStream_t comp = compute_.get();
+    batch_ = a.batch;
+    launched_ = true;
+
+    // 0. The caller stream has written the appended KV and q up to here.
+    cuda_detail::record(launch_ev_, caller);
+
+    // 1. q -> pinned staging for the CPU engine.
+    if (!dbg.skip_caller_event) cuda_detail::wait(qstream_.get(), launch_ev_);
+    if (rows > 0)
+      WS_CUDA_TRY(cudaMemcpyAsync(q_host_.data(), a.q.data(), static_cast<std::size_t>(rows * Q * 4),
+                                  cudaMemcpyDeviceToHost, qstream_.get()));
+    cuda_detail::record(q_done_, qstream_.get());
+
+    // 2. Compute stream after the caller; copy stream after pending D2H writes.
+    if (!dbg.skip_caller_event) cuda_detail::wait(comp, launch_ev_);
+    if (!dbg.skip_landing_wait) cuda_detail::wait(h2d, be_->d2h_done_);
+    const int slot = timing_slot_;
+    cuda_detail::record(t_start_[std::size_t(slot)], h2d);
+    if (a.poison_workspaces) {
+      WS_CUDA_TRY(cudaMemsetAsync(split_o_.data(), 0xff, static_cast<std::size_t>(split_o_.size_bytes()), comp));
+      WS_CUDA_TRY(cudaMemsetAsync(split_lse_.data(), 0xff, static_cast<std::size_t>(split_lse_.size_bytes()), comp));
+      WS_CUDA_TRY(cudaMemsetAsync(window_o_.data(), 0xff, static_cast<std::size_t>(rows * V * 4), comp));
+      WS_CUDA_TRY(cudaMemsetAsync(window_lse_.data(), 0xff, static_cast<std::size_t>(rows * 4), comp));
+    }
+    gpu::launch_init_state<Layout>(streamed_o_.as<float>(), streamed_lse_.as<float>(), rows, comp);
+
+    gpu::attend_params& ap = attend_;
+    ap.q = a.q.data();
+    ap.block_elems = block_elems;
+    ap.scale = a.softmax_scale;
+    ap.hq = hq_;
+    ap.hkv = layout_.kv_heads();
+    ap.group = layout_.group_size();
+    ap.block_tokens = a.format.block_tokens;
+
+    // 3. Stream the chunks through ping-pong; attend and fold each.
+    for (const stream_chunk& c : plan.chunks) {
+      const auto b = std::size_t(c.buffer);
+      bf16* buf = a.ping_pong[b];
+      if (!dbg.skip_consumed_wait) cuda_detail::wait(h2d, consumed_[b]);  // WAR
+      for (index_t r = c.run_begin; r < c.run_end; ++r) {
+        const stream_run& run = plan.runs[std::size_t(r)];
+        copy_h2d(buf + run.dst_block * block_elems, run.src, run.num_blocks * block_bytes, h2d);
+      }
+      cuda_detail::record(filled_[b], h2d);
+      if (!dbg.skip_filled_wait) cuda_detail::wait(comp, filled_[b]);  // RAW
+      for (index_t s0 = c.split_begin; s0 < c.split_end; s0 += gpu::max_attend_items) {
+        const index_t s1 = std::min<index_t>(c.split_end, s0 + gpu::max_attend_items);
+        ap.out_o = split_o_.as<float>();
+        ap.out_lse = split_lse_.as<float>();
+        ap.delay_cycles = dbg.consumer_delay_cycles;
+        ap.num_items = int(s1 - s0);
+        gpu::fold_params& fp = fold_;
+        fp.state_o = streamed_o_.as<float>();
+        fp.state_lse = streamed_lse_.as<float>();
+        fp.split_o = split_o_.as<float>();
+        fp.split_lse = split_lse_.as<float>();
+        fp.hq = hq_;
+        fp.num_segments = 0;
+        for (index_t s = s0; s < s1; ++s) {
+          const stream_split& sp = plan.splits[std::size_t(s)];
+          const int local = int(s - s0);
+          ap.items[local] = {buf + sp.first_block * block_elems, sp.num_blocks * a.format.block_tokens,
+                             sp.batch_index, local, 0};
+          if (fp.num_segments > 0 && fp.segments[fp.num_segments - 1].batch_index == sp.batch_index)
+            fp.segments[fp.num_segments - 1].split_end = local + 1;
+          else
+            fp.segments[fp.num_segments++] = {sp.batch_index, local, local + 1};
+        }
+        gpu::launch_attend<Layout>(ap, comp);
+        if (s1 == c.split_end) cuda_detail::record(consumed_[b], comp);  // last reader of buffer b
+        gpu::launch_fold<Layout>(fp, comp);
+      }
+    }
+    cuda_detail::record(be_->h2d_done_, h2d);  // C9: D2H into host blocks waits for this
+
+    // 4. D-window attention.
+    ap.out_o = window_o_.as<float>();
+    ap.out_lse = window_lse_.as<float>();
+    ap.delay_cycles = 0;
+    for (int i0 = 0; i0 < a.batch; i0 += gpu::max_attend_items) {
+      const int i1 = std::min(a.batch, i0 + gpu::max_attend_items);
+      ap.num_items = i1 - i0;
+      for (int i = i0; i < i1; ++i) {
+        const window_ref& w = a.windows[std::size_t(i)];
+        ap.items[i - i0] = {w.slot, w.tokens, i, i, 0};
+      }
+      gpu::launch_attend<Layout>(ap, comp);
+    }
+    cuda_detail::record(t_end_[std::size_t(slot)], comp);
+    cuda_detail::record(compute_done_, comp);
+    timing_pending_[std::size_t(slot)] = true;
+    last_slot_ = slot;
+    timing_slot_ = slot ^ 1;
+  }
+
+  /// Host-readable queries of the launched step ([batch][Hq][q_dim], pinned
+  /// staging). Waits only for their D2H copy.
+  [[nodiscard]] const float* host_queries() {
+    WS_CUDA_TRY(cudaEventSynchronize(q_done_.get()));
+    return reinterpret_cast<const float*>(q_host_.data());
+  }
+
+  /// Where the CPU engine writes its merged partial: dense [batch][Hq][v_dim] /
+  /// [batch][Hq] in pinned staging. Waits until the previous step's upload of
+  /// this buffer has finished (C9: a pinned source is never rewritten while an
+  /// H2D still reads it).
+  [[nodiscard]] host_partial_view<float> cpu_partial(int batch) {
+    WS_CUDA_TRY(cudaEventSynchronize(cpu_h2d_done_.get()));
+    return host_partial_view<float>::dense(reinterpret_cast<float*>(cpu_o_host_.data()),
+                                           reinterpret_cast<float*>(cpu_lse_host_.data()), batch, hq_, V);
+  }
+
+  /// Uploads the CPU partial (tiny) and merges (streamed ⊕ D-window) ⊕ CPU into
+  /// `o` (device) on the caller stream; does not block the host (unless
+  /// o.debug is set: then it waits and copies every partial to the host).
+  /// Returns the GPU side's seconds (CUDA events: start of streaming to the
+  /// end of the D-window kernel, merge excluded) of the most recent launch of
+  /// this engine whose work has completed — usually the previous layer's, so
+  /// no sync is needed; 0 before any has completed. gpu_seconds_sync() gives
+  /// the exact value of the last launch.
+  double finish(const step_outputs<device_space>& o) {
+    if (!launched_) throw state_error("gpu_engine::finish: no step was launched");
+    const index_t rows = index_t(batch_) * hq_;
+    if (o.out.size() < rows * V)
+      throw shape_error("gpu_engine::finish: out has " + std::to_string(o.out.size()) + " elements, needs " +
+                        std::to_string(rows * V));
+    if (!o.lse.empty() && o.lse.size() < rows)
+      throw shape_error("gpu_engine::finish: lse has " + std::to_string(o.lse.size()) + " elements, needs " +
+                        std::to_string(rows));
+    launched_ = false;
+    cudaStream_t caller = be_->caller_;
+    if (rows > 0) {
+      WS_CUDA_TRY(cudaMemcpyAsync(cpu_o_.data(), cpu_o_host_.data(), static_cast<std::size_t>(rows * V * 4),
+                                  cudaMemcpyHostToDevice, caller));
+      WS_CUDA_TRY(cudaMemcpyAsync(cpu_lse_.data(), cpu_lse_host_.data(), static_cast<std::size_t>(rows * 4),
+                                  cudaMemcpyHostToDevice, caller));
+    }
+    cuda_detail::record(cpu_h2d_done_, caller);
+    cuda_detail::wait(caller, compute_done_);  // streamed and D-window partials are final
+    cuda_detail::wait(caller, q_done_);        // the caller may overwrite q after this
+    gpu::merge_params mp{};
+    mp.streamed_o = streamed_o_.as<float>();
+    mp.streamed_lse = streamed_lse_.as<float>();
+    mp.window_o = window_o_.as<float>();
+    mp.window_lse = window_lse_.as<float>();
+    mp.cpu_o = cpu_o_.as<float>();
+    mp.cpu_lse = cpu_lse_.as<float>();
+    mp.out = o.out.data();
+    mp.out_lse = o.lse.empty() ? nullptr : o.lse.data();
+    mp.rows = rows;
+    gpu::launch_merge<Layout>(mp, caller);
+    if (o.debug) copy_debug(*o.debug, rows);
+    return completed_gpu_seconds();
+  }
+
+  /// Waits for the last launch's GPU side and returns its exact seconds.
+  double gpu_seconds_sync() {
+    const auto s = std::size_t(last_slot_);
+    if (!timing_pending_[s]) return last_seconds_;
+    WS_CUDA_TRY(cudaEventSynchronize(t_end_[s].get()));
+    WS_CUDA_TRY(cudaEventSynchronize(t_start_[s].get()));
+    read_timing(s);
+    return last_seconds_;
+  }
+
+  /// The engine's compute stream (diagnostics).
+  [[nodiscard]] cudaStream_t compute_stream() const noexcept { return compute_.get(); }
+
+ private:
+  void validate(const args_type& a) const {
+    if (a.batch < 0 || a.batch > max_batch_)
+      throw shape_error("gpu_engine::launch: batch " + std::to_string(a.batch) + " outside [0, " +
+                        std::to_string(max_batch_) + "] (max_batch of the engine)");
+    if (a.plan == nullptr) throw shape_error("gpu_engine::launch: no stream plan");
+    if (index_t(a.windows.size()) < a.batch)
+      throw shape_error("gpu_engine::launch: " + std::to_string(a.windows.size()) + " D-window refs for a batch of " +
+                        std::to_string(a.batch));
+    if (a.q.size() < index_t(a.batch) * hq_ * Q)
+      throw shape_error("gpu_engine::launch: q has " + std::to_string(a.q.size()) + " elements, needs " +
+                        std::to_string(index_t(a.batch) * hq_ * Q));
+    if (a.ping_pong.size() > std::size_t(max_ping_pong_buffers))
+      throw config_error("gpu_engine::launch: " + std::to_string(a.ping_pong.size()) +
+                         " ping-pong buffers; cuda_backend supports at most " +
+                         std::to_string(max_ping_pong_buffers));
+    if (a.format.layout.num_q_heads() != hq_ || a.format.layout.kv_heads() != layout_.kv_heads())
+      throw shape_error("gpu_engine::launch: the step's layout differs from the engine's");
+    for (const stream_chunk& c : a.plan->chunks)
+      if (c.buffer < 0 || std::size_t(c.buffer) >= a.ping_pong.size())
+        throw shape_error("gpu_engine::launch: plan chunk uses ping-pong buffer " + std::to_string(c.buffer) + " of " +
+                          std::to_string(a.ping_pong.size()));
+    if (WS_DEBUG_CHECKS() && !be_->debug_.allow_pageable_sources)
+      for (const stream_run& r : a.plan->runs) require_page_locked(r.src, r.num_blocks * a.format.block_bytes());
+  }
+
+  // FAULT-KINDS C9: a pageable source silently makes the copy synchronous and
+  // staged (and hides ordering bugs). Debug builds refuse it.
+  static void require_page_locked(const void* p, index_t bytes) {
+    if (bytes <= 0 || cuda_detail::pinned_registry::instance().contains(p, bytes)) return;
+    const void* ends[2] = {p, static_cast<const std::byte*>(p) + (bytes - 1)};
+    for (const void* q : ends) {
+      cudaPointerAttributes attr{};
+      if (cudaPointerGetAttributes(&attr, q) != cudaSuccess) {
+        (void)cudaGetLastError();
+        attr.type = cudaMemoryTypeUnregistered;
+      }
+      if (attr.type != cudaMemoryTypeHost) {
+        char addr[32];
+        std::snprintf(addr, sizeof addr, "%p", q);
+        throw pinned_memory_error(
+            std::string("pinned memory: the H2D source at ") + addr + " (a run of " + format_bytes(bytes) +
+            " of the pinned load region) is not page-locked, so the copy would be synchronous and staged "
+            "(FAULT-KINDS C9); use cuda_host_alloc or cuda_host_register, or set "
+            "cuda_debug_options::allow_pageable_sources for the pageable ablation");
+      }
+    }
+  }
+
+  // Host -> device, split where the source crosses a page-locked registration.
+  static void copy_h2d(bf16* dst, const bf16* src, index_t bytes, cudaStream_t s) {
+    cuda_detail::pinned_registry::instance().split(src, bytes, [&](index_t off, index_t len) {
+      WS_CUDA_TRY(cudaMemcpyAsync(reinterpret_cast<std::byte*>(dst) + off, reinterpret_cast<const std::byte*>(src) + off,
+                                  static_cast<std::size_t>(len), cudaMemcpyHostToDevice, s));
+    });
+  }
+
+  void read_timing(std::size_t s) {
+    float ms = 0.0f;
+    WS_CUDA_TRY(cudaEventElapsedTime(&ms, t_start_[s].get(), t_end_[s].get()));
+    last_seconds_ = std::max(0.0, double(ms) * 1e-3);
+    timing_pending_[s] = false;
+  }
+
+  double completed_gpu_seconds() {
+    for (const int s : {last_slot_ ^ 1, last_slot_}) {  // older first: the newest completed wins
+      const auto i = std::size_t(s);
+      if (timing_pending_[i] && cuda_detail::event_done(t_end_[i]) && cuda_detail::event_done(t_start_[i]))
+        read_timing(i);
+    }
+    return last_seconds_;
+  }
+
+  void copy_debug(debug_partials& d, index_t rows) {
+    cudaStream_t caller = be_->caller_;
+    WS_CUDA_TRY(cudaStreamSynchronize(caller));
+    const auto n_o = std::size_t(rows * V);
+    const auto n_l = std::size_t(rows);
+    d.streamed_o.resize(n_o);
+    d.streamed_lse.resize(n_l);
+    d.window_o.resize(n_o);
+    d.window_lse.resize(n_l);
+    const std::pair<std::vector<float>*, const device_buffer*> pairs[] = {
+        {&d.streamed_o, &streamed_o_}, {&d.streamed_lse, &streamed_lse_}, {&d.window_o, &window_o_},
+        {&d.window_lse, &window_lse_}};
+    for (const auto& [vec, buf] : pairs)
+      if (!vec->empty())
+        WS_CUDA_TRY(cudaMemcpyAsync(vec->data(), buf->data(), vec->size() * sizeof(float), cudaMemcpyDeviceToHost,
+                                    caller));
+    WS_CUDA_TRY(cudaStreamSynchronize(caller));
+    const auto* co = reinterpret_cast<const float*>(cpu_o_host_.data());
+    const auto* cl = reinterpret_cast<const float*>(cpu_lse_host_.data());
+    d.cpu_o.assign(co, co + n_o);
+    d.cpu_lse.assign(cl, cl + n_l);
+  }
+
+  cuda_backend* be_;
+  Layout layout_;
+  int max_batch_;
+  int hq_;
+  int batch_ = 0;
+  bool launched_ = false;
+  device_buffer streamed_o_, streamed_lse_, window_o_, window_lse_, cpu_o_, cpu_lse_, split_o_, split_lse_;
+  host_allocation q_host_, cpu_o_host_, cpu_lse_host_;
+  cuda_detail::unique_stream compute_, qstream_;
+  cuda_detail::unique_event launch_ev_, q_done_, compute_done_, cpu_h2d_done_;
+  std::array<cuda_detail::unique_event, max_ping_pong_buffers> filled_, consumed_;
+  std::array<cuda_detail::unique_event, 2> t_start_, t_end_;
+  std::array<bool, 2> timing_pending_{false, false};
+  int timing_slot_ = 0;
+  int last_slot_ = 0;
+  double last_seconds_ = 0.0;
+  gpu::attend_params attend_{};
+  gpu::fold_params fold_{};
+};
+
+static_assert(backend<cuda_backend>);
+
+}  // namespace writescope

@@ -1,0 +1,494 @@
+// writescope/cuda/kernels.cuh — the GPU side of a decode step (DESIGN.md §5,
+// paper §4.2, §6): split attention over streamed ping-pong chunks and over the
+// D-window, the in-order fold of split partials, the final LSE merge, the
+// scatter of appended KV into blocks, and two small helpers (fill, spin).
+// nvcc only. Host code includes kernels.hpp (declarations) and links one .cu
+// that includes this file and instantiates its layouts:
+//
+//     #include <writescope/cuda/kernels.cuh>
+//     WS_CUDA_INSTANTIATE_COMMON()                        // exactly once per program
+//     WS_CUDA_INSTANTIATE(writescope::gqa_layout<128>)    // once per layout used
+//     WS_CUDA_INSTANTIATE(writescope::mla_layout<512, 64>)
+//
+// (at global namespace scope; compile with -std=c++20 and the target
+// architecture, e.g. -arch=sm_90). Keep the instantiated set short: each
+// layout costs five kernels of compile time.
+//
+// Numerics (DESIGN.md §4): KV is bf16 in memory and widened exactly; scores,
+// running max, running sum and outputs are fp32; exp/log are the natural-base
+// expf/logf (no exp2, so no base conversion is needed: FAULT-KINDS K2); the
+// running max starts at -inf (never a finite stand-in); an item with no tokens
+// yields the empty partial (o = 0, lse = -inf); merges follow merge_state_row
+// (partial_state.hpp) exactly, including its identities for empty partials.
+// Every reduction has a fixed order: results are deterministic and do not depend
+// on other items of the launch (batch invariance, K10).
+//
+// Attention kernel design (a simple one: the streamed side is bound by PCIe at
+// ≈ 55 GB/s, far below what even a plain kernel reads from HBM). One CTA of 256
+// threads attends one item (a streamed split or a D-window) for one KV head and
+// up to 16 query heads of its group. Per tile of 32 tokens it copies the K (and
+// V) rows into shared memory with 16-byte loads (MLA: one 576-wide row serves
+// both products and all heads), computes the 16×32 scores with one lane per
+// token and one warp per two heads, updates the online softmax per head inside
+// the warp (shuffles), and accumulates P·V with each thread owning 8 output
+// columns of a few heads. Rows past the item's valid tokens are never read.
+#pragma once
+
+#if !defined(__CUDACC__)
+#  error "writescope/cuda/kernels.cuh must be compiled by nvcc; host code includes kernels.hpp"
+#endif
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../layout.hpp"
+#include "cuda_error.hpp"
+#include "kernels.hpp"
+
+namespace writescope::gpu::detail {
+
+// -----------------------------------------------------------------------------
+// Device helpers
+// -----------------------------------------------------------------------------
+
+/// Eight bf16 (one 16-byte vector) widened to fp32, exactly.
+__device__ __forceinline__ void unpack8(const uint4 v, float (&f)[8]) {
+  f[0] = __uint_as_float(v.x << 16);
+  f[1] = __uint_as_float(v.x & 0xffff0000u);
+  f[2] = __uint_as_float(v.y << 16);
+  f[3] = __uint_as_float(v.y & 0xffff0000u);
+  f[4] = __uint_as_float(v.z << 16);
+  f[5] = __uint_as_float(v.z & 0xffff0000u);
+  f[6] = __uint_as_float(v.w << 16);
+  f[7] = __uint_as_float(v.w & 0xffff0000u);
+}
+
+// Butterfly reductions: every lane ends with the same value (each step adds a
+// pair in both orders, and fp addition is commutative), so the result is
+// deterministic and uniform across the warp.
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+/// One element of merge_state_row (partial_state.hpp): (oa, la) ⊕= (ob, lb).
+/// Exact identities: an empty b leaves a untouched; an empty a takes b as is.
+__device__ __forceinline__ void merge_into(float& oa, float& la, float ob, float lb) {
+  if (lb == -INFINITY) return;
+  if (la == -INFINITY) {
+    oa = ob;
+    la = lb;
+    return;
+  }
+  const float m = la > lb ? la : lb;
+  const float wa = expf(la - m);
+  const float wb = expf(lb - m);
+  const float s = wa + wb;
+  const float ca = wa / s;
+  const float cb = wb / s;
+  oa = oa * ca + ob * cb;
+  la = m + logf(s);
+}
+
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+
+// -----------------------------------------------------------------------------
+// Attention over items
+// -----------------------------------------------------------------------------
+
+template <class L>
+struct attend_cfg {
+  static constexpr int threads = 256;
+  static constexpr int warps = threads / 32;
+  static constexpr int tile = 32;                          ///< tokens per tile: one per lane
+  static constexpr int heads = attend_heads_per_cta;       ///< query heads per CTA
+  static constexpr int heads_per_warp = heads / warps;     ///< score/softmax phase
+  static constexpr int R = L::row_elems;
+  static constexpr int V = L::v_dim;
+  static constexpr int RP = R + 8;                         ///< padded smem row (bf16): 16-byte rows land on distinct banks
+  static constexpr int RC = R / 8;                         ///< 16-byte chunks per row
+  static constexpr int VC = V / 8;                         ///< 8-column groups of the output
+  static constexpr bool shared_kv = L::is_mla;             ///< V = first v_dim elements of the K row
+  static constexpr int NH = threads / VC;                  ///< head lanes of the P·V phase
+  static constexpr int HPT = (heads + NH - 1) / NH;        ///< heads per thread in the P·V phase
+  static constexpr int PS = tile + 1;                      ///< padded probability row
+  static constexpr unsigned q_off = 0;
+  static constexpr unsigned k_off = q_off + unsigned(sizeof(float)) * heads * R;
+  static constexpr unsigned v_off = k_off + unsigned(sizeof(std::uint16_t)) * tile * RP;
+  static constexpr unsigned p_off = v_off + (shared_kv ? 0u : unsigned(sizeof(std::uint16_t)) * tile * RP);
+  static constexpr unsigned stat_off = p_off + unsigned(sizeof(float)) * heads * PS;
+  static constexpr unsigned smem_bytes = stat_off + unsigned(sizeof(float)) * 3 * heads;
+
+  static_assert(heads % warps == 0, "attend: heads per CTA must be a multiple of the warps");
+  static_assert(R % 8 == 0 && V % 8 == 0 && V <= R, "attend: rows must be whole 16-byte vectors");
+  static_assert(VC <= threads && threads % VC == 0, "attend: v_dim/8 must divide the thread count");
+  static_assert(L::q_dim == R, "attend: a query head is as wide as a key row");
+  static_assert(k_off % 16 == 0 && v_off % 16 == 0 && p_off % 16 == 0, "attend: smem regions must be 16-byte aligned");
+};
+
+template <class L>
+__global__ void __launch_bounds__(256) attend_kernel(const __grid_constant__ attend_params p) {
+  using C = attend_cfg<L>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* qs = reinterpret_cast<float*>(smem + C::q_off);
+  std::uint16_t* ks = reinterpret_cast<std::uint16_t*>(smem + C::k_off);
+  std::uint16_t* vs = C::shared_kv ? ks : reinterpret_cast<std::uint16_t*>(smem + C::v_off);
+  float* ps = reinterpret_cast<float*>(smem + C::p_off);
+  float* alpha_s = reinterpret_cast<float*>(smem + C::stat_off);
+  float* m_s = alpha_s + C::heads;
+  float* l_s = m_s + C::heads;
+
+  const attend_item& it = p.items[blockIdx.x];
+  const int kvh = int(blockIdx.y);
+  const int g0 = int(blockIdx.z) * C::heads;
+  const int gc = imin(C::heads, p.group - g0);  // heads of this CTA
+  const int tid = int(threadIdx.x);
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int tokens = it.tokens;
+  const int bt = p.block_tokens;
+
+  if (p.delay_cycles > 0) {  // debug: a slow consumer (race tests)
+    if (tid == 0) {
+      const long long t0 = clock64();
+      while (clock64() - t0 < p.delay_cycles) {
+      }
+    }
+    __syncthreads();
+  }
+
+  // Queries of this CTA's heads, pre-scaled, fp32.
+  const index_t qrow0 = index_t(it.q_seq) * p.hq + index_t(kvh) * p.group + g0;
+  for (int i = tid; i < gc * C::R; i += C::threads) {
+    const int g = i / C::R;
+    const int e = i - g * C::R;
+    qs[g * C::R + e] = p.q[(qrow0 + g) * C::R + e] * p.scale;
+  }
+
+  const index_t slice = index_t(bt) * C::R;
+  const auto* kbase = reinterpret_cast<const std::uint16_t*>(it.base) + (index_t(L::key_plane) * p.hkv + kvh) * slice;
+  const auto* vbase = reinterpret_cast<const std::uint16_t*>(it.base) + (index_t(L::value_plane) * p.hkv + kvh) * slice;
+
+  float m[C::heads_per_warp];
+  float l[C::heads_per_warp];
+#pragma unroll
+  for (int j = 0; j < C::heads_per_warp; ++j) {
+    m[j] = -INFINITY;
+    l[j] = 0.0f;
+  }
+  float acc[C::HPT][8];
+#pragma unroll
+  for (int jj = 0; jj < C::HPT; ++jj)
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[jj][k] = 0.0f;
+  const int vc = tid % C::VC;  // this thread's 8 output columns: [8*vc, 8*vc+8)
+  const int hl = tid / C::VC;  // and heads hl, hl+NH, ...
+
+  for (int t0 = 0; t0 < tokens; t0 += C::tile) {
+    const int n = imin(C::tile, tokens - t0);
+    __syncthreads();  // queries written / previous tile fully consumed
+
+    // 1. Tile rows [t0, t0+n) -> shared memory, 16 bytes per load.
+#pragma unroll 4
+    for (int i = tid; i < n * C::RC; i += C::threads) {
+      const int r = i / C::RC;
+      const int c = i - r * C::RC;
+      const int tok = t0 + r;
+      const int blk = tok / bt;
+      const index_t off = index_t(blk) * p.block_elems + index_t(tok - blk * bt) * C::R + c * 8;
+      *reinterpret_cast<uint4*>(ks + r * C::RP + c * 8) = *reinterpret_cast<const uint4*>(kbase + off);
+      if constexpr (!C::shared_kv)
+        *reinterpret_cast<uint4*>(vs + r * C::RP + c * 8) = *reinterpret_cast<const uint4*>(vbase + off);
+    }
+    __syncthreads();
+
+    // 2. Scores: lane = token, warp = heads warp, warp+8 (same thread keeps them).
+    float s[C::heads_per_warp];
+#pragma unroll
+    for (int j = 0; j < C::heads_per_warp; ++j) s[j] = 0.0f;
+    if (lane < n) {
+      const std::uint16_t* krow = ks + lane * C::RP;
+#pragma unroll 2
+      for (int c = 0; c < C::RC; ++c) {
+        float kf[8];
+        unpack8(*reinterpret_cast<const uint4*>(krow + c * 8), kf);
+#pragma unroll
+        for (int j = 0; j < C::heads_per_warp; ++j) {
+          const int g = warp + C::warps * j;
+          if (g < gc) {
+            const float4 qa = *reinterpret_cast<const float4*>(qs + g * C::R + c * 8);
+            const float4 qb = *reinterpret_cast<const float4*>(qs + g * C::R + c * 8 + 4);
+            float t = s[j];
+            t = fmaf(qa.x, kf[0], t);
+            t = fmaf(qa.y, kf[1], t);
+            t = fmaf(qa.z, kf[2], t);
+            t = fmaf(qa.w, kf[3], t);
+            t = fmaf(qb.x, kf[4], t);
+            t = fmaf(qb.y, kf[5], t);
+            t = fmaf(qb.z, kf[6], t);
+            t = fmaf(qb.w, kf[7], t);
+            s[j] = t;
+          }
+        }
+      }
+    }
+
+    // 3. Online softmax per head, inside its warp.
+#pragma unroll
+    for (int j = 0; j < C::heads_per_warp; ++j) {
+      const int g = warp + C::warps * j;
+      if (g < gc) {  // warp-uniform
+        const float sv = lane < n ? s[j] : -INFINITY;
+        const float m_new = fmaxf(m[j], warp_max(sv));  // finite: n >= 1
+        const float alpha = m[j] == -INFINITY ? 0.0f : expf(m[j] - m_new);
+        const float pv = lane < n ? expf(sv - m_new) : 0.0f;
+        l[j] = l[j] * alpha + warp_sum(pv);
+        m[j] = m_new;
+        ps[g * C::PS + lane] = pv;
+        if (lane == 0) alpha_s[g] = alpha;
+      }
+    }
+    __syncthreads();
+
+    // 4. Rescale and accumulate P·V.
+#pragma unroll
+    for (int jj = 0; jj < C::HPT; ++jj) {
+      const int g = hl + C::NH * jj;
+      if (g < gc) {
+        const float a = alpha_s[g];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[jj][k] *= a;
+      }
+    }
+    for (int r = 0; r < n; ++r) {
+      float vf[8];
+      unpack8(*reinterpret_cast<const uint4*>(vs + r * C::RP + vc * 8), vf);
+#pragma unroll
+      for (int jj = 0; jj < C::HPT; ++jj) {
+        const int g = hl + C::NH * jj;
+        if (g < gc) {
+          const float pr = ps[g * C::PS + r];
+#pragma unroll
+          for (int k = 0; k < 8; ++k) acc[jj][k] = fmaf(pr, vf[k], acc[jj][k]);
+        }
+      }
+    }
+  }
+
+  // 5. Normalise and write the partial state.
+#pragma unroll
+  for (int j = 0; j < C::heads_per_warp; ++j) {
+    const int g = warp + C::warps * j;
+    if (g < gc && lane == 0) {
+      m_s[g] = m[j];
+      l_s[g] = l[j];
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int jj = 0; jj < C::HPT; ++jj) {
+    const int g = hl + C::NH * jj;
+    if (g < gc) {
+      const index_t row = index_t(it.out_index) * p.hq + index_t(kvh) * p.group + g0 + g;
+      const float lsum = l_s[g];
+      const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;  // no token: o = 0
+      float* o = p.out_o + row * C::V + vc * 8;
+      *reinterpret_cast<float4*>(o) = make_float4(acc[jj][0] * inv, acc[jj][1] * inv, acc[jj][2] * inv, acc[jj][3] * inv);
+      *reinterpret_cast<float4*>(o + 4) =
+          make_float4(acc[jj][4] * inv, acc[jj][5] * inv, acc[jj][6] * inv, acc[jj][7] * inv);
+      if (vc == 0) p.out_lse[row] = lsum > 0.0f ? m_s[g] + logf(lsum) : -INFINITY;
+    }
+  }
+}
+
+// -----------------------------------------------------------------------------
+// Fold, init, merge
+// -----------------------------------------------------------------------------
+
+template <class L>
+__global__ void __launch_bounds__(128) fold_kernel(const __grid_constant__ fold_params p) {
+  constexpr int V = L::v_dim;
+  const fold_segment& sg = p.segments[blockIdx.x];
+  const int h = int(blockIdx.y);
+  const index_t row = index_t(sg.batch_index) * p.hq + h;
+  const float lse0 = p.state_lse[row];
+  float lse_out = lse0;
+  for (int i = int(threadIdx.x); i < V; i += int(blockDim.x)) {
+    float o = p.state_o[row * V + i];
+    float lse = lse0;
+    for (int s = sg.split_begin; s < sg.split_end; ++s) {
+      const index_t srow = index_t(s) * p.hq + h;
+      merge_into(o, lse, p.split_o[srow * V + i], p.split_lse[srow]);
+    }
+    p.state_o[row * V + i] = o;
+    lse_out = lse;
+  }
+  __syncthreads();  // every thread read lse0 before it is overwritten
+  if (threadIdx.x == 0) p.state_lse[row] = lse_out;
+}
+
+template <class L>
+__global__ void init_state_kernel(float* o, float* lse, index_t rows) {
+  constexpr int V = L::v_dim;
+  const index_t stride = index_t(gridDim.x) * blockDim.x;
+  for (index_t i = index_t(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * V; i += stride) {
+    o[i] = 0.0f;
+    if (i < rows) lse[i] = -INFINITY;
+  }
+}
+
+template <class L>
+__global__ void __launch_bounds__(128) merge_kernel(const merge_params p) {
+  constexpr int V = L::v_dim;
+  const index_t row = blockIdx.x;
+  const float ls = p.streamed_lse[row];
+  const float lw = p.window_lse[row];
+  const float lc = p.cpu_lse[row];
+  float lse_out = ls;
+  for (int i = int(threadIdx.x); i < V; i += int(blockDim.x)) {
+    const index_t e = row * V + i;
+    float o = p.streamed_o[e];
+    float lse = ls;
+    merge_into(o, lse, p.window_o[e], lw);  // GPU side: streamed ⊕ D-window
+    merge_into(o, lse, p.cpu_o[e], lc);     // then ⊕ CPU
+    p.out[e] = o;
+    lse_out = lse;
+  }
+  if (p.out_lse != nullptr && threadIdx.x == 0) p.out_lse[row] = lse_out;
+}
+
+// -----------------------------------------------------------------------------
+// Scatter, fill, spin
+// -----------------------------------------------------------------------------
+
+template <class L>
+__global__ void __launch_bounds__(128) scatter_kernel(const __grid_constant__ scatter_params p) {
+  constexpr int R = L::row_elems;
+  constexpr int RC = R / 8;
+  const scatter_item& it = p.items[blockIdx.x];
+  const int plane = int(blockIdx.y) / p.kv_heads;
+  const int h = int(blockIdx.y) - plane * p.kv_heads;
+  const auto* src = reinterpret_cast<const std::uint16_t*>(p.planes[plane]) + it.src_token * p.token_stride +
+                    index_t(h) * R;
+  auto* dst = reinterpret_cast<std::uint16_t*>(it.dst) +
+              ((index_t(plane) * p.kv_heads + h) * p.block_tokens + it.dst_token) * R;
+  const int n = it.num_tokens * RC;
+  for (int i = int(threadIdx.x); i < n; i += int(blockDim.x)) {
+    const int t = i / RC;
+    const int c = i - t * RC;
+    const std::uint16_t* s = src + index_t(t) * p.token_stride + c * 8;
+    std::uint16_t* d = dst + index_t(t) * R + c * 8;
+    if (p.vectorized) {
+      *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(s);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) d[k] = s[k];
+    }
+  }
+}
+
+template <class = void>
+__global__ void fill_u16_kernel(std::uint16_t* dst, index_t count, std::uint16_t value) {
+  const index_t stride = index_t(gridDim.x) * blockDim.x;
+  for (index_t i = index_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) dst[i] = value;
+}
+
+template <class = void>
+__global__ void spin_kernel(long long cycles) {
+  if (threadIdx.x == 0) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < cycles) {
+    }
+  }
+}
+
+inline unsigned grid_for(index_t n, int threads) {
+  const index_t blocks = (n + threads - 1) / threads;
+  return unsigned(blocks < 1 ? 1 : (blocks > 65535 ? 65535 : blocks));
+}
+
+}  // namespace writescope::gpu::detail
+
+namespace writescope::gpu {
+
+template <class Layout>
+void launch_attend(const attend_params& p, cudaStream_t stream) {
+  using C = detail::attend_cfg<Layout>;
+  if (p.num_items <= 0) return;
+  // Shared memory above 48 KiB needs an opt-in, once per kernel (HOPPER.md).
+  static const bool configured = [] {
+    WS_CUDA_TRY(cudaFuncSetAttribute(detail::attend_kernel<Layout>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     int(C::smem_bytes)));
+    return true;
+  }();
+  (void)configured;
+  const dim3 grid(unsigned(p.num_items), unsigned(p.hkv), unsigned((p.group + C::heads - 1) / C::heads));
+  detail::attend_kernel<Layout><<<grid, C::threads, C::smem_bytes, stream>>>(p);
+  WS_CUDA_CHECK_LAST();
+}
+
+template <class Layout>
+void launch_fold(const fold_params& p, cudaStream_t stream) {
+  if (p.num_segments <= 0) return;
+  detail::fold_kernel<Layout><<<dim3(unsigned(p.num_segments), unsigned(p.hq)), 128, 0, stream>>>(p);
+  WS_CUDA_CHECK_LAST();
+}
+
+template <class Layout>
+void launch_init_state(float* o, float* lse, index_t rows, cudaStream_t stream) {
+  if (rows <= 0) return;
+  detail::init_state_kernel<Layout><<<detail::grid_for(rows * Layout::v_dim, 256), 256, 0, stream>>>(o, lse, rows);
+  WS_CUDA_CHECK_LAST();
+}
+
+template <class Layout>
+void launch_merge(const merge_params& p, cudaStream_t stream) {
+  if (p.rows <= 0) return;
+  detail::merge_kernel<Layout><<<unsigned(p.rows), 128, 0, stream>>>(p);
+  WS_CUDA_CHECK_LAST();
+}
+
+template <class Layout>
+void launch_scatter(const scatter_params& p, cudaStream_t stream) {
+  if (p.num_items <= 0) return;
+  detail::scatter_kernel<Layout>
+      <<<dim3(unsigned(p.num_items), unsigned(Layout::planes * p.kv_heads)), 128, 0, stream>>>(p);
+  WS_CUDA_CHECK_LAST();
+}
+
+template <class>
+void launch_fill_u16(std::uint16_t* dst, index_t count, std::uint16_t value, cudaStream_t stream) {
+  if (count <= 0) return;
+  detail::fill_u16_kernel<><<<detail::grid_for(count, 256), 256, 0, stream>>>(dst, count, value);
+  WS_CUDA_CHECK_LAST();
+}
+
+template <class>
+void launch_spin(long long cycles, cudaStream_t stream) {
+  detail::spin_kernel<><<<1, 32, 0, stream>>>(cycles);
+  WS_CUDA_CHECK_LAST();
+}
+
+}  // namespace writescope::gpu
+
+/// Explicitly instantiates every layout-dependent launcher for the layout
+/// given as the (possibly comma-containing) argument. Global namespace scope.
+#define WS_CUDA_INSTANTIATE(...)                                                                                  \
+  template void writescope::gpu::launch_attend<__VA_ARGS__>(const writescope::gpu::attend_params&, cudaStream_t); \
+  template void writescope::gpu::launch_fold<__VA_ARGS__>(const writescope::gpu::fold_params&, cudaStream_t);     \
+  template void writescope::gpu::launch_init_state<__VA_ARGS__>(float*, float*, writescope::index_t, cudaStream_t); \
+  template void writescope::gpu::launch_merge<__VA_ARGS__>(const writescope::gpu::merge_params&, cudaStream_t);   \
+  template void writescope::gpu::launch_scatter<__VA_ARGS__>(const writescope::gpu::scatter_params&, cudaStream_t);
+
+/// Explicitly instantiates the layout-independent launchers. Exactly once per program.
+#define WS_CUDA_INSTANTIATE_COMMON()                                                                      \
+  template void writescope::gpu::launch_fill_u16<void>(std::uint16_t*, writescope::index_t, std::uint16_t, \
+                                                       cudaStream_t);                                      \
+  template void writescope::gpu::launch_spin<void>(long long, cudaStream_t);

@@ -1,0 +1,181 @@
+// writescope/cuda/kernels.hpp — host-visible declarations of the GPU kernels'
+// launchers and of their parameter blocks (DESIGN.md §5). Compiles with the
+// host compiler alone (plus <cuda_runtime_api.h>); the definitions live in
+// kernels.cuh, which only nvcc compiles.
+//
+// Linking: every launcher is a function template over the layout (or over a
+// dummy `class = void` for the layout-independent ones), declared here and
+// explicitly instantiated by ONE .cu file of the program:
+//
+//     // my_kernels.cu   (compiled by nvcc, -std=c++20, -arch=sm_90)
+//     #include <writescope/cuda/kernels.cuh>
+//     WS_CUDA_INSTANTIATE_COMMON()
+//     WS_CUDA_INSTANTIATE(writescope::gqa_layout<128>)
+//     WS_CUDA_INSTANTIATE(writescope::mla_layout<512, 64>)
+//
+// A layout used with cuda_backend but not instantiated there fails at link time
+// with an undefined reference to writescope::gpu::launch_attend<Layout>.
+//
+// Parameter blocks travel as kernel parameters (by value, captured at launch),
+// so a launch never reads host memory the caller may change afterwards, and
+// needs no device-side metadata buffer. Each block stays under 4 KiB (the
+// classic kernel-parameter limit); lists longer than the fixed capacities are
+// issued as several launches by the caller. Plain aggregates only (no
+// [[no_unique_address]], no virtuals): the host compiler and nvcc must agree on
+// their layout (STYLE.md §15).
+//
+// Memory spaces: every pointer in these blocks is device memory unless noted.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "../bf16.hpp"
+#include "../config.hpp"
+
+namespace writescope::gpu {
+
+// -----------------------------------------------------------------------------
+// Attention over lists of tokens (streamed splits and D-windows)
+// -----------------------------------------------------------------------------
+
+/// Work items per attend launch.
+inline constexpr int max_attend_items = 128;
+/// Query heads one CTA attends (a larger group is split over grid.z).
+inline constexpr int attend_heads_per_cta = 16;
+
+/// One run of tokens of one sequence in the block format of layout.hpp: token i
+/// lives in block `i / block_tokens` after `base` (blocks contiguous, each
+/// block_elems elements), row `i % block_tokens`. Only the first `tokens`
+/// tokens are read (rows past them may hold poison).
+struct attend_item {
+  const bf16* base;   ///< first block (device: a ping-pong buffer or a D-window slot)
+  int tokens;         ///< >= 0; 0 gives the empty partial (o = 0, lse = -inf)
+  int q_seq;          ///< batch index: query rows q[(q_seq*hq + h)*q_dim ...]
+  int out_index;      ///< output rows out_o[(out_index*hq + h)*v_dim ...], out_lse[out_index*hq + h]
+  int reserved;
+};
+
+/// Decode attention of every item for all heads: grid (items, kv_heads,
+/// ceil(group / attend_heads_per_cta)). Writes the partial state of each item
+/// and query head: o normalised, lse natural log, fp32. Deterministic.
+struct attend_params {
+  const float* q;        ///< [batch][hq][q_dim] fp32, unscaled
+  float* out_o;          ///< [*][hq][v_dim]
+  float* out_lse;        ///< [*][hq]
+  long long delay_cycles;  ///< debug: each CTA spins this long before reading KV (slow consumer)
+  index_t block_elems;   ///< elements of one block
+  float scale;           ///< softmax scale applied to q·k
+  int hq;
+  int hkv;
+  int group;             ///< hq / hkv (MLA: hq)
+  int block_tokens;
+  int num_items;         ///< <= max_attend_items
+  attend_item items[max_attend_items];
+};
+static_assert(sizeof(attend_params) <= 4096, "attend_params must fit the 4 KiB kernel-parameter limit");
+
+template <class Layout>
+void launch_attend(const attend_params& p, cudaStream_t stream);
+
+// -----------------------------------------------------------------------------
+// Folding split partials into running per-sequence states
+// -----------------------------------------------------------------------------
+
+inline constexpr int max_fold_segments = 128;
+
+/// Splits [split_begin, split_end) (rows of the split workspace) all belong to
+/// sequence `batch_index`; they are folded into its running state in order.
+struct fold_segment {
+  int batch_index;
+  int split_begin;
+  int split_end;
+};
+
+/// state = state ⊕ split[split_begin] ⊕ ... ⊕ split[split_end-1] per segment and
+/// head, in split order (merge_state_row semantics, deterministic). Grid
+/// (segments, hq).
+struct fold_params {
+  float* state_o;          ///< [batch][hq][v_dim]
+  float* state_lse;        ///< [batch][hq]
+  const float* split_o;    ///< [split][hq][v_dim]
+  const float* split_lse;  ///< [split][hq]
+  int hq;
+  int num_segments;        ///< <= max_fold_segments
+  fold_segment segments[max_fold_segments];
+};
+static_assert(sizeof(fold_params) <= 4096, "fold_params must fit the 4 KiB kernel-parameter limit");
+
+template <class Layout>
+void launch_fold(const fold_params& p, cudaStream_t stream);
+
+/// Sets `rows` states to the empty partial (o = 0, lse = -inf).
+template <class Layout>
+void launch_init_state(float* o, float* lse, index_t rows, cudaStream_t stream);
+
+// -----------------------------------------------------------------------------
+// Final merge
+// -----------------------------------------------------------------------------
+
+/// out = (streamed ⊕ window) ⊕ cpu per row (rows = batch*hq), merge_state_row
+/// semantics: exact identities for empty partials, never NaN from empties.
+struct merge_params {
+  const float* streamed_o;
+  const float* streamed_lse;
+  const float* window_o;
+  const float* window_lse;
+  const float* cpu_o;
+  const float* cpu_lse;
+  float* out;      ///< [rows][v_dim]
+  float* out_lse;  ///< [rows] or null
+  index_t rows;
+};
+
+template <class Layout>
+void launch_merge(const merge_params& p, cudaStream_t stream);
+
+// -----------------------------------------------------------------------------
+// Scatter of token-major KV into blocks (append, prefill)
+// -----------------------------------------------------------------------------
+
+inline constexpr int max_scatter_items = 128;
+
+/// Copy input tokens [src_token, src_token + num_tokens) to rows
+/// [dst_token, dst_token + num_tokens) of the block at `dst` (device memory).
+struct scatter_item {
+  index_t src_token;
+  bf16* dst;
+  int num_tokens;
+  int dst_token;
+};
+
+/// Grid (items, planes * kv_heads). Input plane p, token t, head h, element i
+/// at planes[p][t*token_stride + h*row_elems + i].
+struct scatter_params {
+  const bf16* planes[2];
+  index_t token_stride;  ///< elements between tokens of the input
+  int kv_heads;
+  int block_tokens;
+  int vectorized;        ///< 1: 16-byte loads/stores (all addresses 16-byte aligned)
+  int num_items;         ///< <= max_scatter_items
+  scatter_item items[max_scatter_items];
+};
+static_assert(sizeof(scatter_params) <= 4096, "scatter_params must fit the 4 KiB kernel-parameter limit");
+
+template <class Layout>
+void launch_scatter(const scatter_params& p, cudaStream_t stream);
+
+// -----------------------------------------------------------------------------
+// Layout-independent kernels (instantiated by WS_CUDA_INSTANTIATE_COMMON())
+// -----------------------------------------------------------------------------
+
+/// Fills `count` 16-bit words at `dst` (device) with `value` (poisoning).
+template <class = void>
+void launch_fill_u16(std::uint16_t* dst, index_t count, std::uint16_t value, cudaStream_t stream);
+
+/// One thread spins for `cycles` SM clock cycles (tests: a long kernel on a stream).
+template <class = void>
+void launch_spin(long long cycles, cudaStream_t stream);
+
+}  // namespace writescope::gpu
