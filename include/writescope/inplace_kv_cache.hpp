@@ -459,6 +459,10 @@ class inplace_kv_cache {
       row = int(w % bt);
       on_device = true;
     }
+    // A backend whose writes into host regions land asynchronously (cuda_backend:
+    // D2H of evictions to pinned blocks) says so with this hook; wait for them.
+    if constexpr (requires(Backend& be) { be.synchronize_host_writes(); })
+      if (!on_device) backend_->synchronize_host_writes();
     for (int p = 0; p < Layout::planes; ++p)
       for (int h = 0; h < layout_.kv_heads(); ++h) {
         const bf16* src = block + format_.offset(p, h, row, 0);
