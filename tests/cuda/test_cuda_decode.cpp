@@ -1,0 +1,186 @@
+// End-to-end decode loops on cuda_backend against the fp64 reference, for the
+// three model geometries of the paper (Qwen3-30B-A3B GQA 32/4, Mixtral-8x7B
+// GQA 32/8, DeepSeek-V2-Lite MLA 16 heads), every routing policy (gpu_only
+// r = 0, fixed_ratio 0.4, cpu_only r = 1, roofline), ragged batches with the
+// boundary lengths 1, block±1, D−1, D, D+1, several eviction cycles, poisoned
+// regions and workspaces, evicted blocks checked byte for byte; the GQA head
+// mapping on the GPU path (K4/C5); a recycled pool (K5/C8); long prompts
+// through many ping-pong chunks.
+#include <doctest/doctest.h>
+
+#include "device_harness.hpp"
+
+using namespace wstest;
+using namespace wstest::dev;
+
+namespace {
+
+using G = gqa_layout<128>;
+using M = mla_layout<512, 64>;
+const double gqa_scale = 1.0 / std::sqrt(128.0);
+
+struct loop_config {
+  int layers = 1;
+  int block_tokens = 16;
+  int d_window = 32;
+  int ping_pong_blocks = 6;
+  int ping_pong_buffers = 2;
+  int split_blocks = 4;
+  int steps = 100;
+  int cpu_threads = 4;
+};
+
+/// Prefills `prompts`, decodes `steps` steps checking every layer of every step
+/// and every eviction; returns the number of evictions per sequence (minimum).
+template <class Layout, class Policy>
+index_t decode_loop(const Layout& L, Policy pol, const std::vector<index_t>& prompts, const loop_config& c,
+                    double scale, std::uint64_t seed) {
+  cuda_backend be;
+  auto spec = small_spec(c.layers, int(prompts.size()), c.block_tokens, c.d_window);
+  spec.ping_pong_buffers = c.ping_pong_buffers;
+  spec.gpu_split_blocks = c.split_blocks;
+  index_t longest = 0;
+  for (index_t p : prompts) longest = std::max(longest, p);
+  spec.cpu_capacity_tokens = spec.pinned_capacity_tokens =
+      index_t(prompts.size()) * (longest + c.steps + 2 * c.d_window);
+  set_ping_pong_blocks(spec, L, c.ping_pong_blocks);
+  device_cache<Layout, Policy> cache(be, L, spec, pol, {}, cache_options{true});
+  device_decode_driver<decltype(cache)> d(cache, attention_options{c.cpu_threads, true}, seed, scale);
+  std::vector<sequence_id> batch;
+  for (index_t p : prompts) batch.push_back(d.add(p));
+  const auto placed0 = d.placed(batch);
+  for (int s = 0; s < c.steps; ++s) {
+    const auto placed = d.placed(batch);
+    const compare_result r = d.step(batch);
+    INFO("step " << s << ": rel_l2 " << r.max_rel_l2 << ", lse excess " << r.max_lse_err << ", non-finite "
+                 << r.non_finite << ", streamed " << d.last_report.streamed_tokens << ", cpu "
+                 << d.last_report.cpu_tokens << ", window " << d.last_report.window_tokens);
+    REQUIRE(r.ok());
+    REQUIRE(d.check_evicted(batch, placed) == 0);
+  }
+  index_t evictions = std::numeric_limits<index_t>::max();
+  const auto placed1 = d.placed(batch);
+  for (std::size_t i = 0; i < batch.size(); ++i)
+    evictions = std::min(evictions, (placed1[i] - placed0[i]) / spec.d_window_tokens);
+  return evictions;
+}
+
+roofline_policy roofline_for_tests() {
+  roofline_params p;
+  p.cpu_cost_per_token_seconds = 2.0e-9;
+  p.gpu_cost_per_token_seconds = 1.4e-9;
+  p.cpu_fixed_seconds = 20e-6;
+  p.gpu_fixed_seconds = 30e-6;
+  p.cost_window_samples = 16;
+  p.track_gpu_cost = true;
+  return roofline_policy(p);
+}
+
+// Block 16, D 32: 1, block-1, block, block+1, D-1, D, D+1 and a few batches.
+const std::vector<index_t> boundary_prompts{1, 15, 16, 17, 31, 32, 33, 100};
+
+}  // namespace
+
+TEST_CASE("GQA Qwen3 32/4: every policy, ragged boundary lengths, >= 3 eviction cycles, poisoned") {
+  const G L = presets::qwen3_30b_a3b::layout();
+  loop_config c;
+  c.steps = scaled(100, 40);
+  const index_t need = quick() ? 1 : 3;
+  SUBCASE("gpu_only (r = 0)") { CHECK(decode_loop(L, gpu_only{}, boundary_prompts, c, gqa_scale, 1) >= need); }
+  SUBCASE("fixed_ratio 0.4") { CHECK(decode_loop(L, fixed_ratio(0.4), boundary_prompts, c, gqa_scale, 2) >= need); }
+  SUBCASE("cpu_only (r = 1)") { CHECK(decode_loop(L, cpu_only{}, boundary_prompts, c, gqa_scale, 3) >= need); }
+  SUBCASE("roofline") { CHECK(decode_loop(L, roofline_for_tests(), boundary_prompts, c, gqa_scale, 4) >= need); }
+}
+
+TEST_CASE("GQA Mixtral 32/8: two layers, three ping-pong buffers, r = 0 and 0.4") {
+  const G L = presets::mixtral_8x7b::layout();
+  loop_config c;
+  c.layers = 2;
+  c.ping_pong_buffers = 3;
+  c.ping_pong_blocks = 5;
+  c.steps = scaled(70, 20);
+  SUBCASE("gpu_only") { CHECK(decode_loop(L, gpu_only{}, {40, 7, 64, 129}, c, gqa_scale, 5) >= 1); }
+  SUBCASE("fixed_ratio 0.4") { CHECK(decode_loop(L, fixed_ratio(0.4), {40, 7, 64, 129}, c, gqa_scale, 6) >= 1); }
+}
+
+TEST_CASE("MLA DeepSeek-V2-Lite 16 heads: every policy, boundary lengths, >= 3 eviction cycles") {
+  const M L = presets::deepseek_v2_lite::layout();
+  const double scale = presets::deepseek_v2_lite::softmax_scale();
+  loop_config c;
+  c.steps = scaled(100, 30);
+  const std::vector<index_t> prompts{1, 16, 31, 32, 33, 90};
+  const index_t need = quick() ? 0 : 3;
+  SUBCASE("gpu_only (r = 0)") { CHECK(decode_loop(L, gpu_only{}, prompts, c, scale, 7) >= need); }
+  SUBCASE("fixed_ratio 0.4") { CHECK(decode_loop(L, fixed_ratio(0.4), prompts, c, scale, 8) >= need); }
+  SUBCASE("cpu_only (r = 1)") { CHECK(decode_loop(L, cpu_only{}, prompts, c, scale, 9) >= need); }
+  SUBCASE("roofline") { CHECK(decode_loop(L, roofline_for_tests(), prompts, c, scale, 10) >= need); }
+}
+
+TEST_CASE("long prompts through many chunks: block 64, D 128, split 8, 3 buffers") {
+  const G L = presets::qwen3_30b_a3b::layout();
+  loop_config c;
+  c.block_tokens = 64;
+  c.d_window = 128;
+  c.ping_pong_blocks = 16;
+  c.ping_pong_buffers = 3;
+  c.split_blocks = 8;
+  c.steps = scaled(90, 10);
+  SUBCASE("gpu_only") { CHECK(decode_loop(L, gpu_only{}, {1500, 300, 1100}, c, gqa_scale, 11) >= (quick() ? 0 : 1)); }
+  SUBCASE("fixed_ratio 0.4") {
+    CHECK(decode_loop(L, fixed_ratio(0.4), {1500, 300, 1100}, c, gqa_scale, 12) >= (quick() ? 0 : 1));
+  }
+}
+
+TEST_CASE("GQA head mapping on the GPU path: query head h reads KV head h / (Hq/Hkv) (K4/C5)") {
+  const std::pair<int, int> shapes[] = {{32, 4}, {32, 8}, {24, 4}, {40, 8}, {32, 32}, {32, 1}, {48, 2}};
+  for (const auto& [hq, hkv] : shapes) {
+    CAPTURE(hq);
+    CAPTURE(hkv);
+    const G L(hq, hkv);
+    cuda_backend be;
+    auto spec = small_spec(1, 2);
+    set_ping_pong_blocks(spec, L, 6);
+    device_cache<G, gpu_only> cache(be, L, spec, gpu_only{}, {}, cache_options{true});
+    device_decode_driver<decltype(cache)> d(cache, attention_options{2, true}, 13, gqa_scale);
+    d.gen.value = [](int plane, int kvh, int, bf16_source& s) {
+      return plane == G::value_plane ? bf16::from_float(float(kvh + 1)) : s.next();
+    };
+    std::vector<sequence_id> batch{d.add(100), d.add(37)};
+    for (int s = 0; s < 3; ++s) {
+      const compare_result r = d.step(batch);
+      REQUIRE(r.ok());
+      for (std::size_t i = 0; i < batch.size(); ++i)
+        for (int h = 0; h < hq; ++h) {
+          const float want = float(h / (hq / hkv) + 1);
+          for (int e = 0; e < G::v_dim; ++e) {
+            const float got = d.out[(i * std::size_t(hq) + std::size_t(h)) * G::v_dim + std::size_t(e)];
+            // A weighted mean of one value: exact up to fp32 rounding of Σp·v / Σp.
+            REQUIRE(std::abs(got - want) <= 4e-6f * want);
+          }
+        }
+    }
+  }
+}
+
+TEST_CASE("recycled pool: end every sequence and decode new ones over the old blocks (K5/C8)") {
+  const G L(8, 2);
+  cuda_backend be;
+  auto spec = small_spec(2, 3);
+  set_ping_pong_blocks(spec, L, 6);
+  device_cache<G, fixed_ratio> cache(be, L, spec, fixed_ratio(0.5), {}, cache_options{true});
+  device_decode_driver<decltype(cache)> d(cache, attention_options{2, true}, 17, gqa_scale);
+  for (int round = 0; round < 3; ++round) {
+    CAPTURE(round);
+    std::vector<sequence_id> batch{d.add(97 - 20 * round), d.add(1 + round), d.add(64)};
+    for (int s = 0; s < scaled(70, 20); ++s) {
+      const auto placed = d.placed(batch);
+      const compare_result r = d.step(batch);
+      INFO("step " << s << ": rel_l2 " << r.max_rel_l2);
+      REQUIRE(r.ok());
+      REQUIRE(d.check_evicted(batch, placed) == 0);
+    }
+    for (sequence_id id : batch) d.remove(id);
+    CHECK(cache.usage().cpu_used_blocks == 0);
+    CHECK(cache.usage().pinned_used_blocks == 0);
+  }
+}

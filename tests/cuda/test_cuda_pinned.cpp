@@ -1,0 +1,234 @@
+// The pinned load region on a real GPU (FAULT-KINDS K8, DESIGN.md §6):
+// cuda_host_alloc and cuda_host_register page-lock what they claim, account
+// their time, refuse cleanly (a message naming pinned memory and the size,
+// nothing left registered) and serve streamed copies that cross
+// cudaHostRegister chunk boundaries; the C11 case pins 3.9 GiB, 4 GiB,
+// 4 GiB + 4 KiB and 6 GiB regions and decodes a copy from each one's last
+// block (opt-in: WS_TEST_LARGE_PINNED=1, ~20 GB of host memory).
+#include <doctest/doctest.h>
+
+#include <cstdio>
+
+#include "device_harness.hpp"
+
+using namespace wstest;
+using namespace wstest::dev;
+
+namespace {
+
+using G = gqa_layout<128>;
+const double gqa_scale = 1.0 / std::sqrt(128.0);
+
+bool page_locked(const void* p) {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return attr.type == cudaMemoryTypeHost;
+}
+
+template <class Alloc>
+void check_allocator(const Alloc& alloc) {
+  const std::size_t ranges0 = registered_pinned_ranges();
+  const pin_statistics s0 = Alloc::statistics();
+  const index_t bytes = (index_t{3} << 20) + 4096;  // not a multiple of any chunk
+  {
+    host_allocation a = alloc.allocate(bytes);
+    REQUIRE(a);
+    CHECK(a.size_bytes() == bytes);
+    CHECK(page_locked(a.data()));
+    CHECK(page_locked(a.data() + bytes - 1));
+    CHECK(registered_pinned_ranges() > ranges0);
+    std::memset(a.data(), 0x5a, std::size_t(bytes));  // writable, host-accessible
+    const pin_statistics s1 = Alloc::statistics();
+    CHECK(s1.bytes - s0.bytes == bytes);
+    CHECK(s1.allocations - s0.allocations == 1);
+    CHECK(s1.pin_seconds >= s0.pin_seconds);
+  }
+  CHECK(registered_pinned_ranges() == ranges0);
+  CHECK(!alloc.allocate(0));
+}
+
+template <class Alloc>
+void check_refusal(const Alloc& alloc) {
+  const std::size_t ranges0 = registered_pinned_ranges();
+  const index_t absurd = index_t{1} << 50;  // 1 PiB
+  const pin_statistics s0 = Alloc::statistics();
+  try {
+    (void)alloc.allocate(absurd);
+    FAIL("a 1 PiB pinned allocation succeeded");
+  } catch (const pinned_memory_error& e) {
+    INFO(e.what());
+    CHECK(mentions(e.what(), {"pinned memory", format_bytes(absurd)}));
+  }
+  CHECK(Alloc::statistics().failures == s0.failures + 1);
+  CHECK(registered_pinned_ranges() == ranges0);
+}
+
+}  // namespace
+
+TEST_CASE("pinned allocators page-lock, account and release") {
+  SUBCASE("cuda_host_alloc") { check_allocator(cuda_host_alloc{}); }
+  SUBCASE("cuda_host_register, 1 GiB chunks") { check_allocator(cuda_host_register{}); }
+  SUBCASE("cuda_host_register, 64 KiB chunks") { check_allocator(cuda_host_register{index_t{64} << 10, 2}); }
+}
+
+TEST_CASE("pinned allocators refuse with a message naming pinned memory and the size, nothing half-registered") {
+  SUBCASE("cuda_host_alloc") { check_refusal(cuda_host_alloc{}); }
+  SUBCASE("cuda_host_register") { check_refusal(cuda_host_register{}); }
+  SUBCASE("at cache init") {
+    const G L(32, 4);
+    cuda_backend be;
+    partition_spec spec = small_spec(1, 1, 1024, 1024);  // 2 MiB blocks
+    spec.pinned_capacity_tokens = index_t{1} << 39;       // 1 PiB per layer, all pinned at init
+    spec.pinned_initial_tokens = -1;
+    spec.pinned_growth_tokens = spec.pinned_capacity_tokens;
+    spec.cpu_capacity_tokens = 0;
+    set_ping_pong_blocks(spec, L, 4);
+    const std::size_t ranges0 = registered_pinned_ranges();
+    try {
+      device_cache<G, gpu_only> cache(be, L, spec, gpu_only{});
+      FAIL("a 1 PiB pinned load region was accepted");
+    } catch (const pinned_memory_error& e) {
+      INFO(e.what());
+      CHECK(mentions(e.what(), {"pinned memory", format_bytes(index_t{1} << 50)}));
+    }
+    CHECK(registered_pinned_ranges() == ranges0);
+  }
+}
+
+TEST_CASE("streamed and evicted copies that cross cudaHostRegister chunk boundaries") {
+  // 16 KiB blocks, 64 KiB chunks: every run of more than 4 blocks crosses one;
+  // the backend splits copies at registration boundaries.
+  const G L(8, 2);
+  cuda_backend be;
+  auto spec = small_spec(1, 3);
+  spec.pinned_growth_tokens = 512;  // 32 blocks = 8 chunks per slab
+  set_ping_pong_blocks(spec, L, 12);
+  spec.gpu_split_blocks = 4;
+  using cache_t = device_cache<G, fixed_ratio, cuda_host_register>;
+  cache_t cache(be, L, spec, fixed_ratio(0.3), cuda_host_register{index_t{64} << 10, 2}, cache_options{true});
+  device_decode_driver<cache_t> d(cache, attention_options{2, true}, 71, gqa_scale);
+  std::vector<sequence_id> batch{d.add(400), d.add(130), d.add(7)};
+  CHECK(d.count_mismatches(batch[0], 0, 0, 400) == 0);
+  for (int s = 0; s < scaled(70, 20); ++s) {
+    const auto placed = d.placed(batch);
+    const compare_result r = d.step(batch);
+    INFO("step " << s << ": rel_l2 " << r.max_rel_l2);
+    REQUIRE(r.ok());
+    REQUIRE(d.check_evicted(batch, placed) == 0);
+  }
+  const pin_statistics st = cuda_host_register::statistics();
+  MESSAGE("cuda_host_register: " << format_bytes(st.bytes) << " in " << st.pin_seconds << " s pin + "
+                                 << st.touch_seconds << " s touch (" << st.seconds_per_gib() * 1e3 << " ms/GiB)");
+}
+
+namespace {
+
+/// Pins `bytes` with `alloc`; on success writes one block of random KV into
+/// the LAST block_bytes of the region (crossing 4 GiB for 4 GiB + 4 KiB),
+/// streams it through the engine as the only pinned block of one sequence and
+/// compares with fp64. On refusal checks the message. Returns false if refused.
+template <class Alloc>
+bool large_region_case(const Alloc& alloc, index_t bytes) {
+  const G L(32, 4);
+  const int bt = 16;
+  const block_format<G> fmt{L, bt};
+  cuda_backend be;
+  host_allocation region;
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    region = alloc.allocate(bytes);
+  } catch (const pinned_memory_error& e) {
+    MESSAGE(Alloc::name << " refused " << format_bytes(bytes) << ": " << e.what());
+    CHECK(mentions(e.what(), {"pinned memory", format_bytes(bytes)}));
+    return false;
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  MESSAGE(Alloc::name << " pinned " << format_bytes(bytes) << " in " << secs << " s");
+  REQUIRE(region.size_bytes() == bytes);
+
+  // One block of KV in block format at the very end of the region.
+  bf16_source src(81);
+  kv_generator<G> gen;
+  const kv_batch<G> kv = gen.make(L, bt, src);
+  kv_history<G> hist;
+  record(hist, L, kv, 0, bt);
+  bf16* block = reinterpret_cast<bf16*>(region.data() + (bytes - fmt.block_bytes()));
+  for (int p = 0; p < G::planes; ++p)
+    for (int h = 0; h < L.kv_heads(); ++h)
+      for (int t = 0; t < bt; ++t)
+        std::memcpy(block + fmt.offset(p, h, t, 0),
+                    kv.planes[p].data() + (std::size_t(t) * std::size_t(L.kv_heads()) + std::size_t(h)) * G::row_elems,
+                    G::row_elems * sizeof(bf16));
+
+  // A one-chunk, one-run, one-split plan; an empty D-window; an empty CPU side.
+  stream_plan plan;
+  plan.runs.push_back({block, 0, 1});
+  plan.splits.push_back({0, 0, 1});
+  plan.chunks.push_back({0, 0, 1, 0, 1, 1});
+  cuda_backend::device_buffer pp = be.allocate_device(2 * fmt.block_bytes(), "ping-pong");
+  bf16* pp_ptrs[2] = {pp.as<bf16>(), pp.as<bf16>() + fmt.block_elems()};
+  const window_ref win{pp.as<bf16>(), 0};
+  cuda_backend::gpu_engine<G> eng(be, L, 1);
+  std::vector<float> q(std::size_t(L.num_q_heads()) * G::q_dim);
+  for (auto& x : q) x = src.next_float();
+  device_scratch q_dev, out_dev, lse_dev;
+  float* dq = q_dev.get<float>(q.size(), be.caller_stream());
+  WS_CUDA_TRY(cudaMemcpy(dq, q.data(), q.size() * sizeof(float), cudaMemcpyHostToDevice));
+  gpu_step_args<G, device_space> a;
+  a.format = fmt;
+  a.softmax_scale = float(gqa_scale);
+  a.batch = 1;
+  a.q = mem_span<const float, device_space>(dq, index_t(q.size()));
+  a.plan = &plan;
+  a.windows = std::span<const window_ref>(&win, 1);
+  a.ping_pong = std::span<bf16* const>(pp_ptrs, 2);
+  a.poison_workspaces = true;
+  eng.launch(a);
+  (void)eng.host_queries();
+  host_partial_view<float> cp = eng.cpu_partial(1);
+  for (int h = 0; h < L.num_q_heads(); ++h) {
+    std::fill(cp.o_row(0, h), cp.o_row(0, h) + G::v_dim, 0.0f);
+    cp.lse_at(0, h) = empty_lse;
+  }
+  const std::size_t rows = std::size_t(L.num_q_heads());
+  float* out = out_dev.get<float>(rows * G::v_dim, be.caller_stream());
+  float* lse = lse_dev.get<float>(rows, be.caller_stream());
+  (void)eng.finish({device_span<float>(out, index_t(rows * G::v_dim)), device_span<float>(lse, index_t(rows)), nullptr});
+  std::vector<float> o, l;
+  download(o, out, rows * G::v_dim, be.caller_stream());
+  download(l, lse, rows, be.caller_stream());
+  std::vector<double> ro, rl;
+  reference_attention(L, hist, q.data(), gqa_scale, ro, rl);
+  compare_result r;
+  compare_rows(L.num_q_heads(), G::v_dim, o.data(), l.data(), ro, rl, r);
+  INFO(Alloc::name << " " << format_bytes(bytes) << ": rel_l2 " << r.max_rel_l2 << " lse " << r.max_lse_err);
+  CHECK(r.ok());
+  return true;
+}
+
+bool large_pinned_enabled() {
+  const char* v = std::getenv("WS_TEST_LARGE_PINNED");
+  return v != nullptr && *v == '1';
+}
+
+}  // namespace
+
+TEST_CASE("K8/C11: 3.9 GiB, 4 GiB, 4 GiB + 4 KiB, 6 GiB pinned regions either work or fail at init (opt-in)") {
+  if (!large_pinned_enabled()) {
+    MESSAGE("skipped: set WS_TEST_LARGE_PINNED=1 to pin ~20 GB of host memory");
+    return;
+  }
+  const index_t gib = index_t{1} << 30;
+  const index_t sizes[] = {gib * 39 / 10 / 4096 * 4096, 4 * gib, 4 * gib + 4096, 6 * gib};
+  for (const index_t bytes : sizes) {
+    CAPTURE(bytes);
+    (void)large_region_case(cuda_host_alloc{}, bytes);
+    (void)large_region_case(cuda_host_register{}, bytes);
+  }
+  for (const pin_statistics& st : {cuda_host_alloc::statistics(), cuda_host_register::statistics()})
+    MESSAGE("pinned " << format_bytes(st.bytes) << ": " << st.seconds_per_gib() * 1e3 << " ms/GiB (pin "
+                      << st.pin_seconds << " s, touch " << st.touch_seconds << " s), " << st.failures << " refusals");
+}
