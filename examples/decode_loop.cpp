@@ -412,6 +412,7 @@ int run(const options& o, Policy policy) {
 
   std::vector<ws::sequence_id> batch;
   for (ws::index_t p : o.prompts) batch.push_back(admit(p));
+  const double admission_target = target_of(cache.policy(), cache.total_placed_tokens());
 
   // Per-step statistics.
   std::vector<double> step_ms, cpu_ms, gpu_ms, flush_ms;
@@ -560,6 +561,12 @@ int run(const options& o, Policy policy) {
                 "p = B/(A+B) now %.3f\n",
                 rp.params().cpu_cost_per_token_seconds, rp.cpu_cost_per_token_seconds(), rp.gpu_cost_per_token_seconds(),
                 rp.converged_share());
+    const double drift = rp.cpu_cost_per_token_seconds() / rp.params().cpu_cost_per_token_seconds;
+    if (drift > 2.0 || drift < 0.5)
+      std::printf("  note: the CPU engine measured %.1fx the calibrated A (the calibration is for another machine),\n"
+                  "        so the target moved from %.3f at admission to %.3f; prompt batches placed at admission keep\n"
+                  "        their region and only later batches follow the new target (--cpu-gbps sets the calibration)\n",
+                  drift, admission_target, target);
   }
 
   std::printf("\nevictions during decode: %d batches -> unpinned compute (CPU), %d -> pinned load (GPU)\n", cpu_batches,
