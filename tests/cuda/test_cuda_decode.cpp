@@ -154,8 +154,9 @@ TEST_CASE("GQA head mapping on the GPU path: query head h reads KV head h / (Hq/
           const float want = float(h / (hq / hkv) + 1);
           for (int e = 0; e < G::v_dim; ++e) {
             const float got = d.out[(i * std::size_t(hq) + std::size_t(h)) * G::v_dim + std::size_t(e)];
-            // A weighted mean of one value: exact up to fp32 rounding of Σp·v / Σp.
-            REQUIRE(std::abs(got - want) <= 4e-6f * want);
+            // A weighted mean of one value: exact up to the fp32 rounding of Σp·v / Σp
+            // and of the merges (a wrong head is off by >= 1/(Hkv+1), > 3%).
+            REQUIRE(std::abs(got - want) <= 2e-5f * want);
           }
         }
     }

@@ -473,9 +473,9 @@ class cuda_backend {
 /// (each sequence's own blocks) and every merge runs in a fixed order.
 ///
 /// Workspaces are allocated at construction for `max_batch` sequences; launch
-/// allocates nothing and never blocks the host, so a step can be captured in a
-/// CUDA graph apart from the host-side CPU engine. One engine per cache: the
-/// filled/consumed events guard the ping-pong buffers of the cache it serves.
+/// allocates nothing and never blocks the host (STYLE.md §6). One engine per
+/// cache: the filled/consumed events guard the ping-pong buffers of the cache
+/// it serves. Calls into one engine come from one thread.
 template <kv_layout Layout>
 class cuda_backend::gpu_engine {
  public:

@@ -10,8 +10,9 @@
 //     WS_CUDA_INSTANTIATE(writescope::gqa_layout<128>)    // once per layout used
 //     WS_CUDA_INSTANTIATE(writescope::mla_layout<512, 64>)
 //
-// (at global namespace scope; compile with -std=c++20 and the target
-// architecture, e.g. -arch=sm_90). Keep the instantiated set short: each
+// (at global namespace scope; compile with -std=c++20 --expt-relaxed-constexpr
+// and the target architecture, e.g. -arch=sm_90 — linking the .cu target to
+// writescope::cuda adds the first two). Keep the instantiated set short: each
 // layout costs five kernels of compile time.
 //
 // Numerics (DESIGN.md §4): KV is bf16 in memory and widened exactly; scores,
