@@ -39,7 +39,7 @@ void small_loop(const Layout& L, Policy pol, const std::vector<index_t>& prompts
 
 TEST_CASE("quick: GQA 8/2 decode on the GPU backend matches fp64 (r = 0, 0.5, 1)") {
   const G L(8, 2);
-  const int steps = scaled(40, 12);
+  const int steps = scaled(40, 6);
   SUBCASE("gpu_only") { small_loop(L, gpu_only{}, {1, 17, 40, 100}, steps, gqa_scale); }
   SUBCASE("fixed_ratio 0.5") { small_loop(L, fixed_ratio(0.5), {1, 17, 40, 100}, steps, gqa_scale); }
   SUBCASE("cpu_only") { small_loop(L, cpu_only{}, {1, 17, 40, 100}, steps, gqa_scale); }
@@ -48,7 +48,7 @@ TEST_CASE("quick: GQA 8/2 decode on the GPU backend matches fp64 (r = 0, 0.5, 1)
 TEST_CASE("quick: MLA 16 heads decode on the GPU backend matches fp64 (r = 0, 0.5)") {
   const M L(16);
   const double scale = presets::deepseek_v2_lite::softmax_scale();
-  const int steps = scaled(36, 10);
+  const int steps = scaled(36, 5);
   SUBCASE("gpu_only") { small_loop(L, gpu_only{}, {2, 33, 70}, steps, scale); }
   SUBCASE("fixed_ratio 0.5") { small_loop(L, fixed_ratio(0.5), {2, 33, 70}, steps, scale); }
 }
@@ -64,7 +64,7 @@ TEST_CASE("quick: each engine's partial is its own natural-log LSE; empty sides 
   // each side; 100: all three engines.
   std::vector<sequence_id> batch{d.add(1), d.add(64), d.add(100)};
   int empty_seen = 0;
-  for (int s = 0; s < scaled(40, 8); ++s) {
+  for (int s = 0; s < scaled(40, 4); ++s) {
     debug_partials dbg;
     compare_result r;
     d.append_layer(0, batch);
@@ -132,7 +132,7 @@ TEST_CASE("quick: reruns are bit-identical; a sequence alone equals itself insid
     }
     return std::make_pair(first_rows, all);
   };
-  const int steps = scaled(40, 10);
+  const int steps = scaled(40, 4);
   const auto a = run({{70, 101}, {33, 102}, {5, 103}}, steps);
   const auto b = run({{70, 101}, {33, 102}, {5, 103}}, steps);
   const auto alone = run({{70, 101}}, steps);
