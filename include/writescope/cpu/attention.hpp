@@ -1,34 +1,68 @@
 // writescope/cpu/attention.hpp — the CPU engine's decode attention kernel
 // (paper §6.1). Host compiler only: this header includes xsimd, which nvcc must
-// never see (STYLE.md §8, §15).
+// never see (STYLE.md §8, §15). Design notes and measurements: docs/CPU-KERNEL.md.
 //
 // One call attends the `group` query heads that share one KV head over a list
-// of blocks, in one pass over the KV: each K row is loaded and widened once for
-// all heads of the group, each V row once for all heads, scores of a tile of
-// W tokens (W = SIMD width) live in W-lane vectors, and the softmax is online
-// (running max, running sum, fp32 output rescaled per tile). MLA is the case
-// kv_heads = 1, group = Hq, and V = the first kv_lora_rank elements of the same
-// row, so each latent row comes from DRAM once for both products.
+// of blocks, in one pass over the KV. The KV is walked in tiles of TT = 2W
+// tokens (W = SIMD lanes); every tile is attended by every head block (the
+// group cut into blocks of 16/8/4/2/1 heads, each a compile-time size) while it
+// is still in L1/L2, so DRAM sees each byte once whatever the group size.
+// Per tile and head block:
+//
+//   QK   W dot-product accumulators at once (HBz heads × W/HBz tokens): each K
+//        row is loaded and widened once per pass and each query chunk is
+//        loaded once for all tokens of the pass; the W accumulators are then
+//        folded by one transpose-and-add (45 shuffles/adds for 16 vectors on
+//        AVX-512) into one vector of W scores, lanes in (token, head) order.
+//   soft the tile's scores are exponentiated lane-wise against the running
+//        max of their head; running max and running sum are kept as vectors
+//        in the same lane pattern (no horizontal op per tile beyond one
+//        max across the token slots of a lane pattern).
+//   PV   the output of up to 8 heads × 1-4 chunks lives in 16 registers for
+//        the whole tile (rescaled once per tile on load), each V chunk is
+//        loaded and widened once per head block and feeds 2·heads FMAs with
+//        the probability broadcast from L1.
+//
+// MLA is the case kv_heads = 1, group = Hq, and V = the first kv_lora_rank
+// elements of the same row, so each latent row comes from DRAM once for both
+// products (the tile is re-read from L1/L2 for V).
 //
 // bf16 widening without a widening instruction: a 32-bit load holds two bf16
 // values; `u << 16` is the even element as fp32 and `u & 0xffff0000` the odd
 // one. The kernel therefore works on de-interleaved rows: the query and the
 // output accumulator are kept as [even lanes | odd lanes] per 2W elements, and
 // the output is re-interleaved once at the end. Any xsimd float architecture
-// works (AVX-512, AVX2+FMA, SSE, NEON).
+// works (AVX-512, AVX2+FMA, AVX, SSE2, NEON); AVX-512, AVX and SSE2 have a
+// hand-written transpose-and-add, others use xsimd::haddp.
 //
 // Numerics: fp32 throughout (scores, running max, sums, output); exp is
 // xsimd::exp (natural base); LSE is natural log. No finite "minus infinity":
 // the running max starts at -inf and an empty input returns (0, -inf).
+// Precision of the scores is a template parameter:
+//   fp32_scores (default)  q·k in fp32 from the exact bf16 → fp32 widening.
+//   bf16_scores            q is rounded to bf16 (the scale is applied to the
+//                          fp32 scores afterwards), products and sums stay fp32.
+//                          Exact (fp32-class) when q is already bf16-valued, as
+//                          a bf16 model's activations are; for arbitrary fp32 q
+//                          the rounding (≤ 2^-9 relative per element) moves the
+//                          scores — measured on N(0,1) data: relative L2 3e-3
+//                          (GQA d128, scale d^-1/2) and 5e-3 with LSE error
+//                          2e-3 (DeepSeek-V2-Lite MLA, scale 0.115): outside the
+//                          test bar, hence opt-in. On AVX-512 with AVX512_BF16
+//                          (__AVX512BF16__) q·k runs on vdpbf16ps (no widening,
+//                          half the QK instructions); elsewhere the same
+//                          rounding is emulated with fp32 FMAs.
 #pragma once
 
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <limits>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../detail/simd_include.hpp"
@@ -38,6 +72,21 @@
 #include "../config.hpp"
 #include "../error.hpp"
 #include "../layout.hpp"
+
+// Kept out of line: GCC 12 spills (to unaligned stack slots) when the QK and
+// PV loops are inlined into one large function.
+// Loops over compile-time register blocks are unrolled explicitly: GCC's
+// default limits leave some of them rolled, which puts the blocks in memory.
+#if defined(__clang__)
+#  define WS_KERNEL_NOINLINE __attribute__((noinline))
+#  define WS_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#  define WS_KERNEL_NOINLINE __attribute__((noinline))
+#  define WS_UNROLL _Pragma("GCC unroll 64")
+#else
+#  define WS_KERNEL_NOINLINE
+#  define WS_UNROLL
+#endif
 
 namespace writescope::cpu {
 
@@ -63,6 +112,32 @@ inline void require_cpu_support() {
                        ", which this CPU does not support; rebuild with -DWRITESCOPE_CPU_ARCH=<your ISA>");
 }
 
+/// Score precision: q·k from fp32 queries (the default, exact up to fp32 sums).
+struct fp32_scores {
+  static constexpr bool rounds_queries = false;
+  static constexpr const char* name = "fp32";
+};
+/// Score precision: q·k from queries rounded to bf16, fp32 accumulation and
+/// scale (vdpbf16ps where available). Exact for bf16-valued queries. See the
+/// file comment for the error on fp32 queries.
+struct bf16_scores {
+  static constexpr bool rounds_queries = true;
+  static constexpr const char* name = "bf16";
+};
+template <class P>
+concept score_precision = std::same_as<P, fp32_scores> || std::same_as<P, bf16_scores>;
+
+/// Whether bf16_scores runs on vdpbf16ps for Arch in this translation unit
+/// (AVX-512 architecture and the compiler targets AVX512_BF16); otherwise it
+/// is emulated with fp32 FMAs on bf16-rounded queries (same precision class).
+template <class Arch>
+inline constexpr bool has_native_bf16_dot =
+#if defined(__AVX512BF16__) && XSIMD_WITH_AVX512F
+    std::is_base_of_v<xsimd::avx512f, Arch>;
+#else
+    false;
+#endif
+
 namespace detail {
 
 template <class T>
@@ -70,11 +145,11 @@ using aligned_vector = std::vector<T, xsimd::aligned_allocator<T, 64>>;
 
 /// Per-thread scratch of the kernel; grows once, reused by every call on the thread.
 struct kernel_scratch {
-  aligned_vector<float> q;       // [group][row] de-interleaved, pre-scaled
-  aligned_vector<float> out;     // [group][v_dim] de-interleaved accumulator
-  aligned_vector<float> acc;     // [group][W][W] partial dot products of one tile
-  aligned_vector<float> probs;   // [group][W] exp(s - m) of one tile
-  std::vector<float> row_max, row_sum;
+  aligned_vector<float> q;           // [group][row] de-interleaved, pre-scaled (fp32 path)
+  aligned_vector<std::uint32_t> qp;  // [group][row/2] bf16 pairs, pre-scaled (native bf16 path)
+  aligned_vector<float> out;         // [group][v_dim] de-interleaved accumulator
+  aligned_vector<float> m_pat;       // per head block: [sub-block][W] running max (lane pattern)
+  aligned_vector<float> l_pat;       // per head block: [sub-block][W] running sum (lane pattern)
 
   static kernel_scratch& local() {
     thread_local kernel_scratch s;
@@ -82,95 +157,77 @@ struct kernel_scratch {
   }
 };
 
-}  // namespace detail
+/// Registers of the architecture (accumulator budget).
+template <class Arch>
+inline constexpr int vector_registers =
+#if XSIMD_WITH_AVX512F
+    std::is_base_of_v<xsimd::avx512f, Arch> ? 32 :
+#endif
+#if XSIMD_WITH_NEON64
+    std::is_base_of_v<xsimd::neon64, Arch> ? 32 :
+#endif
+    16;
 
-/// Decode attention of one KV head's query group over a list of blocks.
-///
-/// Template parameters: Layout (gqa_layout / mla_layout), Arch (xsimd architecture).
-///
-///   q        [group][q_dim] fp32, head g at q + g*q_head_stride (unscaled queries)
-///   segs     blocks of this sequence in this layer, any memory the host can read
-///   o        [group][v_dim] fp32 out, head g at o + g*o_head_stride: normalised output
-///   lse      [group] fp32 out: natural-log sum of exp(scale·q·k) over all attended keys
-///
-/// An empty list (or only zero-token segments) yields o = 0, lse = -inf. The
-/// result depends only on the inputs and the order of `segs` (deterministic).
-/// Thread-safe: uses thread-local scratch; no locks, no allocation after the
-/// first call on a thread with a given group size.
-template <kv_layout Layout, class Arch = default_arch>
-struct decode_kernel {
+/// lane_sums(v)[j] = Σ_k v[j][k] for the W vectors v[0..W): one transpose-and-add.
+template <class Arch>
+inline xsimd::batch<float, Arch> lane_sums(const xsimd::batch<float, Arch>* v) noexcept {
   using fbatch = xsimd::batch<float, Arch>;
-  using ubatch = xsimd::batch<std::uint32_t, Arch>;
-  static constexpr int W = static_cast<int>(fbatch::size);  ///< lanes, = tokens per score tile
-  static constexpr int C = 2 * W;                            ///< elements per de-interleaved chunk
-  static constexpr int R = Layout::row_elems;
-  static constexpr int V = Layout::v_dim;
-  static constexpr int RC = R / C;
-  static constexpr int VC = V / C;
-  static constexpr int KB = 4;  ///< chunks of a K/V row held in registers at once
-  static_assert(R % C == 0 && V % C == 0,
-                "decode_kernel: the row width and v_dim must be multiples of twice the SIMD width");
-
-  static void run(const block_format<Layout>& fmt, int kv_head, const float* q, index_t q_head_stride, int group,
-                  float scale, std::span<const kv_segment> segs, float* o, index_t o_head_stride, float* lse) {
-    auto& s = detail::kernel_scratch::local();
-    const auto G = static_cast<std::size_t>(group);
-    s.q.resize(G * R);
-    s.out.assign(G * V, 0.0f);
-    s.acc.resize(G * W * W);
-    s.probs.resize(G * W);
-    s.row_max.assign(G, -std::numeric_limits<float>::infinity());
-    s.row_sum.assign(G, 0.0f);
-
-    // Pre-scaled, de-interleaved queries.
-    for (int g = 0; g < group; ++g) {
-      const float* src = q + g * q_head_stride;
-      float* dst = s.q.data() + std::size_t(g) * R;
-      for (int c = 0; c < RC; ++c)
-        for (int i = 0; i < W; ++i) {
-          dst[c * C + i] = src[c * C + 2 * i] * scale;
-          dst[c * C + W + i] = src[c * C + 2 * i + 1] * scale;
-        }
+  constexpr int W = int(fbatch::size);
+#if XSIMD_WITH_AVX512F
+  if constexpr (std::is_base_of_v<xsimd::avx512f, Arch>) {
+    // Level 1: in each 128-bit lane, positions {0,2} hold partials of v[2i], {1,3} of v[2i+1].
+    __m512 a[8];
+    WS_UNROLL
+    for (int i = 0; i < 8; ++i) {
+      const __m512 x = v[2 * i], y = v[2 * i + 1];
+      a[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
     }
-
-    const index_t k_off = fmt.slice_offset(Layout::key_plane, kv_head);
-    const index_t v_off = fmt.slice_offset(Layout::value_plane, kv_head);
-    for (const kv_segment& seg : segs) {
-      const bf16* kbase = seg.block + k_off;
-      const bf16* vbase = seg.block + v_off;
-      for (int t0 = 0; t0 < seg.tokens; t0 += W) {
-        const int n = std::min(W, seg.tokens - t0);
-        tile_scores(s, group, kbase + index_t(t0) * R, n);
-        tile_softmax(s, group, n);
-        tile_values(s, group, vbase + index_t(t0) * R, n);
-      }
+    // Level 2: each 128-bit lane k holds [S_k(v4i), S_k(v4i+1), S_k(v4i+2), S_k(v4i+3)].
+    __m512 b[4];
+    WS_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+      b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
     }
-
-    for (int g = 0; g < group; ++g) {
-      float* dst = o + g * o_head_stride;
-      const float sum = s.row_sum[std::size_t(g)];
-      if (sum == 0.0f) {  // no key attended
-        for (int i = 0; i < V; ++i) dst[i] = 0.0f;
-        lse[g] = -std::numeric_limits<float>::infinity();
-        continue;
-      }
-      const float inv = 1.0f / sum;
-      const float* acc = s.out.data() + std::size_t(g) * V;
-      for (int c = 0; c < VC; ++c)
-        for (int i = 0; i < W; ++i) {
-          dst[c * C + 2 * i] = acc[c * C + i] * inv;
-          dst[c * C + 2 * i + 1] = acc[c * C + W + i] * inv;
-        }
-      lse[g] = s.row_max[std::size_t(g)] + std::log(sum);
+    // Levels 3, 4: add the four 128-bit lanes.
+    __m512 c[2];
+    WS_UNROLL
+    for (int i = 0; i < 2; ++i)
+      c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  } else
+#endif
+#if XSIMD_WITH_AVX
+  if constexpr (std::is_base_of_v<xsimd::avx, Arch>) {
+    __m256 a[4];
+    WS_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const __m256 x = v[2 * i], y = v[2 * i + 1];
+      a[i] = _mm256_add_ps(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y));
     }
-  }
-
- private:
-  // xsimd::haddp returns the W row sums in an order that depends on the
-  // architecture and the xsimd version (xsimd 8.1 on AVX-512 interleaves
-  // them). Probe the order once instead of trusting it.
-  static const std::array<int, W>& haddp_lane_rows() noexcept {
-    static const std::array<int, W> rows = [] {
+    __m256 b[2];
+    WS_UNROLL
+    for (int i = 0; i < 2; ++i) {
+      const __m256d x = _mm256_castps_pd(a[2 * i]), y = _mm256_castps_pd(a[2 * i + 1]);
+      b[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+    }
+    return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
+  } else
+#endif
+#if XSIMD_WITH_SSE2
+  if constexpr (std::is_base_of_v<xsimd::sse2, Arch>) {
+    const __m128 x0 = v[0], x1 = v[1], x2 = v[2], x3 = v[3];
+    const __m128d a0 = _mm_castps_pd(_mm_add_ps(_mm_unpacklo_ps(x0, x1), _mm_unpackhi_ps(x0, x1)));
+    const __m128d a1 = _mm_castps_pd(_mm_add_ps(_mm_unpacklo_ps(x2, x3), _mm_unpackhi_ps(x2, x3)));
+    return _mm_add_ps(_mm_castpd_ps(_mm_unpacklo_pd(a0, a1)), _mm_castpd_ps(_mm_unpackhi_pd(a0, a1)));
+  } else
+#endif
+  {
+    // Any other architecture: xsimd::haddp, whose lane order depends on the
+    // architecture and the xsimd version — probe it once instead of trusting it.
+    static const std::array<int, W> row_of_lane = [] {
       std::array<int, W> r{};
       alignas(64) float unit[W][W];
       fbatch b[W];
@@ -183,7 +240,186 @@ struct decode_kernel {
       for (int j = 0; j < W; ++j) r[std::size_t(j)] = static_cast<int>(out[j]);
       return r;
     }();
-    return rows;
+    alignas(64) float lanes[W], sorted[W];
+    xsimd::haddp(v).store_aligned(lanes);
+    for (int j = 0; j < W; ++j) sorted[row_of_lane[std::size_t(j)]] = lanes[j];
+    return fbatch::load_aligned(sorted);
+  }
+}
+
+}  // namespace detail
+
+/// Decode attention of one KV head's query group over a list of blocks.
+///
+/// Template parameters: Layout (gqa_layout / mla_layout), Arch (xsimd
+/// architecture), ScorePrecision (fp32_scores or bf16_scores, see above).
+///
+///   q        [group][q_dim] fp32, head g at q + g*q_head_stride (unscaled queries)
+///   segs     blocks of this sequence in this layer, any memory the host can read
+///   o        [group][v_dim] fp32 out, head g at o + g*o_head_stride: normalised output
+///   lse      [group] fp32 out: natural-log sum of exp(scale·q·k) over all attended keys
+///
+/// Any group size ≥ 1 (cut into head blocks of 16/8/4/2/1). An empty list (or
+/// only zero-token segments) yields o = 0, lse = -inf. The result depends only
+/// on the inputs and the order of `segs` (deterministic; fixed summation order).
+/// Reads exactly the rows [0, tokens) of each segment. Thread-safe: uses
+/// thread-local scratch; no locks, no allocation after the first call on a
+/// thread with a given group size.
+template <kv_layout Layout, class Arch = default_arch, score_precision ScorePrecision = fp32_scores>
+struct decode_kernel {
+  using fbatch = xsimd::batch<float, Arch>;
+  using ubatch = xsimd::batch<std::uint32_t, Arch>;
+  using precision = ScorePrecision;
+  static constexpr int W = static_cast<int>(fbatch::size);  ///< lanes
+  static constexpr int C = 2 * W;                            ///< elements per de-interleaved chunk
+  static constexpr int TT = 2 * W;                           ///< tokens per tile
+  static constexpr int R = Layout::row_elems;
+  static constexpr int V = Layout::v_dim;
+  static constexpr int RC = R / C;
+  static constexpr int VC = V / C;
+  static constexpr int max_head_block = 16;
+  static constexpr bool native_bf16 = ScorePrecision::rounds_queries && has_native_bf16_dot<Arch>;
+  static_assert(R % C == 0 && V % C == 0,
+                "decode_kernel: the row width and v_dim must be multiples of twice the SIMD width");
+  static_assert(W >= 2 && (W & (W - 1)) == 0, "decode_kernel: the SIMD width must be a power of two >= 2");
+
+  static void run(const block_format<Layout>& fmt, int kv_head, const float* q, index_t q_head_stride, int group,
+                  float scale, std::span<const kv_segment> segs, float* o, index_t o_head_stride, float* lse) {
+    auto& s = detail::kernel_scratch::local();
+    const auto G = std::size_t(group);
+    s.out.assign(G * V, 0.0f);
+    s.m_pat.assign(G * W, -std::numeric_limits<float>::infinity());
+    s.l_pat.assign(G * W, 0.0f);
+    prepare_queries(s, q, q_head_stride, group, scale);
+
+    const index_t k_off = fmt.slice_offset(Layout::key_plane, kv_head);
+    const index_t v_off = fmt.slice_offset(Layout::value_plane, kv_head);
+    for (std::size_t si = 0; si < segs.size(); ++si) {
+      const kv_segment& seg = segs[si];
+      const bf16* kbase = seg.block + k_off;
+      const bf16* vbase = seg.block + v_off;
+      for (int t0 = 0; t0 < seg.tokens; t0 += TT) {
+        const int n = std::min(TT, seg.tokens - t0);
+        const bf16* krows = kbase + index_t(t0) * R;
+        const bf16* vrows = vbase + index_t(t0) * R;
+        prefetch_ref pf = next_tile(segs, si, t0 + TT, k_off, v_off);
+        for (int h0 = 0; h0 < group;) {
+          const int hb = head_block(group - h0);
+          const std::size_t h = std::size_t(h0);
+          const float* qf = native_bf16 ? nullptr : s.q.data() + h * R;
+          const std::uint32_t* qp = native_bf16 ? s.qp.data() + h * (R / 2) : nullptr;
+          float* acc = s.out.data() + h * V;
+          float* mp = s.m_pat.data() + h * W;
+          float* lp = s.l_pat.data() + h * W;
+          switch (hb) {
+            case 16: tile<16>(qf, qp, acc, mp, lp, krows, vrows, n, pf, scale); break;
+            case 8: tile<8>(qf, qp, acc, mp, lp, krows, vrows, n, pf, scale); break;
+            case 4: tile<4>(qf, qp, acc, mp, lp, krows, vrows, n, pf, scale); break;
+            case 2: tile<2>(qf, qp, acc, mp, lp, krows, vrows, n, pf, scale); break;
+            default: tile<1>(qf, qp, acc, mp, lp, krows, vrows, n, pf, scale); break;
+          }
+          pf = {};
+          h0 += hb;
+        }
+      }
+    }
+
+    for (int h0 = 0; h0 < group;) {
+      const int hb = head_block(group - h0);
+      const int hbz = pass_heads(hb);
+      for (int j = 0; j < hb; ++j) {
+        const int g = h0 + j;
+        // Lane of head j in its block's pattern: sub-block j / hbz, lane j % hbz + slot·hbz.
+        const float* mp = s.m_pat.data() + std::size_t(h0) * W + std::size_t(j / hbz) * W;
+        const float* lp = s.l_pat.data() + std::size_t(h0) * W + std::size_t(j / hbz) * W;
+        float sum = 0.0f;
+        for (int slot = 0; slot < W / hbz; ++slot) sum += lp[slot * hbz + j % hbz];
+        float* dst = o + g * o_head_stride;
+        if (sum == 0.0f) {  // no key attended
+          for (int i = 0; i < V; ++i) dst[i] = 0.0f;
+          lse[g] = -std::numeric_limits<float>::infinity();
+          continue;
+        }
+        const float inv = 1.0f / sum;
+        const float* acc = s.out.data() + std::size_t(g) * V;
+        for (int c = 0; c < VC; ++c)
+          for (int i = 0; i < W; ++i) {
+            dst[c * C + 2 * i] = acc[c * C + i] * inv;
+            dst[c * C + 2 * i + 1] = acc[c * C + W + i] * inv;
+          }
+        lse[g] = mp[j % hbz] + std::log(sum);
+      }
+      h0 += hb;
+    }
+  }
+
+ private:
+  /// Largest compile-time head block ≤ remaining heads.
+  static constexpr int head_block(int remaining) noexcept {
+    return remaining >= 16 ? 16 : remaining >= 8 ? 8 : remaining >= 4 ? 4 : remaining >= 2 ? 2 : 1;
+  }
+  /// Heads per QK pass for a head block: at most W/2, so a pass covers ≥ 2 tokens.
+  static constexpr int pass_heads(int hb) noexcept { return hb < W / 2 ? hb : W / 2; }
+
+  static void prepare_queries(detail::kernel_scratch& s, const float* q, index_t q_head_stride, int group,
+                              float scale) {
+    const auto G = std::size_t(group);
+    if constexpr (native_bf16) {
+      s.qp.resize(G * (R / 2));
+      for (int g = 0; g < group; ++g) {
+        const float* src = q + g * q_head_stride;
+        std::uint32_t* dst = s.qp.data() + std::size_t(g) * (R / 2);
+        for (int i = 0; i < R / 2; ++i)
+          dst[i] = std::uint32_t(bf16::from_float(src[2 * i]).bits) |
+                   (std::uint32_t(bf16::from_float(src[2 * i + 1]).bits) << 16);
+      }
+    } else {
+      s.q.resize(G * R);
+      for (int g = 0; g < group; ++g) {
+        const float* src = q + g * q_head_stride;
+        float* dst = s.q.data() + std::size_t(g) * R;
+        for (int c = 0; c < RC; ++c)
+          for (int i = 0; i < W; ++i) {
+            float e = src[c * C + 2 * i], od = src[c * C + 2 * i + 1];
+            if constexpr (ScorePrecision::rounds_queries) {  // round q itself; the scale goes on the scores
+              e = round_to_bf16(e);
+              od = round_to_bf16(od);
+            } else {
+              e *= scale;
+              od *= scale;
+            }
+            dst[c * C + i] = e;
+            dst[c * C + W + i] = od;
+          }
+      }
+    }
+  }
+
+  /// The tile after the current one (the rest of this segment or the start of
+  /// the next non-empty one), for software prefetch.
+  struct prefetch_ref {
+    const bf16* k = nullptr;
+    const bf16* v = nullptr;
+    int tokens = 0;
+  };
+  static prefetch_ref next_tile(std::span<const kv_segment> segs, std::size_t si, int t_next, index_t k_off,
+                                index_t v_off) noexcept {
+    std::size_t j = si;
+    while (j < segs.size() && t_next >= segs[j].tokens) {
+      t_next = 0;
+      ++j;
+    }
+    if (j >= segs.size()) return {};
+    const bf16* base = segs[j].block + index_t(t_next) * R;
+    return {base + k_off, base + v_off, std::min(TT, segs[j].tokens - t_next)};
+  }
+
+  static void prefetch_line(const bf16* p) noexcept {
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(p, 0, 3);
+#else
+    (void)p;
+#endif
   }
 
   static void widen(const bf16* p, fbatch& even, fbatch& odd) noexcept {
@@ -192,73 +428,219 @@ struct decode_kernel {
     odd = xsimd::bitwise_cast<fbatch>(u & ubatch(0xffff0000u));
   }
 
-  // acc[g][t] (a W-lane partial dot product) for the n tokens of the tile.
-  static void tile_scores(detail::kernel_scratch& s, int group, const bf16* krows, int n) noexcept {
-    for (int t = 0; t < n; ++t) {
-      const bf16* krow = krows + index_t(t) * R;
-      for (int cb = 0; cb < RC; cb += KB) {
-        const int nc = std::min(KB, RC - cb);
-        fbatch ke[KB], ko[KB];
-        for (int c = 0; c < nc; ++c) widen(krow + (cb + c) * C, ke[c], ko[c]);
-        for (int g = 0; g < group; ++g) {
-          const float* qg = s.q.data() + std::size_t(g) * R + std::size_t(cb) * C;
-          float* accp = s.acc.data() + (std::size_t(g) * W + std::size_t(t)) * W;
-          fbatch a = cb == 0 ? fbatch(0.0f) : fbatch::load_aligned(accp);
-          for (int c = 0; c < nc; ++c) {
-            a = xsimd::fma(fbatch::load_aligned(qg + c * C), ke[c], a);
-            a = xsimd::fma(fbatch::load_aligned(qg + c * C + W), ko[c], a);
+#if defined(__AVX512BF16__) && XSIMD_WITH_AVX512F
+  static fbatch dot_bf16(fbatch acc, ubatch qp, ubatch kp) noexcept {
+    return _mm512_dpbf16_ps(acc, (__m512bh)(__m512i)qp, (__m512bh)(__m512i)kp);
+  }
+#endif
+
+  /// Scores of one pass: HBz heads × TPz tokens `rows`, stored as one vector
+  /// at `dst`, lane t·HBz + h. With `pf` ([2·TPz] row pointers, null = none),
+  /// chunk c of each of those rows is prefetched along with chunk c of `rows`:
+  /// one line per row and chunk on AVX-512, spread evenly over the FMAs (a
+  /// burst of prefetches stalls on the core's miss buffers).
+  template <int HBz>
+  static void qk_pass(const float* qf, const std::uint32_t* qp, const bf16* const* rows, float* dst,
+                      const bf16* const* pf, float score_scale) noexcept {
+    constexpr int TPz = W / HBz;
+    fbatch a[W];
+    WS_UNROLL
+    for (int i = 0; i < W; ++i) a[i] = fbatch(0.0f);
+    auto prefetch_chunk = [pf](int c) {
+      if (pf) {
+        WS_UNROLL
+        for (int i = 0; i < 2 * TPz; ++i)
+          if (pf[i]) prefetch_line(pf[i] + c * C);
+      }
+    };
+    if constexpr (native_bf16) {
+#if defined(__AVX512BF16__) && XSIMD_WITH_AVX512F
+      for (int c = 0; c < RC; ++c) {
+        prefetch_chunk(c);
+        if constexpr (TPz <= HBz) {  // keep the K chunks of the pass, stream q
+          ubatch k[TPz];
+          WS_UNROLL
+          for (int t = 0; t < TPz; ++t)
+            k[t] = ubatch::load_unaligned(reinterpret_cast<const std::uint32_t*>(rows[t] + c * C));
+          WS_UNROLL
+          for (int h = 0; h < HBz; ++h) {
+            const ubatch qv = ubatch::load_aligned(qp + h * (R / 2) + c * W);
+            WS_UNROLL
+            for (int t = 0; t < TPz; ++t) a[t * HBz + h] = dot_bf16(a[t * HBz + h], qv, k[t]);
           }
-          a.store_aligned(accp);
+        } else {  // keep the q chunks, stream K
+          ubatch qv[HBz];
+          WS_UNROLL
+          for (int h = 0; h < HBz; ++h) qv[h] = ubatch::load_aligned(qp + h * (R / 2) + c * W);
+          WS_UNROLL
+          for (int t = 0; t < TPz; ++t) {
+            const ubatch k = ubatch::load_unaligned(reinterpret_cast<const std::uint32_t*>(rows[t] + c * C));
+            WS_UNROLL
+            for (int h = 0; h < HBz; ++h) a[t * HBz + h] = dot_bf16(a[t * HBz + h], qv[h], k);
+          }
+        }
+      }
+#endif
+    } else {
+      (void)qp;
+      for (int c = 0; c < RC; ++c) {
+        prefetch_chunk(c);
+        if constexpr (TPz <= HBz) {
+          fbatch ke[TPz], ko[TPz];
+          WS_UNROLL
+          for (int t = 0; t < TPz; ++t) widen(rows[t] + c * C, ke[t], ko[t]);
+          WS_UNROLL
+          for (int h = 0; h < HBz; ++h) {
+            const fbatch qe = fbatch::load_aligned(qf + h * R + c * C);
+            const fbatch qo = fbatch::load_aligned(qf + h * R + c * C + W);
+            WS_UNROLL
+            for (int t = 0; t < TPz; ++t) {
+              a[t * HBz + h] = xsimd::fma(qe, ke[t], a[t * HBz + h]);
+              a[t * HBz + h] = xsimd::fma(qo, ko[t], a[t * HBz + h]);
+            }
+          }
+        } else {
+          fbatch qe[HBz], qo[HBz];
+          WS_UNROLL
+          for (int h = 0; h < HBz; ++h) {
+            qe[h] = fbatch::load_aligned(qf + h * R + c * C);
+            qo[h] = fbatch::load_aligned(qf + h * R + c * C + W);
+          }
+          WS_UNROLL
+          for (int t = 0; t < TPz; ++t) {
+            fbatch ke, ko;
+            widen(rows[t] + c * C, ke, ko);
+            WS_UNROLL
+            for (int h = 0; h < HBz; ++h) {
+              a[t * HBz + h] = xsimd::fma(qe[h], ke, a[t * HBz + h]);
+              a[t * HBz + h] = xsimd::fma(qo[h], ko, a[t * HBz + h]);
+            }
+          }
         }
       }
     }
-    // Lanes of tokens past n hold stale values; tile_softmax masks them out.
+    if constexpr (ScorePrecision::rounds_queries)
+      (detail::lane_sums<Arch>(a) * fbatch(score_scale)).store_aligned(dst);
+    else
+      detail::lane_sums<Arch>(a).store_aligned(dst);
   }
 
-  // Reduces the tile's scores, updates running max/sum, rescales the output.
-  static void tile_softmax(detail::kernel_scratch& s, int group, int n) noexcept {
-    alignas(64) float sc[W];
-    for (int g = 0; g < group; ++g) {
-      const fbatch* rows = reinterpret_cast<const fbatch*>(s.acc.data() + std::size_t(g) * W * W);
+  /// One tile (n ≤ TT tokens) for one head block of HB heads.
+  ///   qf/qp  the block's queries; acc [HB][V] its output accumulator;
+  ///   mp/lp  [HB/HBz][W] its running max / sum in lane pattern.
+  template <int HB>
+  static void tile(const float* qf, const std::uint32_t* qp, float* acc, float* mp, float* lp, const bf16* krows,
+                   const bf16* vrows, int n, const prefetch_ref& pf, float score_scale) noexcept {
+    constexpr int HBz = pass_heads(HB);  // heads per QK pass
+    constexpr int TPz = W / HBz;         // tokens per QK pass
+    constexpr int NSB = HB / HBz;        // QK sub-blocks (lane patterns)
+    // Scores / probabilities of the tile: vector (pass p, sub-block sb) at
+    // sc[(p·NSB + sb)·W], lane t·HBz + h  (token p·TPz + t, head sb·HBz + h).
+    alignas(64) float sc[TT * HB];
+    alignas(64) float alpha[NSB * W];
+    const int passes = (n + TPz - 1) / TPz;
+
+    // QK
+    for (int p = 0; p < passes; ++p) {
+      const bf16* rows[TPz];
+      const bf16* pf_rows[2 * TPz];  // rows p·TPz + t of the next tile: K, then V (GQA)
+      WS_UNROLL
+      for (int t = 0; t < TPz; ++t) {
+        const int r = p * TPz + t;
+        rows[t] = krows + index_t(std::min(r, n - 1)) * R;  // clamp, masked below
+        pf_rows[t] = r < pf.tokens ? pf.k + index_t(r) * R : nullptr;
+        pf_rows[TPz + t] = !Layout::is_mla && r < pf.tokens ? pf.v + index_t(r) * R : nullptr;
+      }
+      for (int sb = 0; sb < NSB; ++sb)
+        qk_pass<HBz>(native_bf16 ? nullptr : qf + sb * HBz * R, native_bf16 ? qp + sb * HBz * (R / 2) : nullptr, rows,
+                     sc + (p * NSB + sb) * W, sb == 0 && pf.tokens > 0 ? pf_rows : nullptr, score_scale);
+    }
+    if (const int tail = n - (passes - 1) * TPz; tail < TPz)
+      for (int sb = 0; sb < NSB; ++sb)
+        for (int j = tail * HBz; j < W; ++j) sc[((passes - 1) * NSB + sb) * W + j] = -std::numeric_limits<float>::infinity();
+
+    // Online softmax, lane-wise in the pattern of each sub-block.
+    for (int sb = 0; sb < NSB; ++sb) {
+      fbatch mx = fbatch::load_aligned(sc + sb * W);
+      for (int p = 1; p < passes; ++p) mx = xsimd::max(mx, fbatch::load_aligned(sc + (p * NSB + sb) * W));
       alignas(64) float lanes[W];
-      xsimd::haddp(rows).store_aligned(lanes);
-      const auto& row_of_lane = haddp_lane_rows();
-      for (int j = 0; j < W; ++j) sc[row_of_lane[std::size_t(j)]] = lanes[j];
-      float tile_max = sc[0];
-      for (int t = 1; t < n; ++t) tile_max = std::max(tile_max, sc[t]);
-      for (int t = n; t < W; ++t) sc[t] = -std::numeric_limits<float>::infinity();
-      float& m = s.row_max[std::size_t(g)];
-      const float m_new = std::max(m, tile_max);
-      const float alpha = std::exp(m - m_new);  // m = -inf on the first tile: alpha = 0
-      const fbatch p = xsimd::exp(fbatch::load_aligned(sc) - fbatch(m_new));
-      p.store_aligned(s.probs.data() + std::size_t(g) * W);
-      float& l = s.row_sum[std::size_t(g)];
-      l = l * alpha + xsimd::hadd(p);
-      if (alpha != 1.0f) {
-        float* acc = s.out.data() + std::size_t(g) * V;
-        const fbatch a(alpha);
-        for (int i = 0; i < V; i += W) (fbatch::load_aligned(acc + i) * a).store_aligned(acc + i);
+      mx.store_aligned(lanes);
+      for (int h = 0; h < HBz; ++h) {  // max over the token slots of each head
+        float m = lanes[h];
+        for (int slot = 1; slot < TPz; ++slot) m = std::max(m, lanes[slot * HBz + h]);
+        for (int slot = 0; slot < TPz; ++slot) lanes[slot * HBz + h] = m;
       }
-      m = m_new;
+      const fbatch m_old = fbatch::load_aligned(mp + sb * W);
+      const fbatch m_new = xsimd::max(m_old, fbatch::load_aligned(lanes));
+      // m_old = -inf on the first tile: alpha = exp(-inf) = 0 (and 1 if both are -inf).
+      const fbatch al = xsimd::select(m_old == m_new, fbatch(1.0f), xsimd::exp(m_old - m_new));
+      al.store_aligned(alpha + sb * W);
+      m_new.store_aligned(mp + sb * W);
+      fbatch l = fbatch::load_aligned(lp + sb * W) * al;
+      for (int p = 0; p < passes; ++p) {
+        float* ps = sc + (p * NSB + sb) * W;
+        const fbatch e = xsimd::exp(fbatch::load_aligned(ps) - m_new);
+        e.store_aligned(ps);
+        l += e;
+      }
+      l.store_aligned(lp + sb * W);
+    }
+
+    // PV: accumulators of HBv heads × NCB chunks in registers over the tile.
+    constexpr int AB = detail::vector_registers<Arch> / 2;  // accumulator registers
+    constexpr int HBv = HB < AB / 2 ? HB : AB / 2;
+    constexpr int NCB0 = AB / (2 * HBv);
+    constexpr int NCB = NCB0 < VC ? NCB0 : VC;
+    for (int hv = 0; hv < HB; hv += HBv) {
+      int c0 = 0;
+      for (; c0 + NCB <= VC; c0 += NCB) pv_block<HB, HBv, NCB>(acc, alpha, sc, vrows, n, hv, c0);
+      for (; c0 < VC; ++c0) pv_block<HB, HBv, 1>(acc, alpha, sc, vrows, n, hv, c0);
     }
   }
 
-  static void tile_values(detail::kernel_scratch& s, int group, const bf16* vrows, int n) noexcept {
-    for (int t = 0; t < n; ++t) {
-      const bf16* vrow = vrows + index_t(t) * R;
-      for (int cb = 0; cb < VC; cb += KB) {
-        const int nc = std::min(KB, VC - cb);
-        fbatch ve[KB], vo[KB];
-        for (int c = 0; c < nc; ++c) widen(vrow + (cb + c) * C, ve[c], vo[c]);
-        for (int g = 0; g < group; ++g) {
-          const fbatch p(s.probs[std::size_t(g) * W + std::size_t(t)]);
-          float* acc = s.out.data() + std::size_t(g) * V + std::size_t(cb) * C;
-          for (int c = 0; c < nc; ++c) {
-            xsimd::fma(p, ve[c], fbatch::load_aligned(acc + c * C)).store_aligned(acc + c * C);
-            xsimd::fma(p, vo[c], fbatch::load_aligned(acc + c * C + W)).store_aligned(acc + c * C + W);
+  template <int HB, int HBv, int NCB>
+  WS_KERNEL_NOINLINE static void pv_block(float* acc, const float* alpha, const float* sc, const bf16* vrows, int n, int hv,
+                       int c0) noexcept {
+    constexpr int HBz = pass_heads(HB);
+    constexpr int TPz = W / HBz;
+    constexpr int NSB = HB / HBz;
+    static_assert(HBv % HBz == 0, "decode_kernel: a PV head block must be whole QK sub-blocks");
+    // Lane of head hv + h in a pattern: (hv / HBz)·W + lane(h), lane(h) = (h / HBz)·W + h % HBz.
+    const int hv_lane = (hv / HBz) * W;
+    fbatch a[HBv][2 * NCB];
+    WS_UNROLL
+    for (int h = 0; h < HBv; ++h) {
+      const int g = hv + h;
+      const fbatch al(alpha[hv_lane + (h / HBz) * W + h % HBz]);
+      float* src = acc + g * V + c0 * C;
+      WS_UNROLL
+      for (int k = 0; k < 2 * NCB; ++k) a[h][k] = fbatch::load_aligned(src + k * W) * al;
+    }
+    for (int t0 = 0; t0 < n; t0 += TPz) {  // one QK pass of tokens at a time: compile-time lane offsets
+      const float* pp = sc + (t0 / TPz) * NSB * W + hv_lane;
+      const int tn = std::min(TPz, n - t0);
+      for (int t = 0; t < tn; ++t) {
+        const bf16* vr = vrows + index_t(t0 + t) * R + c0 * C;
+        fbatch ve[NCB], vo[NCB];
+        WS_UNROLL
+        for (int c = 0; c < NCB; ++c) widen(vr + c * C, ve[c], vo[c]);
+        const float* pt = pp + t * HBz;
+        WS_UNROLL
+        for (int h = 0; h < HBv; ++h) {
+          const fbatch p(pt[(h / HBz) * W + h % HBz]);
+          WS_UNROLL
+          for (int c = 0; c < NCB; ++c) {
+            a[h][2 * c] = xsimd::fma(p, ve[c], a[h][2 * c]);
+            a[h][2 * c + 1] = xsimd::fma(p, vo[c], a[h][2 * c + 1]);
           }
         }
       }
+    }
+    WS_UNROLL
+    for (int h = 0; h < HBv; ++h) {
+      float* dst = acc + (hv + h) * V + c0 * C;
+      WS_UNROLL
+      for (int k = 0; k < 2 * NCB; ++k) a[h][k].store_aligned(dst + k * W);
     }
   }
 };
