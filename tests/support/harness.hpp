@@ -21,6 +21,11 @@
 #include <span>
 #include <vector>
 
+// The fp64 reference is single-threaded: Eigen's OpenMP GEMM would spin
+// against the CPU engine's threads and the emulated GPU worker (2-core CI).
+#ifndef EIGEN_DONT_PARALLELIZE
+#  define EIGEN_DONT_PARALLELIZE
+#endif
 #include <writescope/reference.hpp>
 #include <writescope/writescope.hpp>
 
