@@ -16,6 +16,7 @@
 #include <cmath>
 #include <concepts>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,15 @@
 #include "error.hpp"
 
 namespace writescope {
+
+namespace detail {
+/// "%g" formatting for messages: std::to_string prints a cost of 3e-9 s as "0.000000".
+inline std::string format_double(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+}  // namespace detail
 
 /// The region an eviction batch is written to, for good (the write-time principle).
 enum class placement : std::uint8_t {
@@ -118,7 +128,7 @@ class fixed_ratio {
   /// Throws config_error unless 0 <= cpu_share <= 1.
   explicit fixed_ratio(double cpu_share) : r_(cpu_share) {
     if (!(cpu_share >= 0.0 && cpu_share <= 1.0))
-      throw config_error("fixed_ratio: CPU share " + std::to_string(cpu_share) + " is outside [0, 1]");
+      throw config_error("fixed_ratio: CPU share " + detail::format_double(cpu_share) + " is outside [0, 1]");
   }
   [[nodiscard]] route_decision route(const route_query& q) const noexcept {
     return {route_toward(r_, q), {r_, 1.0 - r_}};
@@ -161,8 +171,8 @@ class roofline_policy {
     auto positive = [](double v) { return v > 0.0 && std::isfinite(v); };
     if (!positive(p.cpu_cost_per_token_seconds) || !positive(p.gpu_cost_per_token_seconds))
       throw config_error("roofline_policy: per-token costs must be positive and finite (A=" +
-                         std::to_string(p.cpu_cost_per_token_seconds) +
-                         " s, B=" + std::to_string(p.gpu_cost_per_token_seconds) + " s)");
+                         detail::format_double(p.cpu_cost_per_token_seconds) +
+                         " s, B=" + detail::format_double(p.gpu_cost_per_token_seconds) + " s)");
     if (!std::isfinite(p.cpu_fixed_seconds) || !std::isfinite(p.gpu_fixed_seconds))
       throw config_error("roofline_policy: fixed costs must be finite");
     if (p.cost_window_samples < 1)
