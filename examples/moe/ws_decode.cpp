@@ -1,0 +1,410 @@
+// ws_decode — generate tokens with a Qwen3-MoE, DeepSeek-V2 or Mixtral model
+// whose KV cache is split by writescope between the unpinned CPU region and the
+// GPU side (host backend: the GPU side is emulated in host memory).
+//
+//   ws_decode MODEL_DIR --prompt 1,2,3 --max-new-tokens 32 --policy roofline
+//   ws_decode --random-weights --config config.json --batch 4 --prompt-len 64
+//   ws_decode fixtures/qwen3_moe --expect fixtures/qwen3_moe/expected.json --policy gpu_only
+//
+// Exit status: 0 ok, 1 error (one line on stderr), 3 --expect mismatch, other
+// non-zero values: command-line errors (CLI11).
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(_OPENMP)
+#  include <omp.h>
+#endif
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "ws_moe/checkpoint.hpp"
+#include "ws_moe/model_config.hpp"
+#include "ws_moe/report.hpp"
+#include "ws_moe/run.hpp"
+
+namespace fs = std::filesystem;
+using namespace ws_moe;
+
+namespace {
+
+struct cli {
+  std::string model_dir;
+  std::string arch = "auto";
+  bool random_weights = false;
+  std::string config;
+  int layers = 0;
+  double max_host_weights_gib = 0.0;
+  std::vector<std::string> prompts;
+  std::string prompt_file;
+  int batch = 0;
+  std::string prompt_len = "16";
+  int max_new_tokens = 32;
+  double temperature = 0.0, top_p = 1.0;
+  int top_k = 0;
+  std::uint64_t seed = 0;
+  std::string policy = "roofline";
+  int block_tokens = 64, d_window = 256, ping_pong_buffers = 2, gpu_split_blocks = 16, cpu_task_blocks = 16;
+  double ping_pong_mib = 64.0, kv_vram_budget_mib = 0.0;
+  long long ping_pong_blocks = 0;
+  double cpu_bw_gbps = 80.0, h2d_bw_gbps = 54.0, cpu_fixed_us = 0.0, gpu_fixed_us = 0.0;
+  bool track_gpu_cost = false;
+  int threads = 0;
+  std::string json_out, expect;
+  double logit_tol = -1.0, logit_tol_bf16_kv = -1.0;
+  bool progress = false, no_progress = false, quiet = false, poison = false;
+};
+
+std::vector<int> parse_ids(const std::string& s, const std::string& where) {
+  std::vector<int> out;
+  std::string tok;
+  auto flush = [&] {
+    if (tok.empty()) return;
+    std::size_t used = 0;
+    long v = -1;
+    try {
+      v = std::stol(tok, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != tok.size() || v < 0 || v > (1L << 30))
+      throw writescope::config_error(where + ": \"" + tok + "\" is not a token id");
+    out.push_back(int(v));
+    tok.clear();
+  };
+  for (char c : s) {
+    if (c == ',' || c == ' ' || c == '\t' || c == '\r') flush();
+    else tok += c;
+  }
+  flush();
+  return out;
+}
+
+std::vector<std::vector<int>> build_prompts(const cli& a, const model_config& c, const nlohmann::json* expected) {
+  std::vector<std::vector<int>> given;
+  for (const std::string& p : a.prompts) {
+    std::stringstream ss(p);
+    std::string part;
+    while (std::getline(ss, part, ';'))
+      if (auto ids = parse_ids(part, "--prompt"); !ids.empty()) given.push_back(std::move(ids));
+  }
+  if (!a.prompt_file.empty()) {
+    const std::string text = read_text_file(a.prompt_file);
+    std::stringstream ss(text);
+    std::string line;
+    int n = 0;
+    while (std::getline(ss, line)) {
+      ++n;
+      if (auto ids = parse_ids(line, a.prompt_file + ":" + std::to_string(n)); !ids.empty()) given.push_back(std::move(ids));
+    }
+    if (given.empty()) throw writescope::config_error(a.prompt_file + ": no prompts");
+  }
+  if (given.empty() && expected) given = (*expected)["prompts"].get<std::vector<std::vector<int>>>();
+  if (!given.empty()) {
+    const int b = a.batch > 0 ? a.batch : int(given.size());
+    std::vector<std::vector<int>> out;
+    for (int i = 0; i < b; ++i) out.push_back(given[std::size_t(i) % given.size()]);
+    return out;
+  }
+  // random prompts of --prompt-len N or MIN:MAX tokens
+  int lo = 0, hi = 0;
+  const auto colon = a.prompt_len.find(':');
+  try {
+    lo = std::stoi(a.prompt_len.substr(0, colon));
+    hi = colon == std::string::npos ? lo : std::stoi(a.prompt_len.substr(colon + 1));
+  } catch (const std::exception&) {
+    lo = hi = 0;
+  }
+  if (lo < 1 || hi < lo) throw writescope::config_error("--prompt-len " + a.prompt_len + ": expected N or MIN:MAX with 1 <= MIN <= MAX");
+  std::mt19937_64 rng(a.seed ^ 0x70726f6d7074ull);
+  std::vector<std::vector<int>> out(static_cast<std::size_t>(a.batch > 0 ? a.batch : 1));
+  for (auto& p : out) {
+    const int len = std::uniform_int_distribution<int>(lo, hi)(rng);
+    for (int t = 0; t < len; ++t) p.push_back(std::uniform_int_distribution<int>(0, c.vocab_size - 1)(rng));
+  }
+  return out;
+}
+
+double physical_memory_gib() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? double(pages) * double(page) / double(1ull << 30) : 0.0;
+}
+
+struct expectation {
+  nlohmann::json meta;
+  std::unique_ptr<safetensors_file> logits_file;
+  const tensor_view* logits = nullptr;          ///< transformers, fp32 KV
+  const tensor_view* logits_bf16_kv = nullptr;  ///< transformers with its KV cache rounded to bf16 (optional)
+  std::vector<std::vector<int>> tokens;
+  double tolerance = 0.0, tolerance_bf16_kv = 0.0;
+};
+
+expectation load_expectation(const std::string& path) {
+  expectation e;
+  e.meta = read_json_file(path);
+  const std::string where = path + ": ";
+  if (!e.meta.is_object() || !e.meta.contains("prompts") || !e.meta.contains("greedy_tokens") ||
+      !e.meta.contains("logits_file") || !e.meta["logits_file"].is_string())
+    throw checkpoint_error(where + "expected an object with prompts, greedy_tokens and logits_file");
+  try {
+    e.tokens = e.meta["greedy_tokens"].get<std::vector<std::vector<int>>>();
+    (void)e.meta["prompts"].get<std::vector<std::vector<int>>>();
+    e.tolerance = e.meta.value("logit_tolerance", 0.0);
+    e.tolerance_bf16_kv = e.meta.value("logit_tolerance_bf16_kv", 0.0);
+  } catch (const nlohmann::json::exception& x) {
+    throw checkpoint_error(where + detail::one_line(x.what()));
+  }
+  if (e.tokens.empty() || e.tokens[0].empty()) throw checkpoint_error(where + "greedy_tokens is empty");
+  for (const auto& t : e.tokens)
+    if (t.size() != e.tokens[0].size()) throw checkpoint_error(where + "greedy_tokens rows differ in length");
+  e.logits_file = std::make_unique<safetensors_file>(fs::path(path).parent_path() / e.meta["logits_file"].get<std::string>());
+  auto get = [&](const char* name) {
+    const tensor_view* v = e.logits_file->find(name);
+    if (v && (v->type != dtype::f32 || v->shape.size() != 3 || v->shape[0] != std::int64_t(e.tokens.size()) ||
+              v->shape[1] < std::int64_t(e.tokens[0].size())))
+      throw checkpoint_error(e.logits_file->path().string() + ": \"" + name + "\" must be F32 [batch][steps][vocab] with " +
+                             std::to_string(e.tokens.size()) + " sequences and >= " + std::to_string(e.tokens[0].size()) +
+                             " steps, is " + std::string(info(v->type).name) + " " + shape_string(v->shape));
+    return v;
+  };
+  e.logits = get("logits");
+  e.logits_bf16_kv = get("logits_bf16_kv");
+  if (!e.logits) throw checkpoint_error(e.logits_file->path().string() + ": no tensor \"logits\"");
+  return e;
+}
+
+/// max |ours - reference| over every sequence, step and vocabulary entry.
+double max_logit_diff(const tensor_view& ref_t, const generation_result& r, int vocab) {
+  const std::size_t B = r.tokens.size(), steps = r.tokens[0].size(), ref_steps = std::size_t(ref_t.shape[1]);
+  if (ref_t.shape[2] != vocab)
+    throw checkpoint_error("expected logits have vocab " + std::to_string(ref_t.shape[2]) + ", the model " + std::to_string(vocab));
+  std::vector<float> ref(static_cast<std::size_t>(vocab));
+  double worst = 0.0;
+  for (std::size_t i = 0; i < B; ++i)
+    for (std::size_t s = 0; s < steps; ++s) {
+      widen_to_f32(dtype::f32, ref_t.data + ((i * ref_steps + s) * std::size_t(vocab)) * 4, std::size_t(vocab), ref.data());
+      const float* ours = r.logits[i].data() + s * std::size_t(vocab);
+      for (int v = 0; v < vocab; ++v) worst = std::max(worst, double(std::fabs(ours[v] - ref[std::size_t(v)])));
+    }
+  return worst;
+}
+
+/// Compares logits and greedy tokens with the reference; prints one line; true = pass.
+bool check_expectation(const expectation& e, const generation_result& r, int vocab, double tol, double tol16) {
+  const std::size_t B = r.tokens.size();
+  if (e.tokens.size() != B)
+    throw checkpoint_error("--expect has " + std::to_string(e.tokens.size()) + " sequences, the run " + std::to_string(B));
+  const double d32 = max_logit_diff(*e.logits, r, vocab);
+  const double d16 = e.logits_bf16_kv ? max_logit_diff(*e.logits_bf16_kv, r, vocab) : 0.0;
+  std::size_t same = 0, total = 0;
+  std::string first;
+  for (std::size_t i = 0; i < B; ++i)
+    for (std::size_t s = 0; s < e.tokens[i].size() && s < r.tokens[i].size(); ++s, ++total) {
+      if (e.tokens[i][s] == r.tokens[i][s]) ++same;
+      else if (first.empty()) first = " (first difference: seq " + std::to_string(i) + " step " + std::to_string(s) + ")";
+    }
+  const bool ok = d32 <= tol && (!e.logits_bf16_kv || d16 <= tol16) && same == total && total > 0;
+  std::printf("check      max |logit - transformers| = %.3e (tolerance %.1e); with bf16 KV: ", d32, tol);
+  if (e.logits_bf16_kv) std::printf("%.3e (tolerance %.1e)", d16, tol16);
+  else std::printf("n/a");
+  std::printf("; %zu x %zu steps; greedy tokens %zu/%zu identical%s: %s\n", B, r.tokens[0].size(), same, total,
+              first.c_str(), ok ? "PASS" : "FAIL");
+  return ok;
+}
+
+int run(cli& a) {
+  // ---- model -----------------------------------------------------------------
+  std::optional<arch> forced;
+  if (a.arch != "auto") forced = parse_arch(a.arch);
+  if (!a.random_weights && a.model_dir.empty())
+    throw writescope::config_error("give a checkpoint directory, or --random-weights --config <config.json>");
+  std::error_code ec;
+  if (!a.random_weights && !fs::is_directory(a.model_dir, ec))
+    throw checkpoint_error(a.model_dir + ": checkpoint directory does not exist");
+  fs::path config_path = !a.config.empty() ? fs::path(a.config) : fs::path(a.model_dir) / "config.json";
+  model_config c = load_model_config(config_path, forced);
+  if (a.layers > 0) c.num_layers = std::min(c.num_layers, a.layers);
+  const double need_gib = double(c.parameter_count()) * 4.0 / double(1ull << 30);
+  const double limit = a.max_host_weights_gib > 0 ? a.max_host_weights_gib : 0.8 * physical_memory_gib();
+  if (limit > 0 && need_gib > limit) {
+    char b[256];
+    std::snprintf(b, sizeof b,
+                  "the host path holds weights in fp32: %.1f GiB for %d layers exceeds %.1f GiB of host memory "
+                  "(use --layers N, or --max-host-weights-gib); the CUDA path with --vram-budget is not implemented yet",
+                  need_gib, c.num_layers, limit);
+    throw writescope::config_error(b);
+  }
+  std::unique_ptr<checkpoint> ckpt;
+  std::unique_ptr<weight_source> src;
+  if (a.random_weights) {
+    src = std::make_unique<weight_source>(a.seed, c.initializer_range);
+  } else {
+    ckpt = std::make_unique<checkpoint>(a.model_dir);
+    src = std::make_unique<weight_source>(*ckpt);
+  }
+
+  // ---- expectation, prompts ------------------------------------------------------
+  std::optional<expectation> expected;
+  if (!a.expect.empty()) {
+    expected = load_expectation(a.expect);
+    a.temperature = 0.0;
+    a.max_new_tokens = int(expected->tokens[0].size());
+  }
+  const auto prompts = build_prompts(a, c, expected ? &expected->meta : nullptr);
+
+  // ---- run options -----------------------------------------------------------------
+  run_options o;
+  o.max_new_tokens = a.max_new_tokens;
+  o.sampling = {a.temperature, a.top_p, a.top_k, a.seed};
+  o.sampling.validate();
+  o.kv.block_tokens = a.block_tokens;
+  o.kv.d_window_tokens = a.d_window;
+  o.kv.ping_pong_bytes = writescope::index_t(a.ping_pong_mib * double(1 << 20));
+  o.kv.ping_pong_blocks = a.ping_pong_blocks;
+  o.kv.ping_pong_buffers = a.ping_pong_buffers;
+  o.kv.gpu_split_blocks = a.gpu_split_blocks;
+  o.kv.cpu_task_blocks = a.cpu_task_blocks;
+  o.kv.kv_vram_budget_bytes = writescope::index_t(a.kv_vram_budget_mib * double(1 << 20));
+  o.kv.poison = a.poison;
+  const int threads = a.threads > 0 ? a.threads : std::max(1, int(std::thread::hardware_concurrency()));
+  o.threads = std::max(1, threads - 1);  // CPU attention engine: one core stays with the thread driving the GPU side
+  o.record_logits = expected.has_value();
+#if defined(_OPENMP)
+  omp_set_num_threads(threads);
+#endif
+  Eigen::setNbThreads(threads);
+
+  writescope::roofline_params rp;
+  const double tb = double(kv_token_bytes(c));
+  rp.cpu_cost_per_token_seconds = tb / (a.cpu_bw_gbps * 1e9);
+  rp.gpu_cost_per_token_seconds = tb / (a.h2d_bw_gbps * 1e9);
+  rp.cpu_fixed_seconds = a.cpu_fixed_us * 1e-6;
+  rp.gpu_fixed_seconds = a.gpu_fixed_us * 1e-6;
+  rp.track_gpu_cost = a.track_gpu_cost;
+  runtime_policy policy = parse_policy(a.policy, rp);
+
+  const bool show = !a.no_progress && (a.progress || progress_bar::stderr_is_tty());
+  progress_bar bar(show);
+  o.progress = [&](phase p, int done, int total) { bar.update(p == phase::prefill ? "prefill" : "decode", done, total); };
+  load_hooks hooks;
+  const auto t_load = std::chrono::steady_clock::now();
+  double load_seconds = 0.0;
+  hooks.on_layer_loaded = [&](int l) { bar.update("weights", l + 1, c.num_layers); };
+  hooks.on_loaded = [&] { load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count(); };
+
+  const generation_result r = run_model(c, *src, prompts, std::move(policy), o, hooks);
+
+  if (!a.quiet) print_summary(stdout, c, r, load_seconds, a.random_weights);
+  if (!a.json_out.empty()) {
+    std::ofstream out(a.json_out);
+    out << summary_json(c, r, load_seconds).dump(2) << "\n";
+    if (!out) throw writescope::error("--json " + a.json_out + ": cannot write");
+  }
+  if (expected) {
+    const double tol = a.logit_tol >= 0 ? a.logit_tol : expected->tolerance;
+    const double tol16 = a.logit_tol_bf16_kv >= 0 ? a.logit_tol_bf16_kv : expected->tolerance_bf16_kv;
+    if (!(tol > 0) || (expected->logits_bf16_kv && !(tol16 > 0)))
+      throw writescope::config_error("--expect: no logit tolerance (give --logit-tol / --logit-tol-bf16-kv or set them in the file)");
+    if (!check_expectation(*expected, r, c.vocab_size, tol, tol16)) return 3;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // The host backend runs the emulated GPU side on its own thread next to the
+  // OpenMP teams; libgomp's default spin-waiting idle threads starve it (steps
+  // 10-100x slower on small machines). libgomp reads OMP_WAIT_POLICY only at
+  // start-up, so choose "passive" by re-executing once unless the user set it.
+  if (!std::getenv("OMP_WAIT_POLICY")) {
+    ::setenv("OMP_WAIT_POLICY", "passive", 1);
+    ::execv("/proc/self/exe", argv);  // returns only on failure: then run with the default policy
+  }
+  cli a;
+  CLI::App app{"ws_decode: Qwen3-MoE / DeepSeek-V2 / Mixtral decoding over a writescope KV cache split between the "
+               "CPU region and the GPU side (host backend: GPU side emulated in host memory)."};
+  app.get_formatter()->column_width(38);
+  app.add_option("model", a.model_dir, "Hugging Face checkpoint directory (config.json + model.safetensors[.index.json])");
+  auto* g_model = "Model";
+  app.add_option("--arch", a.arch, "auto (config.json model_type) | qwen3_moe | deepseek_v2 | mixtral")
+      ->group(g_model)->capture_default_str();
+  app.add_flag("--random-weights", a.random_weights, "seeded random weights of the config's exact shapes (no checkpoint)")
+      ->group(g_model);
+  app.add_option("--config", a.config, "config.json (default: MODEL/config.json)")->group(g_model);
+  app.add_option("--layers", a.layers, "use only the first N decoder layers (0 = all)")->group(g_model);
+  app.add_option("--max-host-weights-gib", a.max_host_weights_gib,
+                 "refuse models whose fp32 weights exceed this (default: 80% of host RAM)")->group(g_model);
+  auto* g_prompt = "Prompt";
+  app.add_option("--prompt", a.prompts, "token ids \"1,2,3\"; ';' separates sequences (ragged batch); repeatable")
+      ->group(g_prompt);
+  app.add_option("--prompt-file", a.prompt_file, "one prompt per line, token ids separated by ',' or spaces")->group(g_prompt);
+  app.add_option("--batch", a.batch, "sequences (default: number of prompts, or 1); prompts are cycled")->group(g_prompt);
+  app.add_option("--prompt-len", a.prompt_len, "random prompts: N tokens, or MIN:MAX (ragged)")
+      ->group(g_prompt)->capture_default_str();
+  app.add_option("--max-new-tokens", a.max_new_tokens, "tokens to generate per sequence")
+      ->group(g_prompt)->capture_default_str()->check(CLI::PositiveNumber);
+  auto* g_sample = "Sampling";
+  app.add_option("--temperature", a.temperature, "0 = greedy")->group(g_sample)->capture_default_str();
+  app.add_option("--top-p", a.top_p, "nucleus sampling mass")->group(g_sample)->capture_default_str();
+  app.add_option("--top-k", a.top_k, "keep the K most likely (0 = all)")->group(g_sample)->capture_default_str();
+  app.add_option("--seed", a.seed, "seed of random weights, random prompts and sampling")->group(g_sample)->capture_default_str();
+  auto* g_kv = "KV cache";
+  app.add_option("--policy", a.policy, "roofline | fixed:R | gpu_only | cpu_only")->group(g_kv)->capture_default_str();
+  app.add_option("--block-tokens", a.block_tokens, "tokens per block (all regions)")->group(g_kv)->capture_default_str();
+  app.add_option("--d-window", a.d_window, "D: GPU window and eviction batch, a multiple of the block size")
+      ->group(g_kv)->capture_default_str();
+  app.add_option("--ping-pong-mib", a.ping_pong_mib, "bytes of one ping-pong buffer, MiB")->group(g_kv)->capture_default_str();
+  app.add_option("--ping-pong-blocks", a.ping_pong_blocks, "blocks per ping-pong buffer (overrides --ping-pong-mib)")->group(g_kv);
+  app.add_option("--ping-pong-buffers", a.ping_pong_buffers, "ping-pong buffers (>= 2)")->group(g_kv)->capture_default_str();
+  app.add_option("--gpu-split-blocks", a.gpu_split_blocks, "streamed blocks per GPU partial")->group(g_kv)->capture_default_str();
+  app.add_option("--cpu-task-blocks", a.cpu_task_blocks, "blocks per CPU attention task")->group(g_kv)->capture_default_str();
+  app.add_option("--kv-vram-budget-mib", a.kv_vram_budget_mib, "D-window + ping-pong must fit (0 = no limit)")->group(g_kv);
+  app.add_option("--cpu-bw-gbps", a.cpu_bw_gbps, "roofline A at admission: KV bytes/token / this")->group(g_kv)->capture_default_str();
+  app.add_option("--h2d-bw-gbps", a.h2d_bw_gbps, "roofline B: KV bytes/token / this")->group(g_kv)->capture_default_str();
+  app.add_option("--cpu-fixed-us", a.cpu_fixed_us, "roofline C_CPU, per step")->group(g_kv);
+  app.add_option("--gpu-fixed-us", a.gpu_fixed_us, "roofline C_GPU, per step")->group(g_kv);
+  app.add_flag("--track-gpu-cost", a.track_gpu_cost, "re-measure B online too")->group(g_kv);
+  app.add_option("--threads", a.threads,
+                 "CPU threads: GEMMs use N, the CPU attention engine N-1 (0 = all cores; OpenMP waits passively "
+                 "unless OMP_WAIT_POLICY is set)")->group(g_kv);
+  app.add_flag("--poison", a.poison, "fill every cache region with poison at init (debug)")->group(g_kv);
+  auto* g_out = "Output";
+  app.add_option("--json", a.json_out, "write the summary as JSON")->group(g_out);
+  app.add_flag("--progress", a.progress, "progress bar on stderr even when it is not a terminal")->group(g_out);
+  app.add_flag("--no-progress", a.no_progress, "no progress bar")->group(g_out);
+  app.add_flag("-q,--quiet", a.quiet, "no summary")->group(g_out);
+  app.add_option("--expect", a.expect,
+                 "reference run (expected.json from tools/make_fixtures.py): greedy, compare logits and tokens, exit 3 on mismatch")
+      ->group(g_out);
+  app.add_option("--logit-tol", a.logit_tol, "max |logit - transformers| for --expect (default: the file's logit_tolerance)")
+      ->group(g_out);
+  app.add_option("--logit-tol-bf16-kv", a.logit_tol_bf16_kv,
+                 "max |logit - transformers with bf16 KV| for --expect (default: the file's logit_tolerance_bf16_kv)")
+      ->group(g_out);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    return run(a);
+  } catch (const std::exception& e) {
+    std::string m = e.what();
+    for (char& ch : m)
+      if (ch == '\n') ch = ' ';
+    std::fprintf(stderr, "ws_decode: error: %s\n", m.c_str());
+    return 1;
+  }
+}

@@ -1,0 +1,399 @@
+// ws_moe/decoder.hpp — a MoE transformer decoder over one writescope KV cache:
+// prefill and token-by-token decode on the host (fp32 compute, bf16 KV), the
+// cache split between its unpinned CPU region and the (emulated) GPU side.
+//
+//   Attn   gqa_attention<HeadDim> | mla_attention<KvLoraRank, RopeDim>
+//   cache  inplace_kv_cache<Attn::layout_type, host_backend, pageable_allocator, runtime_policy>,
+//          one cache for all layers (one block table per sequence; one routing
+//          decision per eviction batch covers every layer)
+//
+// Prefill (ragged batch, packed): every sequence is admitted with
+// begin_sequence(P) — its floor(P/D) eviction batches are routed by the policy
+// at write time — then, layer by layer, the prompt's K/V (MLA: latent rows) is
+// computed for all tokens, written to its final regions with append_prefill
+// as it is produced, and the prompt attends itself causally on the host in
+// fp32 (ops.hpp). Decode: per step and layer, the new token's KV goes to the
+// D-window (append), hybrid_attention::step attends CPU region ‖ streamed
+// pinned blocks ‖ D-window and merges by LSE; after the last layer flush()
+// evicts every full D-window to the region the policy picks.
+//
+// Numerics: weights and activations fp32; the cache holds bf16 KV, so decode
+// attention sees bf16-rounded K/V (prefill attention uses the fp32 values, as
+// HF does). See docs/DECODERS.md for the comparison with transformers.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#if defined(_OPENMP)
+#  include <omp.h>
+#endif
+
+#include <writescope/writescope.hpp>
+
+#include "attention.hpp"
+#include "model_config.hpp"
+#include "moe.hpp"
+#include "runtime_policy.hpp"
+#include "sampling.hpp"
+#include "weights.hpp"
+
+namespace ws_moe {
+
+using writescope::index_t;
+
+/// Physical plan of the KV cache (paper §4.3 PartitionSpec) as the CLI sets it.
+struct kv_options {
+  int block_tokens = 64;
+  int d_window_tokens = 256;
+  index_t ping_pong_bytes = index_t{64} << 20;
+  index_t ping_pong_blocks = 0;  ///< > 0: overrides ping_pong_bytes
+  int ping_pong_buffers = 2;
+  int gpu_split_blocks = 16;
+  int cpu_task_blocks = 16;
+  index_t kv_vram_budget_bytes = 0;  ///< D-window + ping-pong must fit; 0 = no limit
+  bool poison = false;               ///< poison every region at init (debug)
+};
+
+enum class phase { prefill, decode };
+
+struct run_options {
+  int max_new_tokens = 32;
+  sampling_options sampling;
+  kv_options kv;
+  int threads = 0;  ///< CPU attention engine threads (0 = library default: hardware threads - 1)
+  bool record_logits = false;
+  std::function<void(phase, int done, int total)> progress;
+};
+
+/// The CPU share after a flush: placed tokens of all live sequences, the share
+/// of them in the unpinned region, and the policy's target.
+struct share_point {
+  int step = 0;
+  index_t placed_tokens = 0;
+  double cpu_share = 0.0;
+  double target = 0.0;
+};
+
+struct sequence_summary {
+  index_t prompt_tokens = 0, placed_tokens = 0, cpu_placed_tokens = 0, window_tokens = 0;
+};
+
+struct generation_result {
+  std::vector<std::vector<int>> tokens;                ///< generated, per sequence
+  std::vector<std::vector<float>> logits;              ///< per sequence: [steps][vocab] when recorded
+  index_t prefill_tokens = 0;
+  double prefill_seconds = 0.0;
+  std::vector<double> step_seconds;                    ///< wall time of each decode step (TPOT)
+  double attention_seconds = 0.0, cpu_engine_seconds = 0.0, gpu_engine_seconds = 0.0;
+  index_t cpu_tokens = 0, streamed_tokens = 0, window_tokens = 0;
+  int cpu_batches = 0, gpu_batches = 0;                ///< eviction batches routed during decode
+  std::vector<share_point> trajectory;
+  std::vector<sequence_summary> sequences;             ///< at the end, before end_sequence
+  writescope::region_usage usage;
+  writescope::partition_spec spec;
+  index_t block_bytes = 0;                             ///< one block of one layer
+  index_t token_bytes = 0;                             ///< one token of one layer
+  std::string policy;        ///< at admission
+  std::string policy_final;  ///< after the run (roofline: with the online A)
+  std::string layout;
+};
+
+template <class Attn>
+class decoder {
+ public:
+  using layout_type = typename Attn::layout_type;
+  using weights_type = model_weights<typename Attn::weights_type>;
+  using cache_type = writescope::inplace_kv_cache<layout_type, writescope::host_backend, writescope::pageable_allocator,
+                                                  runtime_policy>;
+  static constexpr int q_dim = Attn::q_dim;
+  static constexpr int v_dim = Attn::v_dim;
+  static constexpr int row = layout_type::row_elems;
+
+  decoder(const model_config& c, weights_type w) : c_(c), w_(std::move(w)), attn_(c_) {}
+  decoder(const decoder&) = delete;  // attn_ points at c_
+  decoder& operator=(const decoder&) = delete;
+
+  [[nodiscard]] layout_type layout() const { return attn_.layout(); }
+  [[nodiscard]] const model_config& config() const noexcept { return c_; }
+
+  /// The partition spec for `prompts` + max_new_tokens each: either region can
+  /// hold every placed token (any policy fits). Throws config_error when the
+  /// device-side regions exceed the KV VRAM budget.
+  writescope::partition_spec make_spec(const std::vector<std::vector<int>>& prompts, const run_options& o) const {
+    const kv_options& k = o.kv;
+    writescope::partition_spec s;
+    s.num_layers = c_.num_layers;
+    s.block_tokens = k.block_tokens;
+    s.d_window_tokens = k.d_window_tokens;
+    s.max_sequences = std::max<int>(1, int(prompts.size()));
+    index_t cap = 0;
+    for (const auto& p : prompts) {
+      const index_t total = index_t(p.size()) + o.max_new_tokens;
+      cap += (total / std::max(1, k.d_window_tokens)) * k.d_window_tokens;
+    }
+    s.cpu_capacity_tokens = std::max<index_t>(cap, k.block_tokens);
+    s.pinned_capacity_tokens = std::max<index_t>(cap, k.block_tokens);
+    s.pinned_initial_tokens = 0;
+    s.ping_pong_buffers = k.ping_pong_buffers;
+    s.gpu_split_blocks = k.gpu_split_blocks;
+    s.cpu_task_blocks = k.cpu_task_blocks;
+    const index_t block_bytes = writescope::block_format<layout_type>{layout(), std::max(1, k.block_tokens)}.block_bytes();
+    s.ping_pong_bytes = k.ping_pong_blocks > 0 ? k.ping_pong_blocks * block_bytes : k.ping_pong_bytes;
+    s.validate(layout());
+    if (k.kv_vram_budget_bytes > 0) {
+      const index_t window = index_t(s.max_sequences) * s.d_window_tokens * layout().token_bytes() * s.num_layers;
+      const index_t pp = s.ping_pong_blocks(layout()) * block_bytes * s.ping_pong_buffers;
+      if (window + pp > k.kv_vram_budget_bytes)
+        throw writescope::config_error("KV VRAM budget " + writescope::format_bytes(k.kv_vram_budget_bytes) +
+                                       " is smaller than D-window " + writescope::format_bytes(window) + " + ping-pong " +
+                                       writescope::format_bytes(pp) + "; lower --d-window or --ping-pong-mib");
+    }
+    return s;
+  }
+
+  /// Generates max_new_tokens tokens for every prompt (ragged batch) with
+  /// `policy` routing the KV. Prompts must be non-empty token ids < vocab.
+  generation_result generate(const std::vector<std::vector<int>>& prompts, runtime_policy policy, const run_options& o) {
+    using namespace writescope;
+    if (prompts.empty()) throw config_error("generate: no prompts");
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      if (prompts[i].empty()) throw config_error("prompt " + std::to_string(i) + " is empty");
+      for (int t : prompts[i])
+        if (t < 0 || t >= c_.vocab_size)
+          throw config_error("prompt " + std::to_string(i) + " has token id " + std::to_string(t) + " outside [0, " +
+                             std::to_string(c_.vocab_size) + ")");
+      if (c_.sliding_window && index_t(prompts[i].size()) + o.max_new_tokens > *c_.sliding_window)
+        throw config_error("sliding-window attention (window " + std::to_string(*c_.sliding_window) +
+                           ") is not implemented; prompt + new tokens must stay within the window");
+    }
+    if (o.max_new_tokens < 1) throw config_error("--max-new-tokens must be >= 1");
+    const int B = int(prompts.size());
+    const int H = c_.hidden_size;
+    const int V = c_.vocab_size;
+    const int hq = attn_.q_heads();
+
+    generation_result res;
+    res.spec = make_spec(prompts, o);
+    res.policy = policy.describe();
+    backend_type backend;
+    cache_type cache(backend, layout(), res.spec, std::move(policy), {}, cache_options{o.kv.poison});
+    attention_options ao;
+    ao.cpu_threads = o.threads;
+    hybrid_attention<cache_type> hybrid(cache, ao);
+    res.block_bytes = cache.format().block_bytes();
+    res.token_bytes = layout().token_bytes();
+    res.tokens.assign(std::size_t(B), {});
+    if (o.record_logits) res.logits.assign(std::size_t(B), {});
+    sampler pick(o.sampling, B);
+
+    // ---- admission + prefill ------------------------------------------------
+    const auto t_prefill = std::chrono::steady_clock::now();
+    std::vector<sequence_id> seqs(static_cast<std::size_t>(B));
+    std::vector<index_t> offset(static_cast<std::size_t>(B) + 1, 0);
+    for (int i = 0; i < B; ++i) {
+      seqs[std::size_t(i)] = cache.begin_sequence(index_t(prompts[std::size_t(i)].size()));
+      offset[std::size_t(i) + 1] = offset[std::size_t(i)] + index_t(prompts[std::size_t(i)].size());
+    }
+    const index_t N = offset.back();
+    res.prefill_tokens = N;
+    std::vector<float> x(static_cast<std::size_t>(N * H));
+    std::vector<index_t> pos(static_cast<std::size_t>(N));
+    for (int i = 0; i < B; ++i)
+      for (index_t t = 0; t < index_t(prompts[std::size_t(i)].size()); ++t) {
+        const int tok = prompts[std::size_t(i)][std::size_t(t)];
+        std::copy_n(w_.embed.data() + index_t(tok) * H, H, x.data() + (offset[std::size_t(i)] + t) * H);
+        pos[std::size_t(offset[std::size_t(i)] + t)] = t;
+      }
+    for (int l = 0; l < c_.num_layers; ++l) {
+      layer_forward_prefill(l, cache, seqs, offset, x, pos);
+      if (o.progress) o.progress(phase::prefill, l + 1, c_.num_layers);
+    }
+    std::vector<float> last(static_cast<std::size_t>(B) * H), logits(static_cast<std::size_t>(B) * V);
+    for (int i = 0; i < B; ++i)
+      std::copy_n(x.data() + (offset[std::size_t(i) + 1] - 1) * H, H, last.data() + index_t(i) * H);
+    head(last.data(), B, logits.data());
+    std::vector<int> cur(static_cast<std::size_t>(B));
+    for (int i = 0; i < B; ++i) take(res, pick, i, logits.data() + index_t(i) * V, cur, o);
+    res.prefill_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_prefill).count();
+    res.trajectory.push_back(share_of(cache, seqs, 0));
+
+    // ---- decode -------------------------------------------------------------
+    const int steps = o.max_new_tokens - 1;
+    x.resize(std::size_t(B) * H);
+    pos.resize(std::size_t(B));
+    q_.resize(std::size_t(B) * hq * q_dim);
+    out_.resize(std::size_t(B) * hq * v_dim);
+    for (int s = 1; s <= steps; ++s) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < B; ++i) {
+        std::copy_n(w_.embed.data() + index_t(cur[std::size_t(i)]) * H, H, x.data() + index_t(i) * H);
+        pos[std::size_t(i)] = index_t(prompts[std::size_t(i)].size()) + s - 1;
+      }
+      for (int l = 0; l < c_.num_layers; ++l) layer_forward_decode(l, cache, hybrid, seqs, x, pos, res);
+      const flush_report fr = cache.flush();
+      res.cpu_batches += fr.cpu_batches;
+      res.gpu_batches += fr.gpu_batches;
+      if (fr.evicted_sequences > 0) res.trajectory.push_back(share_of(cache, seqs, s));
+      head(x.data(), B, logits.data());
+      for (int i = 0; i < B; ++i) take(res, pick, i, logits.data() + index_t(i) * V, cur, o);
+      res.step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      if (o.progress) o.progress(phase::decode, s, steps);
+    }
+
+    for (int i = 0; i < B; ++i) {
+      const sequence_state& st = cache.sequence(seqs[std::size_t(i)]);
+      res.sequences.push_back({st.prompt_tokens, st.placed_tokens, st.cpu_placed_tokens,
+                               index_t(st.window_tokens.empty() ? 0 : st.window_tokens[0])});
+    }
+    res.usage = cache.usage();
+    res.policy_final = cache.policy().describe();
+    for (sequence_id id : seqs) cache.end_sequence(id);
+    return res;
+  }
+
+ private:
+  using backend_type = writescope::host_backend;
+
+  static double target_of(const runtime_policy& p, index_t placed) {
+    const auto& v = p.get();
+    if (const auto* r = std::get_if<writescope::roofline_policy>(&v)) return r->target_share(placed);
+    if (const auto* f = std::get_if<writescope::fixed_ratio>(&v)) return f->cpu_share();
+    return std::holds_alternative<writescope::cpu_only>(v) ? 1.0 : 0.0;
+  }
+
+  share_point share_of(const cache_type& cache, const std::vector<writescope::sequence_id>& seqs, int step) const {
+    share_point p;
+    p.step = step;
+    index_t cpu = 0;
+    for (auto id : seqs) {
+      const auto& st = cache.sequence(id);
+      p.placed_tokens += st.placed_tokens;
+      cpu += st.cpu_placed_tokens;
+    }
+    p.cpu_share = p.placed_tokens > 0 ? double(cpu) / double(p.placed_tokens) : 0.0;
+    p.target = target_of(cache.policy(), p.placed_tokens);
+    return p;
+  }
+
+  void take(generation_result& res, sampler& pick, int i, const float* lg, std::vector<int>& cur, const run_options& o) {
+    const std::span<const float> row(lg, std::size_t(c_.vocab_size));
+    if (o.record_logits) res.logits[std::size_t(i)].insert(res.logits[std::size_t(i)].end(), row.begin(), row.end());
+    cur[std::size_t(i)] = pick.next(i, row);
+    res.tokens[std::size_t(i)].push_back(cur[std::size_t(i)]);
+  }
+
+  // final norm + LM head: x[n][hidden] -> logits[n][vocab]
+  void head(const float* x, index_t n, float* logits) {
+    tmp_.resize(std::size_t(n) * c_.hidden_size);
+    rms_norm(x, w_.final_norm.data(), n, c_.hidden_size, c_.rms_norm_eps, tmp_.data());
+    w_.lm_head.forward(tmp_.data(), n, logits);
+  }
+
+  // KV planes (fp32, token-major) -> bf16 planes for the cache.
+  void to_bf16(index_t n) {
+    const index_t per = index_t(attn_.kv_heads()) * row;
+    for (int p = 0; p < Attn::planes; ++p) {
+      kvb_[std::size_t(p)].resize(std::size_t(n * per));
+      for (index_t i = 0; i < n * per; ++i)
+        kvb_[std::size_t(p)][std::size_t(i)] = writescope::bf16::from_float(kvf_[std::size_t(p)][std::size_t(i)]);
+    }
+  }
+
+  void alloc_planes(index_t n) {
+    const index_t per = index_t(attn_.kv_heads()) * row;
+    for (int p = 0; p < Attn::planes; ++p) {
+      kvf_[std::size_t(p)].resize(std::size_t(n * per));
+      kv_ptr_[std::size_t(p)] = kvf_[std::size_t(p)].data();
+    }
+  }
+
+  void ffn_residual(int l, std::vector<float>& x, index_t n) {
+    const int H = c_.hidden_size;
+    const auto& L = w_.layers[std::size_t(l)];
+    h_.resize(std::size_t(n) * H);
+    y_.resize(std::size_t(n) * H);
+    rms_norm(x.data(), L.post_norm.data(), n, H, c_.rms_norm_eps, h_.data());
+    ffn_forward(c_, L.ffn, h_.data(), n, y_.data());
+    for (index_t i = 0; i < n * H; ++i) x[std::size_t(i)] += y_[std::size_t(i)];
+  }
+
+  void layer_forward_prefill(int l, cache_type& cache, const std::vector<writescope::sequence_id>& seqs,
+                             const std::vector<index_t>& offset, std::vector<float>& x, const std::vector<index_t>& pos) {
+    const int H = c_.hidden_size;
+    const int hq = attn_.q_heads();
+    const index_t N = offset.back();
+    const auto& L = w_.layers[std::size_t(l)];
+    h_.resize(std::size_t(N) * H);
+    rms_norm(x.data(), L.input_norm.data(), N, H, c_.rms_norm_eps, h_.data());
+    q_.resize(std::size_t(N) * hq * q_dim);
+    alloc_planes(N);
+    attn_.project(L.attn, h_.data(), N, pos.data(), q_.data(), kv_ptr_.data());
+    to_bf16(N);
+    out_.resize(std::size_t(N) * hq * v_dim);
+    const index_t per = index_t(attn_.kv_heads()) * row;
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      const index_t o0 = offset[i], T = offset[i + 1] - offset[i];
+      writescope::kv_tokens<layout_type, writescope::pageable_host_space> kv;
+      for (int p = 0; p < Attn::planes; ++p) kv.planes[std::size_t(p)] = kvb_[std::size_t(p)].data() + o0 * per;
+      kv.num_tokens = T;
+      cache.append_prefill(l, seqs[i], kv);  // routed to its final regions as it is produced
+      std::array<const float*, Attn::planes> planes{};
+      for (int p = 0; p < Attn::planes; ++p) planes[std::size_t(p)] = kvf_[std::size_t(p)].data() + o0 * per;
+      attn_.prefill_attend(q_.data() + o0 * hq * q_dim, planes.data(), T, out_.data() + o0 * hq * v_dim);
+    }
+    y_.resize(std::size_t(N) * H);
+    attn_.output(L.attn, out_.data(), N, y_.data());
+    for (index_t i = 0; i < N * H; ++i) x[std::size_t(i)] += y_[std::size_t(i)];
+    ffn_residual(l, x, N);
+  }
+
+  void layer_forward_decode(int l, cache_type& cache, writescope::hybrid_attention<cache_type>& hybrid,
+                            const std::vector<writescope::sequence_id>& seqs, std::vector<float>& x,
+                            const std::vector<index_t>& pos, generation_result& res) {
+    using namespace writescope;
+    const int H = c_.hidden_size;
+    const int hq = attn_.q_heads();
+    const index_t B = index_t(seqs.size());
+    const auto& L = w_.layers[std::size_t(l)];
+    h_.resize(std::size_t(B) * H);
+    rms_norm(x.data(), L.input_norm.data(), B, H, c_.rms_norm_eps, h_.data());
+    q_.resize(std::size_t(B) * hq * q_dim);
+    alloc_planes(B);
+    attn_.project(L.attn, h_.data(), B, pos.data(), q_.data(), kv_ptr_.data());
+    to_bf16(B);
+    kv_tokens<layout_type, pageable_host_space> kv;
+    for (int p = 0; p < Attn::planes; ++p) kv.planes[std::size_t(p)] = kvb_[std::size_t(p)].data();
+    kv.num_tokens = B;
+    cache.append(l, seqs, kv);
+    out_.resize(std::size_t(B) * hq * v_dim);
+    step_outputs<pageable_host_space> so{host_span<float>(out_.data(), index_t(out_.size())), host_span<float>(), nullptr};
+    const step_report r = hybrid.step(l, seqs, host_span<const float>(q_.data(), index_t(q_.size())), float(attn_.scale()), so);
+    res.attention_seconds += r.total_seconds;
+    res.cpu_engine_seconds += r.cpu_seconds;
+    res.gpu_engine_seconds += r.gpu_seconds;
+    res.cpu_tokens += r.cpu_tokens;
+    res.streamed_tokens += r.streamed_tokens;
+    res.window_tokens += r.window_tokens;
+    y_.resize(std::size_t(B) * H);
+    attn_.output(L.attn, out_.data(), B, y_.data());
+    for (index_t i = 0; i < B * H; ++i) x[std::size_t(i)] += y_[std::size_t(i)];
+    ffn_residual(l, x, B);
+  }
+
+  model_config c_;
+  weights_type w_;
+  Attn attn_;
+  std::vector<float> h_, y_, q_, out_, tmp_;
+  std::array<std::vector<float>, Attn::planes> kvf_;
+  std::array<std::vector<writescope::bf16>, Attn::planes> kvb_;
+  std::array<float*, Attn::planes> kv_ptr_{};
+};
+
+}  // namespace ws_moe

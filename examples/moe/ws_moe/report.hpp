@@ -1,0 +1,198 @@
+// ws_moe/report.hpp — what ws_decode shows: a progress bar on stderr, the
+// final summary (prefill tok/s, TPOT P50/P99, decode tok/s, deployed CPU share,
+// memory per region as in the paper's Table 2, generated tokens) and the same
+// numbers as JSON for scripts.
+#pragma once
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "decoder.hpp"
+#include "model_config.hpp"
+
+namespace ws_moe {
+
+/// A one-line progress bar on stderr, redrawn at most every 50 ms; silent when
+/// disabled (default: only when stderr is a terminal).
+class progress_bar {
+ public:
+  explicit progress_bar(bool enabled) : enabled_(enabled) {}
+
+  static bool stderr_is_tty() { return ::isatty(STDERR_FILENO) == 1; }
+
+  void update(const char* label, int done, int total, const std::string& extra = {}) {
+    if (!enabled_ || total <= 0) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (done < total && std::string(label) == last_label_ && now - last_ < std::chrono::milliseconds(50)) return;
+    last_ = now;
+    last_label_ = label;
+    constexpr int width = 30;
+    const int fill = int(double(done) / total * width);
+    std::string bar(std::size_t(fill), '=');
+    if (fill < width) bar += '>' + std::string(std::size_t(width - fill - 1), ' ');
+    std::fprintf(stderr, "\r%-8s [%s] %d/%d %s\033[K", label, bar.c_str(), done, total, extra.c_str());
+    if (done >= total) std::fputc('\n', stderr);
+    std::fflush(stderr);
+  }
+
+ private:
+  bool enabled_;
+  std::chrono::steady_clock::time_point last_{};
+  std::string last_label_;
+};
+
+/// The q-th percentile (0..100) of `v`, linear interpolation; 0 for empty.
+inline double percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const double pos = q / 100.0 * double(v.size() - 1);
+  const auto lo = std::size_t(std::floor(pos));
+  const auto hi = std::min(v.size() - 1, lo + 1);
+  return v[lo] + (v[hi] - v[lo]) * (pos - double(lo));
+}
+
+struct summary_numbers {
+  double prefill_tok_s = 0, tpot_p50_ms = 0, tpot_p99_ms = 0, decode_tok_s = 0, cpu_share = 0;
+  index_t decode_tokens = 0;
+};
+
+inline summary_numbers summarize(const generation_result& r) {
+  summary_numbers s;
+  s.prefill_tok_s = r.prefill_seconds > 0 ? double(r.prefill_tokens) / r.prefill_seconds : 0.0;
+  s.tpot_p50_ms = percentile(r.step_seconds, 50) * 1e3;
+  s.tpot_p99_ms = percentile(r.step_seconds, 99) * 1e3;
+  double t = 0;
+  for (double x : r.step_seconds) t += x;
+  s.decode_tokens = index_t(r.step_seconds.size()) * index_t(r.tokens.size());
+  s.decode_tok_s = t > 0 ? double(s.decode_tokens) / t : 0.0;
+  index_t placed = 0, cpu = 0;
+  for (const auto& q : r.sequences) {
+    placed += q.placed_tokens;
+    cpu += q.cpu_placed_tokens;
+  }
+  s.cpu_share = placed > 0 ? double(cpu) / double(placed) : 0.0;
+  return s;
+}
+
+inline std::string mib(index_t bytes) {
+  char b[64];
+  std::snprintf(b, sizeof b, "%10.3f MiB", double(bytes) / double(1 << 20));
+  return b;
+}
+
+inline void print_summary(std::FILE* f, const model_config& c, const generation_result& r, double load_seconds,
+                          bool random_weights) {
+  const summary_numbers s = summarize(r);
+  const auto& u = r.usage;
+  const int L = r.spec.num_layers;
+  std::fprintf(f, "== ws_decode summary ==\n");
+  std::fprintf(f, "model      %s, %d layers, hidden %d, %d experts (top-%d), %s weights, loaded in %.2f s\n",
+               to_string(c.kind), c.num_layers, c.hidden_size, c.num_experts, c.experts_per_tok,
+               random_weights ? "random" : "checkpoint", load_seconds);
+  std::fprintf(f, "cache      %s, %lld B/token/layer, block %d tokens, D %d, ping-pong %d x %lld blocks, host backend (emulated GPU)\n",
+               r.layout.c_str(), static_cast<long long>(r.token_bytes), r.spec.block_tokens, r.spec.d_window_tokens,
+               r.spec.ping_pong_buffers, static_cast<long long>(u.ping_pong_bytes / std::max<index_t>(1, r.block_bytes) /
+                                                                 std::max(1, r.spec.ping_pong_buffers)));
+  std::fprintf(f, "policy     %s%s%s\n", r.policy.c_str(), r.policy_final != r.policy ? "; at the end: " : "",
+               r.policy_final != r.policy ? r.policy_final.c_str() : "");
+  std::fprintf(f, "prefill    %lld tokens (%zu sequences) in %.3f s = %.1f tok/s\n", static_cast<long long>(r.prefill_tokens),
+               r.tokens.size(), r.prefill_seconds, s.prefill_tok_s);
+  std::fprintf(f, "decode     %zu steps x %zu sequences: TPOT P50 %.3f ms, P99 %.3f ms (P99/P50 %.2f), %.1f tok/s\n",
+               r.step_seconds.size(), r.tokens.size(), s.tpot_p50_ms, s.tpot_p99_ms,
+               s.tpot_p50_ms > 0 ? s.tpot_p99_ms / s.tpot_p50_ms : 0.0, s.decode_tok_s);
+  std::fprintf(f, "attention  %.3f s in hybrid steps (CPU engine %.3f s, GPU side %.3f s); KV tokens attended: CPU %lld, streamed %lld, D-window %lld\n",
+               r.attention_seconds, r.cpu_engine_seconds, r.gpu_engine_seconds, static_cast<long long>(r.cpu_tokens),
+               static_cast<long long>(r.streamed_tokens), static_cast<long long>(r.window_tokens));
+  std::fprintf(f, "CPU share  layer group 0 (layers 0-%d, one block table for all layers): %.3f of %lld placed tokens; "
+               "decode evictions: %d to CPU, %d to GPU\n",
+               L - 1, s.cpu_share, static_cast<long long>([&] {
+                 index_t p = 0;
+                 for (const auto& q : r.sequences) p += q.placed_tokens;
+                 return p;
+               }()),
+               r.cpu_batches, r.gpu_batches);
+  for (std::size_t i = 0; i < r.sequences.size(); ++i) {
+    const auto& q = r.sequences[i];
+    std::fprintf(f, "           seq %zu: prompt %lld, placed %lld (CPU %lld, share %.3f), D-window %lld\n", i,
+                 static_cast<long long>(q.prompt_tokens), static_cast<long long>(q.placed_tokens),
+                 static_cast<long long>(q.cpu_placed_tokens),
+                 q.placed_tokens ? double(q.cpu_placed_tokens) / double(q.placed_tokens) : 0.0,
+                 static_cast<long long>(q.window_tokens));
+  }
+  std::string traj;
+  for (const auto& p : r.trajectory) {
+    char b[96];
+    std::snprintf(b, sizeof b, "%s%d:%.3f", traj.empty() ? "" : " ", p.step, p.cpu_share);
+    traj += b;
+  }
+  std::fprintf(f, "trajectory step:share after each eviction: %s\n", traj.c_str());
+  const index_t per_block_all = r.block_bytes * L;
+  std::fprintf(f, "memory     region (all %d layers)        reserved          in use\n", L);
+  std::fprintf(f, "           unpinned compute (CPU)  %s  %s (%lld blocks)\n", mib(u.cpu_region_bytes).c_str(),
+               mib(u.cpu_used_blocks * per_block_all).c_str(), static_cast<long long>(u.cpu_used_blocks));
+  std::fprintf(f, "           pinned load (host)      %s  %s (%lld blocks)\n", mib(u.pinned_region_bytes).c_str(),
+               mib(u.pinned_used_blocks * per_block_all).c_str(), static_cast<long long>(u.pinned_used_blocks));
+  std::fprintf(f, "           D-window (GPU)          %s\n", mib(u.d_window_bytes).c_str());
+  std::fprintf(f, "           ping-pong (GPU)         %s\n", mib(u.ping_pong_bytes).c_str());
+  for (std::size_t i = 0; i < r.tokens.size(); ++i) {
+    std::fprintf(f, "tokens %zu  ", i);
+    for (std::size_t j = 0; j < r.tokens[i].size(); ++j) std::fprintf(f, "%s%d", j ? "," : "", r.tokens[i][j]);
+    std::fputc('\n', f);
+  }
+}
+
+inline nlohmann::json summary_json(const model_config& c, const generation_result& r, double load_seconds) {
+  const summary_numbers s = summarize(r);
+  nlohmann::json j;
+  j["arch"] = to_string(c.kind);
+  j["layers"] = c.num_layers;
+  j["layout"] = r.layout;
+  j["policy"] = r.policy;
+  j["policy_final"] = r.policy_final;
+  j["batch"] = r.tokens.size();
+  j["load_seconds"] = load_seconds;
+  j["prefill_tokens"] = r.prefill_tokens;
+  j["prefill_seconds"] = r.prefill_seconds;
+  j["prefill_tok_s"] = s.prefill_tok_s;
+  j["tpot_p50_ms"] = s.tpot_p50_ms;
+  j["tpot_p99_ms"] = s.tpot_p99_ms;
+  j["decode_tok_s"] = s.decode_tok_s;
+  j["step_seconds"] = r.step_seconds;
+  j["cpu_share"] = s.cpu_share;
+  j["decode_evictions"] = {{"cpu", r.cpu_batches}, {"gpu", r.gpu_batches}};
+  j["attention"] = {{"seconds", r.attention_seconds},     {"cpu_engine_seconds", r.cpu_engine_seconds},
+                    {"gpu_side_seconds", r.gpu_engine_seconds}, {"cpu_tokens", r.cpu_tokens},
+                    {"streamed_tokens", r.streamed_tokens}, {"window_tokens", r.window_tokens}};
+  nlohmann::json traj = nlohmann::json::array();
+  for (const auto& p : r.trajectory)
+    traj.push_back({{"step", p.step}, {"placed_tokens", p.placed_tokens}, {"cpu_share", p.cpu_share}, {"target", p.target}});
+  j["share_trajectory"] = traj;
+  nlohmann::json seqs = nlohmann::json::array();
+  for (const auto& q : r.sequences)
+    seqs.push_back({{"prompt_tokens", q.prompt_tokens}, {"placed_tokens", q.placed_tokens},
+                    {"cpu_placed_tokens", q.cpu_placed_tokens}, {"window_tokens", q.window_tokens}});
+  j["sequences"] = seqs;
+  const auto& u = r.usage;
+  const index_t per_block_all = r.block_bytes * r.spec.num_layers;
+  j["memory_bytes"] = {{"unpinned_reserved", u.cpu_region_bytes},
+                       {"unpinned_used", u.cpu_used_blocks * per_block_all},
+                       {"pinned_reserved", u.pinned_region_bytes},
+                       {"pinned_used", u.pinned_used_blocks * per_block_all},
+                       {"d_window", u.d_window_bytes},
+                       {"ping_pong", u.ping_pong_bytes}};
+  j["spec"] = {{"block_tokens", r.spec.block_tokens},       {"d_window_tokens", r.spec.d_window_tokens},
+               {"ping_pong_bytes", r.spec.ping_pong_bytes}, {"ping_pong_buffers", r.spec.ping_pong_buffers},
+               {"gpu_split_blocks", r.spec.gpu_split_blocks}, {"cpu_task_blocks", r.spec.cpu_task_blocks}};
+  j["tokens"] = r.tokens;
+  return j;
+}
+
+}  // namespace ws_moe
