@@ -1,0 +1,21 @@
+# cmake -DCMD=<prog^^arg^^...> -DMATCH=<regex@@regex...> -DEXPECT_RC=<n> -P run_and_match.cmake
+#
+# Runs CMD and passes when its exit status is EXPECT_RC and its output (stdout
+# and stderr together) matches every regular expression of MATCH. ctest's own
+# PASS_REGULAR_EXPRESSION ignores the exit status and passes on any one match;
+# this checks both, and all of them.
+string(REPLACE "^^" ";" cmd "${CMD}")
+string(REPLACE "@@" ";" match "${MATCH}")
+execute_process(COMMAND ${cmd} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+message("${out}")
+if(err)
+  message("${err}")
+endif()
+if(NOT "${rc}" STREQUAL "${EXPECT_RC}")
+  message(FATAL_ERROR "exit status ${rc}, expected ${EXPECT_RC}")
+endif()
+foreach(re IN LISTS match)
+  if(NOT "${out}${err}" MATCHES "${re}")
+    message(FATAL_ERROR "output does not match: ${re}")
+  endif()
+endforeach()
