@@ -283,7 +283,7 @@ int run(cli& a) {
 #if defined(_OPENMP)
   omp_set_num_threads(threads);
 #endif
-  Eigen::setNbThreads(threads);
+  Eigen::setNbThreads(1);  // parallelism comes from our OpenMP loops (ops.hpp), never Eigen's GEMM threads
 
   writescope::roofline_params rp;
   const double tb = double(kv_token_bytes(c));

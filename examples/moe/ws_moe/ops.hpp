@@ -4,9 +4,9 @@
 //
 // Numerics follow Hugging Face transformers in float32: RMSNorm computes the
 // mean square in fp32-or-better and multiplies by the weight after
-// normalising; RoPE frequencies are computed in fp32 like torch; attention
-// softmax accumulates in double here (HF: fp32), a difference far below the
-// bf16 KV rounding the decode path adds.
+// normalising; RoPE frequencies are computed in fp32 like torch; prefill
+// attention is fp32 GEMMs with the softmax sum in double, a difference far
+// below the bf16 KV rounding the decode path adds.
 #pragma once
 
 #include <algorithm>
@@ -30,6 +30,13 @@ using cmap = Eigen::Map<const row_matrix>;
 using mmap_ = Eigen::Map<row_matrix>;
 
 /// A linear layer y = x·Wᵀ (+ b), W row-major [out][in] as PyTorch stores it.
+///
+/// Computed as yᵀ = W·xᵀ so that W is the GEMM's left operand, streamed once
+/// through Eigen's packing, which stays near memory bandwidth for the few rows
+/// of a decode step. Threading: the output features are split into chunks over
+/// the OpenMP team (each chunk single-threaded Eigen), never Eigen's own GEMM
+/// threads — they spin-synchronise and stall on small or shared machines.
+/// Inside a parallel region it runs on the calling thread.
 struct linear {
   std::vector<float> weight;  ///< [out][in]
   std::vector<float> bias;    ///< [out] or empty
@@ -39,11 +46,23 @@ struct linear {
   /// y[n][out] = x[n][in]·Wᵀ + b. x and y must not alias.
   void forward(const float* x, std::int64_t n, float* y) const {
     if (n == 0) return;
-    const cmap X(x, n, in);
-    const cmap W(weight.data(), out, in);
-    mmap_ Y(y, n, out);
-    Y.noalias() = X * W.transpose();
-    if (!bias.empty()) Y.rowwise() += Eigen::Map<const Eigen::RowVectorXf>(bias.data(), out);
+    using col_matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor>;
+    using yt_map = Eigen::Map<col_matrix, 0, Eigen::OuterStride<>>;
+    const std::int64_t chunk = 256;
+    const std::int64_t chunks = (out + chunk - 1) / chunk;
+    const Eigen::Map<const col_matrix> Xt(x, in, n);  // xᵀ [in][n]
+#pragma omp parallel for schedule(static)
+    for (std::int64_t c = 0; c < chunks; ++c) {
+      const std::int64_t o0 = c * chunk;
+      const std::int64_t len = std::min<std::int64_t>(chunk, out - o0);
+      // yᵀ[o0:o0+len][n] = W[o0:o0+len]·xᵀ: W is the GEMM's streamed left operand
+      const cmap W(weight.data() + o0 * in, len, in);
+      yt_map Yt(y + o0, len, n, Eigen::OuterStride<>(out));
+      Yt.noalias() = W * Xt;
+    }
+    if (!bias.empty())
+      for (std::int64_t r = 0; r < n; ++r)
+        for (int o = 0; o < out; ++o) y[r * out + o] += bias[std::size_t(o)];
   }
 };
 
@@ -160,44 +179,52 @@ class rotary {
   float attention_factor_ = 1.0f;
 };
 
-/// Causal attention of one sequence's prompt, fp32 in, double accumulation:
+/// Causal attention of one sequence's prompt, fp32 (as HF in float32):
 ///   q    [T][hq][q_dim] dense
 ///   k, v KV head g of token j at k + j*token_stride + g*head_stride (q_dim
 ///        elements of K, the first v_dim elements of V are used)
 ///   out  [T][hq][v_dim]
 /// Query head h reads KV head h / (hq / hkv). Token t attends tokens 0..t.
 /// MLA in absorbed form is hkv = 1 with v = k (the latent is the value).
+/// Work: per (query head, block of query_block rows) one score GEMM against the
+/// keys up to the block's last row, a masked row softmax, one GEMM with V;
+/// parallel over the (head, block) pairs. Memory: query_block x T scores per thread.
 inline void causal_attention(const float* q, int hq, int q_dim, const float* k, const float* v, int hkv,
                              std::int64_t token_stride, std::int64_t head_stride, int v_dim, std::int64_t T,
                              double scale, float* out) {
+  using stride_map = Eigen::Map<const row_matrix, 0, Eigen::OuterStride<>>;
+  using out_map = Eigen::Map<row_matrix, 0, Eigen::OuterStride<>>;
+  constexpr std::int64_t query_block = 128;
   const int group = hq / hkv;
-#pragma omp parallel for schedule(dynamic, 1) collapse(2)
-  for (std::int64_t t = 0; t < T; ++t)
-    for (int h = 0; h < hq; ++h) {
-      thread_local std::vector<double> s;
-      thread_local std::vector<double> acc;
-      s.resize(std::size_t(t + 1));
-      acc.assign(std::size_t(v_dim), 0.0);
-      const float* qr = q + (t * hq + h) * std::int64_t(q_dim);
-      const std::int64_t head_off = std::int64_t(h / group) * head_stride;
-      double m = -std::numeric_limits<double>::infinity();
-      for (std::int64_t j = 0; j <= t; ++j) {
-        const float* kr = k + j * token_stride + head_off;
-        double d = 0.0;
-        for (int i = 0; i < q_dim; ++i) d += double(qr[i]) * double(kr[i]);
-        s[std::size_t(j)] = d * scale;
-        m = std::max(m, s[std::size_t(j)]);
-      }
+  const std::int64_t blocks = (T + query_block - 1) / query_block;
+  const std::int64_t tasks = std::int64_t(hq) * blocks;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (std::int64_t task = 0; task < tasks; ++task) {
+    const int h = int(task / blocks);
+    const std::int64_t t0 = (task % blocks) * query_block;
+    const std::int64_t rows = std::min(query_block, T - t0);
+    const std::int64_t keys = t0 + rows;  // causal: this block sees tokens [0, t0 + rows)
+    const std::int64_t off = std::int64_t(h / group) * head_stride;
+    const stride_map Q(q + (t0 * hq + h) * std::int64_t(q_dim), rows, q_dim, Eigen::OuterStride<>(std::int64_t(hq) * q_dim));
+    const stride_map K(k + off, keys, q_dim, Eigen::OuterStride<>(token_stride));
+    const stride_map V(v + off, keys, v_dim, Eigen::OuterStride<>(token_stride));
+    thread_local row_matrix S;
+    S.resize(rows, keys);
+    S.noalias() = Q * K.transpose();
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t valid = t0 + r + 1;
+      float* srow = S.data() + r * keys;
+      float m = -std::numeric_limits<float>::infinity();
+      for (std::int64_t j = 0; j < valid; ++j) m = std::max(m, srow[j] * float(scale));
       double sum = 0.0;
-      for (std::int64_t j = 0; j <= t; ++j) {
-        const double p = std::exp(s[std::size_t(j)] - m);
-        sum += p;
-        const float* vr = v + j * token_stride + head_off;
-        for (int i = 0; i < v_dim; ++i) acc[std::size_t(i)] += p * double(vr[i]);
-      }
-      float* o = out + (t * hq + h) * std::int64_t(v_dim);
-      for (int i = 0; i < v_dim; ++i) o[i] = float(acc[std::size_t(i)] / sum);
+      for (std::int64_t j = 0; j < valid; ++j) sum += srow[j] = std::exp(srow[j] * float(scale) - m);
+      const float inv = float(1.0 / sum);
+      for (std::int64_t j = 0; j < valid; ++j) srow[j] *= inv;
+      for (std::int64_t j = valid; j < keys; ++j) srow[j] = 0.0f;
     }
+    out_map O(out + (t0 * hq + h) * std::int64_t(v_dim), rows, v_dim, Eigen::OuterStride<>(std::int64_t(hq) * v_dim));
+    O.noalias() = S * V;
+  }
 }
 
 }  // namespace ws_moe

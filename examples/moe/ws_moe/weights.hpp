@@ -1,11 +1,12 @@
 // ws_moe/weights.hpp — model weights in fp32 host memory, loaded by Hugging
 // Face tensor name from a checkpoint (widened from bf16/f16 at load, shapes
 // checked against the config) or generated from the config alone
-// (--random-weights: N(0, initializer_range) matrices, unit norms, zero biases,
-// as HF initialises; seeded per tensor name, so a tensor's values do not
-// depend on load order or thread count).
+// (--random-weights: approximately N(0, initializer_range) matrices, unit
+// norms, zero biases, as HF initialises; seeded per tensor name, so a tensor's
+// values do not depend on load order or thread count).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -72,7 +73,7 @@ class weight_source {
  public:
   /// Reads from `ckpt` (which must outlive this object).
   explicit weight_source(const checkpoint& ckpt) : ckpt_(&ckpt) {}
-  /// Random weights: N(0, stddev) matrices, ones for norms, zeros for biases.
+  /// Random weights: ~N(0, stddev) matrices, ones for norms, zeros for biases.
   weight_source(std::uint64_t seed, double stddev) : seed_(seed), stddev_(stddev) {}
 
   [[nodiscard]] bool is_random() const noexcept { return ckpt_ == nullptr; }
@@ -109,21 +110,21 @@ class weight_source {
     x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
     return x ^ (x >> 31);
   }
-  // Counter-based: element i depends only on (seed, name, i).
+  // Counter-based: element i depends only on (seed, name, i). Approximately
+  // normal: the Irwin-Hall sum of four 16-bit uniforms of one 64-bit hash,
+  // scaled to standard deviation `stddev_` (cheap enough for billions of weights).
   std::vector<float> random_normal(const std::string& name, std::int64_t n) const {
     std::vector<float> v(static_cast<std::size_t>(n));
     std::uint64_t h = seed_ ^ 0x5eedull;
     for (unsigned char c : name) h = mix(h ^ c);
-    const float sd = float(stddev_);
+    // sum of 4 U(0,1): mean 2, variance 4/12
+    const float scale = float(stddev_) * std::sqrt(3.0f) / 65536.0f;
 #pragma omp parallel for schedule(static)
-    for (std::int64_t i = 0; i < n; i += 2) {
+    for (std::int64_t i = 0; i < n; ++i) {
       const std::uint64_t r = mix(h + std::uint64_t(i));
-      const double u1 = (double((r >> 11) & ((1ull << 26) - 1)) + 1.0) / double(1ull << 26);
-      const double u2 = double(r & ((1ull << 26) - 1)) / double(1ull << 26);
-      const double rad = std::sqrt(-2.0 * std::log(u1));
-      const double ang = 6.283185307179586 * u2;
-      v[std::size_t(i)] = sd * float(rad * std::cos(ang));
-      if (i + 1 < n) v[std::size_t(i + 1)] = sd * float(rad * std::sin(ang));
+      const std::uint32_t sum = std::uint32_t(r & 0xffff) + std::uint32_t((r >> 16) & 0xffff) +
+                                std::uint32_t((r >> 32) & 0xffff) + std::uint32_t(r >> 48);
+      v[std::size_t(i)] = (float(sum) - 2.0f * 65535.0f) * scale;
     }
     return v;
   }
