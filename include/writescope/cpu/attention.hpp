@@ -168,6 +168,29 @@ inline constexpr int vector_registers =
 #endif
     16;
 
+/// Pins a loaded vector in a register. GCC folds a load into every FMA that
+/// uses it (one load per token of a QK pass instead of one per pass), which
+/// saturates the load ports; an empty asm with the value as an in/out operand
+/// makes the compiler materialise it once. No instruction is emitted.
+template <class B>
+inline void keep_in_register(B& v) noexcept {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  auto r = static_cast<typename B::register_type>(v);
+#  if defined(__AVX512F__)
+  asm("" : "+v"(r));
+#  else
+  asm("" : "+x"(r));
+#  endif
+  v = B(r);
+#elif defined(__GNUC__) && defined(__aarch64__)
+  auto r = static_cast<typename B::register_type>(v);
+  asm("" : "+w"(r));
+  v = B(r);
+#else
+  (void)v;
+#endif
+}
+
 /// lane_sums(v)[j] = Σ_k v[j][k] for the W vectors v[0..W): one transpose-and-add.
 template <class Arch>
 inline xsimd::batch<float, Arch> lane_sums(const xsimd::batch<float, Arch>* v) noexcept {
@@ -464,14 +487,18 @@ struct decode_kernel {
             k[t] = ubatch::load_unaligned(reinterpret_cast<const std::uint32_t*>(rows[t] + c * C));
           WS_UNROLL
           for (int h = 0; h < HBz; ++h) {
-            const ubatch qv = ubatch::load_aligned(qp + h * (R / 2) + c * W);
+            ubatch qv = ubatch::load_aligned(qp + h * (R / 2) + c * W);
+            if constexpr (TPz > 1) detail::keep_in_register(qv);
             WS_UNROLL
             for (int t = 0; t < TPz; ++t) a[t * HBz + h] = dot_bf16(a[t * HBz + h], qv, k[t]);
           }
         } else {  // keep the q chunks, stream K
           ubatch qv[HBz];
           WS_UNROLL
-          for (int h = 0; h < HBz; ++h) qv[h] = ubatch::load_aligned(qp + h * (R / 2) + c * W);
+          for (int h = 0; h < HBz; ++h) {
+            qv[h] = ubatch::load_aligned(qp + h * (R / 2) + c * W);
+            detail::keep_in_register(qv[h]);
+          }
           WS_UNROLL
           for (int t = 0; t < TPz; ++t) {
             const ubatch k = ubatch::load_unaligned(reinterpret_cast<const std::uint32_t*>(rows[t] + c * C));
@@ -491,8 +518,12 @@ struct decode_kernel {
           for (int t = 0; t < TPz; ++t) widen(rows[t] + c * C, ke[t], ko[t]);
           WS_UNROLL
           for (int h = 0; h < HBz; ++h) {
-            const fbatch qe = fbatch::load_aligned(qf + h * R + c * C);
-            const fbatch qo = fbatch::load_aligned(qf + h * R + c * C + W);
+            fbatch qe = fbatch::load_aligned(qf + h * R + c * C);
+            fbatch qo = fbatch::load_aligned(qf + h * R + c * C + W);
+            if constexpr (TPz > 1) {
+              detail::keep_in_register(qe);
+              detail::keep_in_register(qo);
+            }
             WS_UNROLL
             for (int t = 0; t < TPz; ++t) {
               a[t * HBz + h] = xsimd::fma(qe, ke[t], a[t * HBz + h]);
@@ -505,6 +536,8 @@ struct decode_kernel {
           for (int h = 0; h < HBz; ++h) {
             qe[h] = fbatch::load_aligned(qf + h * R + c * C);
             qo[h] = fbatch::load_aligned(qf + h * R + c * C + W);
+            detail::keep_in_register(qe[h]);
+            detail::keep_in_register(qo[h]);
           }
           WS_UNROLL
           for (int t = 0; t < TPz; ++t) {
@@ -543,7 +576,7 @@ struct decode_kernel {
     // QK
     for (int p = 0; p < passes; ++p) {
       const bf16* rows[TPz];
-      const bf16* pf_rows[2 * TPz];  // rows p·TPz + t of the next tile: K, then V (GQA)
+      const bf16* pf_rows[2 * TPz] = {};  // rows p·TPz + t of the next tile: K, then V (GQA); {} silences a GCC 12 false -Wmaybe-uninitialized
       WS_UNROLL
       for (int t = 0; t < TPz; ++t) {
         const int r = p * TPz + t;
