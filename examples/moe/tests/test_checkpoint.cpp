@@ -29,7 +29,7 @@ const fs::path configs = fs::path(WS_MOE_FIXTURES).parent_path() / "configs";
 
 std::vector<std::byte> bytes_of(const std::string& s) {
   std::vector<std::byte> b(s.size());
-  std::memcpy(b.data(), s.data(), s.size());
+  if (!s.empty()) std::memcpy(b.data(), s.data(), s.size());
   return b;
 }
 
@@ -58,7 +58,7 @@ std::vector<std::byte> read_file(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
   std::vector<char> c((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   std::vector<std::byte> b(c.size());
-  std::memcpy(b.data(), c.data(), c.size());
+  if (!c.empty()) std::memcpy(b.data(), c.data(), c.size());
   return b;
 }
 

@@ -134,7 +134,7 @@ inline std::string shape_string(std::span<const std::int64_t> shape) {
 inline void widen_to_f32(dtype t, const std::byte* src, std::size_t n, float* dst) {
   switch (t) {
     case dtype::f32:
-      std::memcpy(dst, src, n * 4);
+      if (n > 0) std::memcpy(dst, src, n * 4);
       return;
     case dtype::bf16:
       for (std::size_t i = 0; i < n; ++i) {
