@@ -84,6 +84,9 @@ struct cuda_debug_options {
   /// Each CTA of the streamed-split attention kernel spins this many SM cycles
   /// before reading its buffer (a slow consumer).
   long long consumer_delay_cycles = 0;
+  /// A spin kernel of this many SM cycles is queued on the copy stream before
+  /// each chunk's copies (slow copies: the RAW guard's mutation test).
+  long long copy_delay_cycles = 0;
 };
 
 namespace cuda_detail {
@@ -580,6 +583,7 @@ class cuda_backend::gpu_engine {
       const auto b = std::size_t(c.buffer);
       bf16* buf = a.ping_pong[b];
       if (!dbg.skip_consumed_wait) cuda_detail::wait(h2d, consumed_[b]);  // WAR
+      if (dbg.copy_delay_cycles > 0) gpu::launch_spin(dbg.copy_delay_cycles, h2d);
       for (index_t r = c.run_begin; r < c.run_end; ++r) {
         const stream_run& run = plan.runs[std::size_t(r)];
         copy_h2d(buf + run.dst_block * block_elems, run.src, run.num_blocks * block_bytes, h2d);
