@@ -217,12 +217,14 @@ class inplace_kv_cache {
     const index_t batches = prompt_tokens / spec_.d_window_tokens;
     try {
       for (index_t k = 0; k < batches; ++k) place_batch(id, st, total_placed_tokens_, live_count_ + 1);
+      // The last step that can throw (std::bad_alloc): before the slot is marked.
+      if (std::size_t(id) == seqs_.size()) seqs_.emplace_back();
     } catch (...) {
       release_blocks(st);
       throw;
     }
+    // Commit: nothing below throws.
     slot_used_[std::size_t(slot)] = 1;
-    if (std::size_t(id) == seqs_.size()) seqs_.emplace_back();
     total_placed_tokens_ += st.placed_tokens;
     seqs_[std::size_t(id)] = std::move(st);
     ++live_count_;
@@ -318,9 +320,15 @@ class inplace_kv_cache {
     flush_report rep;
     std::vector<std::pair<sequence_id, sequence_state>> staged;
     index_t total = total_placed_tokens_;
+    const int wb = spec_.window_blocks();
+    const index_t block_bytes = format_.block_bytes();
+    // Stage (route + allocate), copy, then commit: every step that can throw
+    // (policy, pools, pinned growth, std::bad_alloc, the backend's copies)
+    // runs before the first change to a sequence (strong guarantee).
     try {
+      staged.reserve(seqs_.size());
       for (std::size_t id = 0; id < seqs_.size(); ++id) {
-        const sequence_state& st = seqs_[id];
+        sequence_state& st = seqs_[id];
         if (!st.live || !window_full(st)) continue;
         sequence_state copy;  // only the fields place_batch touches
         copy.placed_tokens = st.placed_tokens;
@@ -331,30 +339,38 @@ class inplace_kv_cache {
         place_batch(sequence_id(id), copy, total - copy.placed_tokens, live_count_);
         total += spec_.d_window_tokens;
         staged.emplace_back(sequence_id(id), std::move(copy));
+        // Room for the commit's push_backs (capacity only: not observable).
+        reserve_more(st.block_table, wb);
+        reserve_more(staged.back().second.block_table[0].region == placement::cpu_compute ? st.cpu_blocks
+                                                                                          : st.pinned_blocks,
+                     wb);
       }
+      copies_.clear();
+      for (auto& [id, c] : staged) {
+        const sequence_state& st = seqs_[std::size_t(id)];
+        for (int layer = 0; layer < spec_.num_layers; ++layer) {
+          const bf16* slot = window_slot_ptr(layer, st.window_slot);
+          for (int k = 0; k < wb;) {  // coalesce destination runs of consecutive blocks
+            const block_ref first = c.block_table[std::size_t(k)];
+            int n = 1;
+            while (k + n < wb && c.block_table[std::size_t(k + n)].region == first.region &&
+                   block_ptr(layer, c.block_table[std::size_t(k + n)]) ==
+                       block_ptr(layer, first) + index_t(n) * format_.block_elems())
+              ++n;
+            copies_.push_back({slot + index_t(k) * format_.block_elems(), block_ptr(layer, first), n * block_bytes,
+                               kind_of(first.region)});
+            k += n;
+          }
+        }
+      }
+      backend_->copy_blocks_to_host(copies_);
     } catch (...) {
       for (auto& [id, c] : staged) release_blocks(c);
       throw;
     }
-    copies_.clear();
-    const int wb = spec_.window_blocks();
-    const index_t block_bytes = format_.block_bytes();
+    // Commit: nothing below throws.
     for (auto& [id, c] : staged) {
       sequence_state& st = seqs_[std::size_t(id)];
-      for (int layer = 0; layer < spec_.num_layers; ++layer) {
-        const bf16* slot = window_slot_ptr(layer, st.window_slot);
-        for (int k = 0; k < wb;) {  // coalesce destination runs of consecutive blocks
-          const block_ref first = c.block_table[std::size_t(k)];
-          int n = 1;
-          while (k + n < wb && c.block_table[std::size_t(k + n)].region == first.region &&
-                 block_ptr(layer, c.block_table[std::size_t(k + n)]) ==
-                     block_ptr(layer, first) + index_t(n) * format_.block_elems())
-            ++n;
-          copies_.push_back({slot + index_t(k) * format_.block_elems(), block_ptr(layer, first), n * block_bytes,
-                             kind_of(first.region)});
-          k += n;
-        }
-      }
       for (const block_ref& b : c.block_table) {
         st.block_table.push_back(b);
         (b.region == placement::cpu_compute ? st.cpu_blocks : st.pinned_blocks).push_back(b.id);
@@ -365,7 +381,6 @@ class inplace_kv_cache {
       std::fill(st.window_tokens.begin(), st.window_tokens.end(), 0);
       ++rep.evicted_sequences;
     }
-    backend_->copy_blocks_to_host(copies_);
     total_placed_tokens_ = total;
     return rep;
   }
@@ -549,6 +564,10 @@ class inplace_kv_cache {
     q.live_sequences = live;
     const route_decision d = policy_.route(q);
     tmp_ids_.clear();
+    // Reserve first: once blocks are taken from a pool nothing may throw, or they leak.
+    reserve_more(tmp_ids_, wb);
+    reserve_more(st.block_table, wb);
+    reserve_more(d.region == placement::cpu_compute ? st.cpu_blocks : st.pinned_blocks, wb);
     if (d.region == placement::cpu_compute) {
       cpu_pool_.allocate(wb, tmp_ids_);
     } else {
@@ -565,6 +584,12 @@ class inplace_kv_cache {
     if (d.region == placement::cpu_compute) st.cpu_placed_tokens += spec_.d_window_tokens;
   }
 
+  // Capacity for `n` more elements, growing geometrically (a push_back after it cannot throw).
+  template <class T>
+  static void reserve_more(std::vector<T>& v, int n) {
+    if (v.capacity() - v.size() < std::size_t(n)) v.reserve(std::max(v.size() + std::size_t(n), 2 * v.capacity()));
+  }
+
   void release_blocks(sequence_state& st) {
     cpu_pool_.release(st.cpu_blocks.data(), st.cpu_blocks.size());
     pinned_pool_.release(st.pinned_blocks.data(), st.pinned_blocks.size());
@@ -578,8 +603,12 @@ class inplace_kv_cache {
   // are valid, empty capacity), the pools stay consistent.
   void grow_pinned_to(index_t blocks) {
     blocks = std::min(blocks, pinned_pool_.max_capacity());
+    // A slab kept when the pool's growth below failed (std::bad_alloc) is counted now.
+    pinned_pool_.grow_to(std::min(index_t(pinned_slabs_.size()) * slab_blocks_, pinned_pool_.max_capacity()));
     while (index_t(pinned_slabs_.size()) * slab_blocks_ < blocks) {
       const index_t bytes = slab_blocks_ * format_.block_bytes() * spec_.num_layers;
+      reserve_more(pinned_slab_ptrs_, 1);  // the two lists must not get out of step
+      reserve_more(pinned_slabs_, 1);
       host_allocation a = pinned_alloc_.allocate(bytes);
       if (options_.poison) {
         auto* p = reinterpret_cast<std::uint16_t*>(a.data());
