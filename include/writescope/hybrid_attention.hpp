@@ -50,8 +50,11 @@ struct attention_options {
 
 /// What one step did and how long each side took.
 struct step_report {
-  double cpu_seconds = 0.0;      ///< CPU engine wall time (attend + merge its tasks)
-  double gpu_seconds = 0.0;      ///< GPU side time (stream + attend)
+  double cpu_seconds = 0.0;      ///< CPU engine wall time (attend + merge its tasks; not the wait for q)
+  /// GPU side time (stream + attend). host_backend: this step's. cuda_backend:
+  /// the newest earlier launch whose events completed (finish() never blocks;
+  /// 0 before the first completes); time a step with a stream sync instead.
+  double gpu_seconds = 0.0;
   double total_seconds = 0.0;    ///< the whole step, as the caller sees it
   index_t cpu_tokens = 0;        ///< KV tokens attended by the CPU engine
   index_t streamed_tokens = 0;   ///< KV tokens streamed through ping-pong
@@ -122,10 +125,15 @@ class hybrid_attention {
     args.poison_workspaces = options_.poison_workspaces;
     engine_.launch(args);
 
-    // 3. CPU side, concurrently
+    // 3. CPU side, concurrently. The wait for the step's queries is not CPU
+    // work (an asynchronous engine copies them after the caller's earlier work,
+    // i.e. after the previous step's merge): the clock starts after it, or A
+    // would absorb the GPU side's time whenever the GPU is the slower engine
+    // and the share would drift further toward the GPU.
+    const float* host_q = engine_.host_queries();
     const auto t_cpu = std::chrono::steady_clock::now();
     build_cpu_tasks(v, seqs, rep);
-    run_cpu_side(v, batch, engine_.host_queries(), scale);
+    run_cpu_side(v, batch, host_q, scale);
     rep.cpu_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_cpu).count();
 
     // 4. merge
@@ -141,6 +149,14 @@ class hybrid_attention {
     s.cpu_tokens = rep.cpu_tokens;
     s.gpu_seconds = rep.gpu_seconds;
     s.gpu_streamed_tokens = rep.streamed_tokens;
+    if constexpr (requires(engine_type& e) { e.take_completed_gpu_cost(); }) {
+      // An asynchronous engine (cuda_backend) times an earlier launch: pair
+      // those seconds with that launch's streamed tokens, and send no GPU
+      // sample when no launch completed since the last step (B unchanged).
+      const auto c = engine_.take_completed_gpu_cost();
+      s.gpu_seconds = c.seconds;
+      s.gpu_streamed_tokens = c.streamed_tokens;
+    }
     s.batch_size = batch;
     cache_->policy().observe(s);
     rep.total_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();

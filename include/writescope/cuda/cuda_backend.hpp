@@ -89,6 +89,33 @@ struct cuda_debug_options {
   long long copy_delay_cycles = 0;
 };
 
+/// Ablation switches (paper §7.4, Fig. 10): each replaces one design point of
+/// the streaming path with the baseline it improves on, so that a benchmark
+/// can measure what the design point buys (bench/ws_bench.cpp, mode ablate).
+/// All off by default: with the defaults the step runs exactly as without this
+/// struct. Never set them in production. Read at every launch.
+struct cuda_ablation_options {
+  /// How the streamed pinned blocks are copied into ping-pong.
+  enum class copy_granularity : std::uint8_t {
+    coalesced_runs,  ///< default: one copy per run of physically adjacent blocks (the format's contiguous DMA)
+    per_block,       ///< one cudaMemcpyAsync per block (no coalescing)
+    per_slice,       ///< one per (plane, KV head) slice of a block: the per-segment copies of a strided
+                     ///< source (paper §3.2); MLA has one slice per block, so it equals per_block there
+  };
+  copy_granularity copies = copy_granularity::coalesced_runs;
+  /// Destroy-and-rebuild transfer region instead of overwrite-reuse (paper
+  /// §4.2): every launch cudaMallocs fresh ping-pong buffers (one per buffer
+  /// index, each the size of the plan's largest chunk) instead of using the
+  /// cache's, and finish() cudaFrees them, which synchronizes the device.
+  bool per_step_allocation = false;
+};
+
+/// GPU-side cost of one completed launch (see gpu_engine::take_completed_gpu_cost).
+struct completed_gpu_cost {
+  double seconds = 0.0;         ///< stream + attend, merge excluded (CUDA events)
+  index_t streamed_tokens = 0;  ///< KV tokens that launch streamed through ping-pong
+};
+
 namespace cuda_detail {
 
 class unique_stream {
@@ -223,6 +250,8 @@ class cuda_backend {
   [[nodiscard]] cudaStream_t d2h_stream() const noexcept { return d2h_.get(); }
   /// Mutation-test switches (see cuda_debug_options).
   [[nodiscard]] cuda_debug_options& debug() noexcept { return debug_; }
+  /// Ablation switches (see cuda_ablation_options; all off by default).
+  [[nodiscard]] cuda_ablation_options& ablation() noexcept { return ablation_; }
   /// Largest device staging buffer write_blocks uses for host destinations.
   void set_max_staging_bytes(index_t bytes) noexcept { max_staging_bytes_ = std::max<index_t>(bytes, 1); }
 
@@ -452,6 +481,7 @@ class cuda_backend {
   cuda_detail::unique_stream h2d_, d2h_;
   cuda_detail::unique_event h2d_done_, d2h_done_, staged_, staging_free_, evict_src_;
   cuda_debug_options debug_{};
+  cuda_ablation_options ablation_{};
   index_t max_staging_bytes_ = index_t{64} << 20;
   device_buffer staging_;
   gpu::scatter_params scatter_{};
@@ -524,6 +554,7 @@ class cuda_backend::gpu_engine {
   ~gpu_engine() {
     cuda_detail::ignore(cudaStreamSynchronize(be_->caller_));
     cuda_detail::ignore(cudaStreamSynchronize(be_->h2d_.get()));
+    free_step_buffers();
   }
 
   /// Starts the GPU side of one step; returns at once (enqueues only). `a.q`
@@ -536,6 +567,7 @@ class cuda_backend::gpu_engine {
   void launch(const args_type& a) {
     validate(a);
     const cuda_debug_options dbg = be_->debug_;
+    const cuda_ablation_options abl = be_->ablation_;
     const stream_plan& plan = *a.plan;
     const index_t rows = index_t(a.batch) * hq_;
     const index_t block_elems = a.format.block_elems();
@@ -543,6 +575,7 @@ class cuda_backend::gpu_engine {
     cudaStream_t caller = be_->caller_;
     cudaStream_t h2d = be_->h2d_.get();
     cudaStream_t comp = compute_.get();
+    if (abl.per_step_allocation) allocate_step_buffers(plan, a.ping_pong.size(), block_bytes);  // ablation only
     batch_ = a.batch;
     launched_ = true;
 
@@ -581,12 +614,20 @@ class cuda_backend::gpu_engine {
     // 3. Stream the chunks through ping-pong; attend and fold each.
     for (const stream_chunk& c : plan.chunks) {
       const auto b = std::size_t(c.buffer);
-      bf16* buf = a.ping_pong[b];
+      bf16* buf = abl.per_step_allocation ? step_buffers_[b] : a.ping_pong[b];
       if (!dbg.skip_consumed_wait) cuda_detail::wait(h2d, consumed_[b]);  // WAR
       if (dbg.copy_delay_cycles > 0) gpu::launch_spin(dbg.copy_delay_cycles, h2d);
       for (index_t r = c.run_begin; r < c.run_end; ++r) {
         const stream_run& run = plan.runs[std::size_t(r)];
-        copy_h2d(buf + run.dst_block * block_elems, run.src, run.num_blocks * block_bytes, h2d);
+        bf16* dst = buf + run.dst_block * block_elems;
+        if (abl.copies == cuda_ablation_options::copy_granularity::coalesced_runs) {
+          copy_h2d(dst, run.src, run.num_blocks * block_bytes, h2d);
+        } else {  // ablation: no coalescing (per block, or per (plane, head) slice)
+          const bool slices = abl.copies == cuda_ablation_options::copy_granularity::per_slice;
+          const index_t piece = slices ? a.format.slice_elems() : block_elems;
+          for (index_t e = 0; e < run.num_blocks * block_elems; e += piece)
+            copy_h2d(dst + e, run.src + e, piece * index_t(sizeof(bf16)), h2d);
+        }
       }
       cuda_detail::record(filled_[b], h2d);
       if (!dbg.skip_filled_wait) cuda_detail::wait(comp, filled_[b]);  // RAW
@@ -636,6 +677,7 @@ class cuda_backend::gpu_engine {
     cuda_detail::record(t_end_[std::size_t(slot)], comp);
     cuda_detail::record(compute_done_, comp);
     timing_pending_[std::size_t(slot)] = true;
+    slot_tokens_[std::size_t(slot)] = plan.streamed_blocks * a.format.block_tokens;
     last_slot_ = slot;
     timing_slot_ = slot ^ 1;
   }
@@ -696,8 +738,23 @@ class cuda_backend::gpu_engine {
     mp.out_lse = o.lse.empty() ? nullptr : o.lse.data();
     mp.rows = rows;
     gpu::launch_merge<Layout>(mp, caller);
+    free_step_buffers();  // ablation only (per_step_allocation): cudaFree synchronizes the device
     if (o.debug) copy_debug(*o.debug, rows);
     return completed_gpu_seconds();
+  }
+
+  /// The GPU-side cost of the newest launch whose timing completed since the
+  /// last call, with the streamed tokens of that same launch; {0, 0} when none
+  /// completed since. finish() returns an earlier launch's seconds (it never
+  /// blocks), so hybrid_attention feeds the policy's online B from this pair,
+  /// not from finish()'s seconds with the current step's tokens: the two differ
+  /// right after an eviction, and before the first launch completes finish()
+  /// returns 0. Each completed launch is reported at most once; older ones that
+  /// complete together with a newer one are dropped (B is a sliding average).
+  completed_gpu_cost take_completed_gpu_cost() noexcept {
+    if (!fresh_) return {};
+    fresh_ = false;
+    return fresh_cost_;
   }
 
   /// Waits for the last launch's GPU side and returns its exact seconds.
@@ -770,11 +827,40 @@ class cuda_backend::gpu_engine {
     });
   }
 
+  // Ablation (cuda_ablation_options::per_step_allocation): fresh ping-pong
+  // buffers for this launch, the size of the plan's largest chunk. Throws
+  // resource_error (nothing stays allocated) when cudaMalloc refuses.
+  void allocate_step_buffers(const stream_plan& plan, std::size_t buffers, index_t block_bytes) {
+    free_step_buffers();
+    index_t blocks = 1;
+    for (const stream_chunk& c : plan.chunks) blocks = std::max(blocks, c.num_blocks);
+    for (std::size_t b = 0; b < buffers; ++b) {
+      void* p = nullptr;
+      const cudaError_t e = cudaMalloc(&p, static_cast<std::size_t>(blocks * block_bytes));
+      if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        free_step_buffers();
+        throw resource_error("gpu_engine (ablation per_step_allocation): cudaMalloc of " +
+                             format_bytes(blocks * block_bytes) + " failed: " + cuda_detail::cuda_error_text(e));
+      }
+      step_buffers_raw_.push_back(p);
+      step_buffers_[b] = static_cast<bf16*>(p);
+    }
+  }
+
+  void free_step_buffers() noexcept {
+    for (void* p : step_buffers_raw_) cuda_detail::ignore(cudaFree(p));  // waits for the work that uses it
+    step_buffers_raw_.clear();
+    step_buffers_.fill(nullptr);
+  }
+
   void read_timing(std::size_t s) {
     float ms = 0.0f;
     WS_CUDA_TRY(cudaEventElapsedTime(&ms, t_start_[s].get(), t_end_[s].get()));
     last_seconds_ = std::max(0.0, double(ms) * 1e-3);
     timing_pending_[s] = false;
+    fresh_cost_ = {last_seconds_, slot_tokens_[s]};
+    fresh_ = true;
   }
 
   double completed_gpu_seconds() {
@@ -825,6 +911,11 @@ class cuda_backend::gpu_engine {
   int timing_slot_ = 0;
   int last_slot_ = 0;
   double last_seconds_ = 0.0;
+  std::array<index_t, 2> slot_tokens_{0, 0};
+  completed_gpu_cost fresh_cost_{};
+  bool fresh_ = false;
+  std::vector<void*> step_buffers_raw_;  // ablation: per_step_allocation
+  std::array<bf16*, max_ping_pong_buffers> step_buffers_{};
   gpu::attend_params attend_{};
   gpu::fold_params fold_{};
 };
