@@ -250,7 +250,7 @@ inline xsimd::batch<float, Arch> lane_sums(const xsimd::batch<float, Arch>* v) n
   {
     // Any other architecture: xsimd::haddp, whose lane order depends on the
     // architecture and the xsimd version — probe it once instead of trusting it.
-    static const std::array<int, W> row_of_lane = [] {
+    static const std::array<int, W> row_of_lane = [&] {  // [&]: clang 14 wants W captured (array bounds)
       std::array<int, W> r{};
       alignas(64) float unit[W][W];
       fbatch b[W];
