@@ -53,8 +53,9 @@ inline void gqa_decode(int hq, int hkv, int d, const float* q, const bf16* k, co
                        double* o, double* lse) {
   const int group = hq / hkv;
   for (int j = 0; j < hkv; ++j) {
-    const matrix K = widen(k + index_t(j) * d, L, d, index_t(hkv) * d);
-    const matrix Vm = widen(v + index_t(j) * d, L, d, index_t(hkv) * d);
+    // L = 0: k and v may be null, and offsetting a null pointer is UB (UBSan).
+    const matrix K = widen(L > 0 ? k + index_t(j) * d : k, L, d, index_t(hkv) * d);
+    const matrix Vm = widen(L > 0 ? v + index_t(j) * d : v, L, d, index_t(hkv) * d);
     for (int g = 0; g < group; ++g) {
       const int h = j * group + g;
       vector qv(d);
@@ -86,7 +87,7 @@ inline void mla_decode(int heads, int rank, int rope, int nope, int v_dim, const
                        const bf16* rows, index_t L, const double* w_uk, const double* w_uv, double scale, double* o,
                        double* lse) {
   const matrix C = widen(rows, L, rank, rank + rope);
-  const matrix P = widen(rows + rank, L, rope, rank + rope);
+  const matrix P = widen(L > 0 ? rows + rank : rows, L, rope, rank + rope);
   for (int h = 0; h < heads; ++h) {
     Eigen::Map<const matrix> uk(w_uk + index_t(h) * nope * rank, nope, rank);
     Eigen::Map<const matrix> uv(w_uv + index_t(h) * v_dim * rank, v_dim, rank);
