@@ -164,9 +164,13 @@ struct config_reader {
   }
   [[nodiscard]] const nlohmann::json& at(const std::string& key) const {
     const auto it = j.find(key);
-    if (it == j.end() || it->is_null())
+    if (it == j.end() || it->is_null()) {
+      // Not j.value(): a non-string model_type (with --arch) made it throw nlohmann's type_error (fuzz_json_loaders).
+      const auto mt = j.find("model_type");
       throw checkpoint_error(label + ": missing field \"" + key + "\" (required for " +
-                             j.value("model_type", std::string("this model")) + ")");
+                             (mt != j.end() && mt->is_string() ? mt->get<std::string>() : std::string("this model")) +
+                             ")");
+    }
     return *it;
   }
   [[nodiscard]] int integer(const std::string& key) const {
