@@ -124,7 +124,7 @@ def headline(res):
             if pr and r.get("step_ms"):
                 v = pr["step_ms"] / r["step_ms"]
                 out.append(("speedup vs %s" % peer, subj, v, TARGETS[key], v >= TARGETS[key],
-                            "%.3f vs %.3f ms/layer" % (pr["step_ms"], r["step_ms"])))
+                            "%.3f vs %.3f ms/layer%s" % (pr["step_ms"], r["step_ms"], " (peer extrapolated from L/8)" if pr.get("extrapolated") else "")))
     for t in res.get("ws_bench", {}).get("track", []):
         if t.get("deployed_over_best") is None:
             continue
@@ -209,7 +209,8 @@ def markdown(res):
             for peer in PEER_ORDER:
                 pr = peer_row(res, peer, *g)
                 if pr:
-                    rows.append([g[0], g[1], klen(g[2]), peer, "–", pr["step_ms"], pr["kv_gbps"], "–"])
+                    rows.append([g[0], g[1], klen(g[2]), peer + (" (extrapolated from L/8)" if pr.get("extrapolated") else ""),
+                                 "–", pr["step_ms"], pr["kv_gbps"], "–"])
             rows.append([g[0], g[1], klen(g[2]), "*ceiling: CPU %.1f, H2D %.1f, together %.1f+%.1f GB/s*" % (
                 ce["cpu_read_gbps"], ce["h2d_gbps"], ce["concurrent_cpu_read_gbps"], ce["concurrent_h2d_gbps"]), "", "", ce["concurrent_total_gbps"], 1.0])
         out.append(md_table(["preset", "batch", "L", "policy / peer", "CPU share", "ms/layer", "GB/s", "of ceiling"], rows))
