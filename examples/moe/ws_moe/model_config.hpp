@@ -123,29 +123,29 @@ struct model_config {
   [[nodiscard]] int rope_dim() const { return kind == arch::deepseek_v2 ? qk_rope_head_dim : head_dim; }
 
   /// Parameters of the model in elements (for the host memory estimate).
+  /// Summed in double: sizes up to 2^30 each overflowed std::int64_t (UB,
+  /// found by fuzz_json_loaders); saturates at INT64_MAX.
   [[nodiscard]] std::int64_t parameter_count() const {
-    const std::int64_t h = hidden_size;
-    std::int64_t n = std::int64_t(vocab_size) * h * (tie_word_embeddings ? 1 : 2) + h;
+    const double h = hidden_size;
+    double n = double(vocab_size) * h * (tie_word_embeddings ? 1 : 2) + h;
     for (int l = 0; l < num_layers; ++l) {
       n += 2 * h;
       if (kind == arch::deepseek_v2) {
-        const std::int64_t qk = qk_nope_head_dim + qk_rope_head_dim;
-        n += q_lora_rank ? h * q_lora_rank + q_lora_rank + std::int64_t(q_lora_rank) * num_heads * qk
-                         : h * num_heads * qk;
-        n += h * (kv_lora_rank + qk_rope_head_dim) + kv_lora_rank +
-             std::int64_t(kv_lora_rank) * num_heads * (qk_nope_head_dim + v_head_dim) +
-             std::int64_t(num_heads) * v_head_dim * h;
+        const double qk = double(qk_nope_head_dim) + qk_rope_head_dim;
+        n += q_lora_rank ? h * q_lora_rank + q_lora_rank + double(q_lora_rank) * num_heads * qk : h * num_heads * qk;
+        n += h * (double(kv_lora_rank) + qk_rope_head_dim) + kv_lora_rank +
+             double(kv_lora_rank) * num_heads * (double(qk_nope_head_dim) + v_head_dim) + double(num_heads) * v_head_dim * h;
       } else {
-        n += h * head_dim * (2 * std::int64_t(num_heads) + 2 * num_kv_heads);
+        n += h * head_dim * (2.0 * num_heads + 2.0 * num_kv_heads);
       }
       if (is_moe_layer(l)) {
-        n += std::int64_t(num_experts) * (h + 3 * h * moe_intermediate_size);
-        n += 3 * h * std::int64_t(moe_intermediate_size) * n_shared_experts;
+        n += double(num_experts) * (h + 3 * h * moe_intermediate_size);
+        n += 3 * h * double(moe_intermediate_size) * n_shared_experts;
       } else {
-        n += 3 * h * std::int64_t(intermediate_size);
+        n += 3 * h * double(intermediate_size);
       }
     }
-    return n;
+    return n >= 9.2e18 ? INT64_MAX : std::int64_t(n);
   }
 };
 
