@@ -23,7 +23,9 @@
 #  include <writescope/cuda/pinned_allocators.hpp>
 #endif
 
+#include <cstring>
 #include <memory>
+#include <optional>
 #include <span>
 #include <utility>
 #include <vector>
@@ -263,6 +265,7 @@ class rig {
   /// `prompt` tokens: each prompt's whole eviction batches are routed at write
   /// time by the policy; every layer's KV is written; pins one window ahead.
   void admit(index_t prompt) {
+    const unbound_affinity wide;  // pinning's pre-touch threads inherit this thread's mask
     release();
     if (prompt > cfg_.max_prompt) throw std::logic_error("rig: prompt longer than max_prompt");
     for (int i = 0; i < cfg_.batch; ++i) {

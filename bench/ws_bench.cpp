@@ -239,6 +239,13 @@ rig_config make_rig_config(const options& o, int batch, index_t L, int threads, 
   return rc;
 }
 
+/// Decode steps that let the roofline policy's online estimates replace the
+/// starting costs: about a window of samples (one per layer and step), at most
+/// 24 steps (the ratio of sums is measured-only after the first step anyway).
+int online_warmup(const options& o, int layers) {
+  return std::max(o.warmup, std::min(24, (o.window + layers - 1) / layers + 1));
+}
+
 /// The JSON of a timed decode run.
 template <class Rig>
 json stats_json(Rig& r, const decode_stats& s) {
@@ -410,7 +417,7 @@ void run_track(context& cx) {
       r.admit(L);
       row["initial_share"] = r.cpu_share();
       row["initial_policy"] = policy_state(r.policy(), r.cache().total_placed_tokens());
-      r.decode(std::max(o.warmup, (o.window + rc.layers - 1) / rc.layers + 1));
+      r.decode(online_warmup(o, rc.layers));
       r.admit(L);
       if (o.warmup > 0) r.decode(1);
       const decode_stats s = r.decode(o.steps);
@@ -624,7 +631,7 @@ void run_contend(context& cx) {
   for (const auto& [batch, L] : o.contend_configs) {
     if (cx.skip("contend " + name + " " + std::to_string(batch) + "x" + std::to_string(L))) return;
     const rig_config rc = make_rig_config<Preset>(o, batch, L, T, 4);
-    const int warm = std::max(o.warmup, (o.window + rc.layers - 1) / rc.layers + 1);
+    const int warm = online_warmup(o, rc.layers);
     progress(cx.bud, "contend %s batch %d L %lld (%d layers, %d threads per tenant)", name.c_str(), batch,
              static_cast<long long>(L), rc.layers, T);
     const cost_estimate costs = costs_for<Preset>(cx, pool, batch, L, T);
