@@ -454,6 +454,7 @@ class ceilings {
   /// `cpu_bytes` for the read buffer (> 4x L3), `h2d_bytes` of pinned source.
   ceilings(index_t cpu_bytes, index_t h2d_bytes) : reader_(cpu_bytes) {
 #if WS_BENCH_CUDA
+    const unbound_affinity wide;  // the allocator's pre-touch threads inherit this thread's mask
     src_ = ws::cuda_host_register{}.allocate(std::max<index_t>(h2d_bytes, chunk_bytes));
     std::memset(src_.data(), 1, std::size_t(src_.size_bytes()));
     WS_CUDA_TRY(cudaMalloc(&dst_, std::size_t(2 * chunk_bytes)));
