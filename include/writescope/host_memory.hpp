@@ -13,9 +13,13 @@
 
 #include <cerrno>
 #include <concepts>
+#include <cstdint>
 #include <cstdio>
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <utility>
 
@@ -104,6 +108,91 @@ inline host_allocation map_pageable(index_t bytes, const char* what) {
   return host_allocation(p, bytes, &munmap_release);
 }
 
+/// What the memory cgroup of this process can still charge before its limit
+/// (the smallest headroom over the cgroup and its ancestors, reclaimable file
+/// cache counted as free), and the cgroup that binds. Page-locked memory is
+/// charged like any other: past the limit the kernel's cgroup OOM killer ends
+/// the process inside mlock / cudaHostAlloc / cudaHostRegister instead of
+/// refusing the call, so pinning checks this first (K8). cgroup v1 (memory
+/// controller at /sys/fs/cgroup/memory) and v2 (/sys/fs/cgroup); no limit,
+/// no cgroup file system or an unreadable file: headroom INT64_MAX.
+struct cgroup_headroom {
+  index_t bytes = INT64_MAX;
+  index_t limit = INT64_MAX;
+  index_t usage = 0;
+  std::string path;
+};
+
+inline cgroup_headroom memory_cgroup_headroom() {
+  cgroup_headroom best;
+  auto read_number = [](const std::string& file, index_t& v) {
+    std::ifstream in(file);
+    std::string w;
+    if (!(in >> w) || w == "max") return false;
+    char* end = nullptr;
+    const unsigned long long x = std::strtoull(w.c_str(), &end, 10);
+    if (end == w.c_str()) return false;
+    v = x > static_cast<unsigned long long>(INT64_MAX) ? INT64_MAX : static_cast<index_t>(x);
+    return true;
+  };
+  auto stat_field = [](const std::string& file, const char* key) {
+    std::ifstream in(file);
+    std::string k;
+    unsigned long long v = 0;
+    while (in >> k >> v)
+      if (k == key) return static_cast<index_t>(v);
+    return index_t{0};
+  };
+  std::ifstream cg("/proc/self/cgroup");
+  std::string line, v1_path, v2_path;
+  bool have_v2 = false;
+  while (std::getline(cg, line)) {
+    const auto a = line.find(':'), b = line.find(':', a + 1);
+    if (a == std::string::npos || b == std::string::npos) continue;
+    const std::string controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
+    std::stringstream list(controllers);
+    for (std::string c; std::getline(list, c, ',');)
+      if (c == "memory") v1_path = path;
+    if (line.compare(0, 3, "0::") == 0) {
+      have_v2 = true;
+      v2_path = path;
+    }
+  }
+  const bool v1 = !v1_path.empty();
+  if (!v1 && !have_v2) return best;
+  const std::string root = v1 ? "/sys/fs/cgroup/memory" : "/sys/fs/cgroup";
+  for (std::string p = v1 ? v1_path : v2_path;;) {
+    const std::string dir = root + (p == "/" ? "" : p);
+    index_t limit = 0, usage = 0;
+    if (read_number(dir + (v1 ? "/memory.limit_in_bytes" : "/memory.max"), limit) &&
+        read_number(dir + (v1 ? "/memory.usage_in_bytes" : "/memory.current"), usage) && limit < (index_t{1} << 60)) {
+      const index_t reclaimable = stat_field(dir + "/memory.stat", v1 ? "total_inactive_file" : "inactive_file");
+      const index_t room = limit > usage ? limit - usage + reclaimable : reclaimable;
+      if (room < best.bytes) best = {room, limit, usage, p};
+    }
+    if (p.empty() || p == "/") break;
+    const auto slash = p.find_last_of('/');
+    p = slash == 0 || slash == std::string::npos ? "/" : p.substr(0, slash);
+  }
+  return best;
+}
+
+/// Empty when page-locking `bytes` more fits the memory cgroup's headroom;
+/// otherwise the refusal message (naming `what`, the size and the cgroup).
+inline std::string memory_cgroup_refusal(index_t bytes, const std::string& what) {
+  const cgroup_headroom h = memory_cgroup_headroom();
+  if (bytes <= h.bytes) return {};
+  return "pinned memory: " + what + " of " + format_bytes(bytes) + " refused: the memory cgroup " + h.path +
+         " (limit " + format_bytes(h.limit) + ", " + format_bytes(h.usage) + " in use) has only " +
+         format_bytes(h.bytes) + " left; past it the kernel kills the process instead of refusing the lock";
+}
+
+/// Throws pinned_memory_error when memory_cgroup_refusal() refuses.
+inline void require_memory_cgroup_headroom(index_t bytes, const std::string& what) {
+  std::string m = memory_cgroup_refusal(bytes, what);
+  if (!m.empty()) throw pinned_memory_error(m);
+}
+
 }  // namespace detail
 
 /// Opt-in tag of the pinned_allocator concept.
@@ -132,15 +221,18 @@ struct pageable_allocator {
 };
 
 /// Page-locks host memory with mlock(2): the host backend's faithful stand-in
-/// for cudaHostRegister (pre-touched, locked, counted against RLIMIT_MEMLOCK).
-/// A refusal throws pinned_memory_error naming the size and the limit.
+/// for cudaHostRegister (pre-touched, locked, counted against RLIMIT_MEMLOCK
+/// and the memory cgroup). A refusal throws pinned_memory_error naming the
+/// size and the limit; a request past the memory cgroup's headroom is refused
+/// before mlock (detail::require_memory_cgroup_headroom).
 struct mlock_allocator {
   using allocator_concept = pinned_allocator_tag;
   static constexpr const char* name = "mlock";
   static constexpr bool page_locked = true;
   host_allocation allocate(index_t bytes) const {
+    if (bytes <= 0) return {};
+    detail::require_memory_cgroup_headroom(bytes, "mlock");
     host_allocation a = detail::map_pageable(bytes, "pinned load region");
-    if (!a) return a;
     if (::mlock(a.data(), static_cast<std::size_t>(bytes)) != 0) {
       const int err = errno;
       struct rlimit rl {};

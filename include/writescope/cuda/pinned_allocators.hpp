@@ -233,6 +233,9 @@ struct cuda_host_alloc {
   /// pinned_memory_error ("pinned memory: cudaHostAlloc of <size> failed: <CUDA error>").
   host_allocation allocate(index_t bytes) const {
     if (bytes <= 0) return {};
+    // Past the memory cgroup's limit the OOM killer, not an error, would answer.
+    if (std::string m = detail::memory_cgroup_refusal(bytes, "cudaHostAlloc"); !m.empty())
+      cuda_detail::throw_pin_error(counters(), m);
     void* p = nullptr;
     const auto t0 = std::chrono::steady_clock::now();
     const cudaError_t e = cudaHostAlloc(&p, static_cast<std::size_t>(bytes), cudaHostAllocPortable);
@@ -286,6 +289,9 @@ struct cuda_host_register {
     using namespace cuda_detail;
     const index_t page = page_bytes();
     const index_t mapped = round_up(bytes, page);
+    // The pre-touch below would meet the cgroup OOM killer past the memory cgroup's limit.
+    if (std::string m = detail::memory_cgroup_refusal(mapped, "cudaHostRegister"); !m.empty())
+      throw_pin_error(counters(), m);
     const long phys_pages = ::sysconf(_SC_PHYS_PAGES);
     if (phys_pages > 0 && mapped > index_t(phys_pages) * page)
       throw_pin_error(counters(), "pinned memory: cannot page-lock " + format_bytes(bytes) +
