@@ -450,9 +450,9 @@ class checkpoint {
     return it == where_.end() ? dir_.string() : files_[it->second]->path().string();
   }
 
-  /// Loads `name` as fp32, checking that its shape is `shape` exactly and its
+  /// The tensor `name` after checking that its shape is `shape` exactly and its
   /// dtype is BF16, F16 or F32. Throws checkpoint_error naming file, tensor and rule.
-  [[nodiscard]] std::vector<float> load_f32(std::string_view name, std::span<const std::int64_t> shape) const {
+  [[nodiscard]] const tensor_view& checked(std::string_view name, std::span<const std::int64_t> shape) const {
     const tensor_view& v = tensor(name);
     const std::string where = file_of(name) + ": tensor \"" + std::string(name) + "\": ";
     if (!std::equal(v.shape.begin(), v.shape.end(), shape.begin(), shape.end()))
@@ -460,6 +460,13 @@ class checkpoint {
     if (v.type != dtype::bf16 && v.type != dtype::f16 && v.type != dtype::f32)
       throw checkpoint_error(where + "dtype " + std::string(info(v.type).name) +
                              " is not supported (the decoders load BF16, F16 or F32)");
+    return v;
+  }
+
+  /// Loads `name` as fp32, checking that its shape is `shape` exactly and its
+  /// dtype is BF16, F16 or F32. Throws checkpoint_error naming file, tensor and rule.
+  [[nodiscard]] std::vector<float> load_f32(std::string_view name, std::span<const std::int64_t> shape) const {
+    const tensor_view& v = checked(name, shape);
     std::vector<float> out(static_cast<std::size_t>(v.numel()));
     widen_to_f32(v.type, v.data, out.size(), out.data());
     return out;

@@ -69,6 +69,11 @@ struct run_options {
   kv_options kv;
   int threads = 0;  ///< CPU attention engine threads (0 = library default: hardware threads - 1)
   bool record_logits = false;
+  /// Teacher forcing (--expect --teacher-force): the token fed back for
+  /// sequence i after its s-th generated token is (*forced_tokens)[i][s], not the
+  /// sampled one (which is still recorded), so the logits of every step stay
+  /// comparable with the reference even where a greedy choice flips.
+  const std::vector<std::vector<int>>* forced_tokens = nullptr;
   std::function<void(phase, int done, int total)> progress;
 };
 
@@ -85,7 +90,31 @@ struct sequence_summary {
   index_t prompt_tokens = 0, placed_tokens = 0, cpu_placed_tokens = 0, window_tokens = 0;
 };
 
+/// What the CUDA path (ws_moe/gpu/device_decoder.hpp) adds to a run's result:
+/// device memory by use, where the experts live, the CPU experts' time.
+struct device_report {
+  bool used = false;                 ///< false: host path
+  std::string device;                ///< the executor's device name
+  std::string precision;             ///< GEMM precision (docs/DECODERS.md)
+  index_t total_bytes = 0;           ///< device memory of the GPU (0 when emulated)
+  index_t budget_bytes = 0;          ///< --vram-budget (or the default)
+  index_t used_bytes = 0;            ///< device memory in use after setup (everything)
+  index_t weights_bytes = 0;         ///< non-expert weights on the device
+  index_t experts_gpu_bytes = 0;     ///< routed experts on the device
+  index_t experts_host_bytes = 0;    ///< routed experts in host memory
+  index_t kv_bytes = 0;              ///< the cache's device regions (D-window + ping-pong)
+  index_t workspace_bytes = 0;       ///< activations and scratch of the decoder
+  int experts_total = 0, experts_gpu = 0, experts_host = 0;
+  std::vector<std::vector<int>> host_experts;  ///< per layer, the experts kept in host memory
+  double cpu_expert_seconds = 0.0;   ///< host time in CPU experts
+  index_t cpu_expert_rows = 0;       ///< token rows computed by CPU experts
+  int prefill_waves = 0;             ///< groups of sequences prefilled together
+  index_t prefill_block_rows = 0;    ///< query rows per prefill attention block
+};
+
 struct generation_result {
+  std::string backend = "host backend (emulated GPU)";
+  device_report device;
   std::vector<std::vector<int>> tokens;                ///< generated, per sequence
   std::vector<std::vector<float>> logits;              ///< per sequence: [steps][vocab] when recorded
   index_t prefill_tokens = 0;
@@ -104,6 +133,101 @@ struct generation_result {
   std::string policy_final;  ///< after the run (roofline: with the online A)
   std::string layout;
 };
+
+/// Rejects empty prompts, token ids outside the vocabulary, runs beyond a
+/// configured sliding window and max_new_tokens < 1 (config_error).
+inline void validate_prompts(const model_config& c, const std::vector<std::vector<int>>& prompts, const run_options& o) {
+  using writescope::config_error;
+  if (prompts.empty()) throw config_error("generate: no prompts");
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    if (prompts[i].empty()) throw config_error("prompt " + std::to_string(i) + " is empty");
+    for (int t : prompts[i])
+      if (t < 0 || t >= c.vocab_size)
+        throw config_error("prompt " + std::to_string(i) + " has token id " + std::to_string(t) + " outside [0, " +
+                           std::to_string(c.vocab_size) + ")");
+    if (c.sliding_window && index_t(prompts[i].size()) + o.max_new_tokens > *c.sliding_window)
+      throw config_error("sliding-window attention (window " + std::to_string(*c.sliding_window) +
+                         ") is not implemented; prompt + new tokens must stay within the window");
+  }
+  if (o.max_new_tokens < 1) throw config_error("--max-new-tokens must be >= 1");
+}
+
+/// The partition spec for `prompts` + max_new_tokens each: either host region
+/// can hold every placed token (any policy fits). Throws config_error when the
+/// device-side regions exceed the KV VRAM budget.
+template <class Layout>
+writescope::partition_spec make_partition_spec(const Layout& layout, int num_layers,
+                                               const std::vector<std::vector<int>>& prompts, const run_options& o) {
+  const kv_options& k = o.kv;
+  writescope::partition_spec s;
+  s.num_layers = num_layers;
+  s.block_tokens = k.block_tokens;
+  s.d_window_tokens = k.d_window_tokens;
+  s.max_sequences = std::max<int>(1, int(prompts.size()));
+  index_t cap = 0;
+  for (const auto& p : prompts) {
+    const index_t total = index_t(p.size()) + o.max_new_tokens;
+    cap += (total / std::max(1, k.d_window_tokens)) * k.d_window_tokens;
+  }
+  s.cpu_capacity_tokens = std::max<index_t>(cap, k.block_tokens);
+  s.pinned_capacity_tokens = std::max<index_t>(cap, k.block_tokens);
+  s.pinned_initial_tokens = 0;
+  s.ping_pong_buffers = k.ping_pong_buffers;
+  s.gpu_split_blocks = k.gpu_split_blocks;
+  s.cpu_task_blocks = k.cpu_task_blocks;
+  const index_t block_bytes = writescope::block_format<Layout>{layout, std::max(1, k.block_tokens)}.block_bytes();
+  s.ping_pong_bytes = k.ping_pong_blocks > 0 ? k.ping_pong_blocks * block_bytes : k.ping_pong_bytes;
+  s.validate(layout);
+  if (k.kv_vram_budget_bytes > 0) {
+    const index_t window = index_t(s.max_sequences) * s.d_window_tokens * layout.token_bytes() * s.num_layers;
+    const index_t pp = s.ping_pong_blocks(layout) * block_bytes * s.ping_pong_buffers;
+    if (window + pp > k.kv_vram_budget_bytes)
+      throw writescope::config_error("KV VRAM budget " + writescope::format_bytes(k.kv_vram_budget_bytes) +
+                                     " is smaller than D-window " + writescope::format_bytes(window) + " + ping-pong " +
+                                     writescope::format_bytes(pp) + "; lower --d-window or --ping-pong-mib");
+  }
+  return s;
+}
+
+/// The policy's target CPU share at `placed` tokens (roofline: eq. 2; fixed: r; gpu_only 0; cpu_only 1).
+inline double target_share_of(const runtime_policy& p, index_t placed) {
+  const auto& v = p.get();
+  if (const auto* r = std::get_if<writescope::roofline_policy>(&v)) return r->target_share(placed);
+  if (const auto* f = std::get_if<writescope::fixed_ratio>(&v)) return f->cpu_share();
+  return std::holds_alternative<writescope::cpu_only>(v) ? 1.0 : 0.0;
+}
+
+/// The deployed CPU share of the live sequences `seqs` of `cache` after `step`.
+template <class Cache>
+share_point share_of(const Cache& cache, const std::vector<writescope::sequence_id>& seqs, int step) {
+  share_point p;
+  p.step = step;
+  index_t cpu = 0;
+  for (auto id : seqs) {
+    const auto& st = cache.sequence(id);
+    p.placed_tokens += st.placed_tokens;
+    cpu += st.cpu_placed_tokens;
+  }
+  p.cpu_share = p.placed_tokens > 0 ? double(cpu) / double(p.placed_tokens) : 0.0;
+  p.target = target_share_of(cache.policy(), p.placed_tokens);
+  return p;
+}
+
+/// Records the logits (if asked), picks sequence i's next token, and sets the
+/// token fed back (the pick, or the forced one under teacher forcing).
+inline void take_token(generation_result& res, sampler& pick, int i, const float* lg, int vocab, std::vector<int>& cur,
+                       const run_options& o) {
+  const std::span<const float> row(lg, std::size_t(vocab));
+  if (o.record_logits) res.logits[std::size_t(i)].insert(res.logits[std::size_t(i)].end(), row.begin(), row.end());
+  const int t = pick.next(i, row);
+  res.tokens[std::size_t(i)].push_back(t);
+  cur[std::size_t(i)] = t;
+  if (o.forced_tokens && std::size_t(i) < o.forced_tokens->size()) {
+    const std::vector<int>& f = (*o.forced_tokens)[std::size_t(i)];
+    const std::size_t s = res.tokens[std::size_t(i)].size() - 1;
+    if (s < f.size()) cur[std::size_t(i)] = f[s];
+  }
+}
 
 template <class Attn>
 class decoder {
@@ -127,53 +251,14 @@ class decoder {
   /// hold every placed token (any policy fits). Throws config_error when the
   /// device-side regions exceed the KV VRAM budget.
   writescope::partition_spec make_spec(const std::vector<std::vector<int>>& prompts, const run_options& o) const {
-    const kv_options& k = o.kv;
-    writescope::partition_spec s;
-    s.num_layers = c_.num_layers;
-    s.block_tokens = k.block_tokens;
-    s.d_window_tokens = k.d_window_tokens;
-    s.max_sequences = std::max<int>(1, int(prompts.size()));
-    index_t cap = 0;
-    for (const auto& p : prompts) {
-      const index_t total = index_t(p.size()) + o.max_new_tokens;
-      cap += (total / std::max(1, k.d_window_tokens)) * k.d_window_tokens;
-    }
-    s.cpu_capacity_tokens = std::max<index_t>(cap, k.block_tokens);
-    s.pinned_capacity_tokens = std::max<index_t>(cap, k.block_tokens);
-    s.pinned_initial_tokens = 0;
-    s.ping_pong_buffers = k.ping_pong_buffers;
-    s.gpu_split_blocks = k.gpu_split_blocks;
-    s.cpu_task_blocks = k.cpu_task_blocks;
-    const index_t block_bytes = writescope::block_format<layout_type>{layout(), std::max(1, k.block_tokens)}.block_bytes();
-    s.ping_pong_bytes = k.ping_pong_blocks > 0 ? k.ping_pong_blocks * block_bytes : k.ping_pong_bytes;
-    s.validate(layout());
-    if (k.kv_vram_budget_bytes > 0) {
-      const index_t window = index_t(s.max_sequences) * s.d_window_tokens * layout().token_bytes() * s.num_layers;
-      const index_t pp = s.ping_pong_blocks(layout()) * block_bytes * s.ping_pong_buffers;
-      if (window + pp > k.kv_vram_budget_bytes)
-        throw writescope::config_error("KV VRAM budget " + writescope::format_bytes(k.kv_vram_budget_bytes) +
-                                       " is smaller than D-window " + writescope::format_bytes(window) + " + ping-pong " +
-                                       writescope::format_bytes(pp) + "; lower --d-window or --ping-pong-mib");
-    }
-    return s;
+    return make_partition_spec(layout(), c_.num_layers, prompts, o);
   }
 
   /// Generates max_new_tokens tokens for every prompt (ragged batch) with
   /// `policy` routing the KV. Prompts must be non-empty token ids < vocab.
   generation_result generate(const std::vector<std::vector<int>>& prompts, runtime_policy policy, const run_options& o) {
     using namespace writescope;
-    if (prompts.empty()) throw config_error("generate: no prompts");
-    for (std::size_t i = 0; i < prompts.size(); ++i) {
-      if (prompts[i].empty()) throw config_error("prompt " + std::to_string(i) + " is empty");
-      for (int t : prompts[i])
-        if (t < 0 || t >= c_.vocab_size)
-          throw config_error("prompt " + std::to_string(i) + " has token id " + std::to_string(t) + " outside [0, " +
-                             std::to_string(c_.vocab_size) + ")");
-      if (c_.sliding_window && index_t(prompts[i].size()) + o.max_new_tokens > *c_.sliding_window)
-        throw config_error("sliding-window attention (window " + std::to_string(*c_.sliding_window) +
-                           ") is not implemented; prompt + new tokens must stay within the window");
-    }
-    if (o.max_new_tokens < 1) throw config_error("--max-new-tokens must be >= 1");
+    validate_prompts(c_, prompts, o);
     const int B = int(prompts.size());
     const int H = c_.hidden_size;
     const int V = c_.vocab_size;
@@ -261,32 +346,8 @@ class decoder {
  private:
   using backend_type = writescope::host_backend;
 
-  static double target_of(const runtime_policy& p, index_t placed) {
-    const auto& v = p.get();
-    if (const auto* r = std::get_if<writescope::roofline_policy>(&v)) return r->target_share(placed);
-    if (const auto* f = std::get_if<writescope::fixed_ratio>(&v)) return f->cpu_share();
-    return std::holds_alternative<writescope::cpu_only>(v) ? 1.0 : 0.0;
-  }
-
-  share_point share_of(const cache_type& cache, const std::vector<writescope::sequence_id>& seqs, int step) const {
-    share_point p;
-    p.step = step;
-    index_t cpu = 0;
-    for (auto id : seqs) {
-      const auto& st = cache.sequence(id);
-      p.placed_tokens += st.placed_tokens;
-      cpu += st.cpu_placed_tokens;
-    }
-    p.cpu_share = p.placed_tokens > 0 ? double(cpu) / double(p.placed_tokens) : 0.0;
-    p.target = target_of(cache.policy(), p.placed_tokens);
-    return p;
-  }
-
   void take(generation_result& res, sampler& pick, int i, const float* lg, std::vector<int>& cur, const run_options& o) {
-    const std::span<const float> row(lg, std::size_t(c_.vocab_size));
-    if (o.record_logits) res.logits[std::size_t(i)].insert(res.logits[std::size_t(i)].end(), row.begin(), row.end());
-    cur[std::size_t(i)] = pick.next(i, row);
-    res.tokens[std::size_t(i)].push_back(cur[std::size_t(i)]);
+    take_token(res, pick, i, lg, c_.vocab_size, cur, o);
   }
 
   // final norm + LM head: x[n][hidden] -> logits[n][vocab]

@@ -107,6 +107,9 @@ class rotary {
 
   [[nodiscard]] int dim() const noexcept { return dim_; }
   [[nodiscard]] float attention_factor() const noexcept { return attention_factor_; }
+  /// Inverse frequencies [dim/2] (fp32, after linear / YaRN scaling).
+  [[nodiscard]] const std::vector<float>& inv_freq() const noexcept { return inv_freq_; }
+  [[nodiscard]] bool interleaved() const noexcept { return style_ == style::interleaved; }
 
   /// Rotates `heads` consecutive vectors of `dim_` elements (stride `stride`) at position `pos`.
   void apply(float* x, int heads, std::int64_t stride, std::int64_t pos) const {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "checkpoint.hpp"
+#include "gpu/kernel_math.hpp"
 #include "model_config.hpp"
 #include "ops.hpp"
 
@@ -103,29 +104,30 @@ class weight_source {
             make_linear(prefix + "." + down, hidden, inter)};
   }
 
- private:
-  static std::uint64_t mix(std::uint64_t x) noexcept {  // splitmix64 finaliser
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
+ /// The checkpoint (null in random mode).
+  [[nodiscard]] const checkpoint* ckpt() const noexcept { return ckpt_; }
+
+  /// Random mode: the counter-based generator's key of tensor `name`; element
+  /// i of the tensor is gpu::random_weight(name_hash(name), i, random_scale()),
+  /// the same function the CUDA path evaluates on the device.
+  [[nodiscard]] std::uint64_t name_hash(const std::string& name) const noexcept {
+    std::uint64_t h = seed_ ^ 0x5eedull;
+    for (unsigned char c : name) h = gpu::mix64(h ^ c);
+    return h;
   }
+  /// Random mode: scale of the Irwin-Hall sum (sum of 4 U(0,1): mean 2, variance 4/12).
+  [[nodiscard]] float random_scale() const noexcept { return float(stddev_) * std::sqrt(3.0f) / 65536.0f; }
+
+ private:
   // Counter-based: element i depends only on (seed, name, i). Approximately
   // normal: the Irwin-Hall sum of four 16-bit uniforms of one 64-bit hash,
   // scaled to standard deviation `stddev_` (cheap enough for billions of weights).
   std::vector<float> random_normal(const std::string& name, std::int64_t n) const {
     std::vector<float> v(static_cast<std::size_t>(n));
-    std::uint64_t h = seed_ ^ 0x5eedull;
-    for (unsigned char c : name) h = mix(h ^ c);
-    // sum of 4 U(0,1): mean 2, variance 4/12
-    const float scale = float(stddev_) * std::sqrt(3.0f) / 65536.0f;
+    const std::uint64_t h = name_hash(name);
+    const float scale = random_scale();
 #pragma omp parallel for schedule(static)
-    for (std::int64_t i = 0; i < n; ++i) {
-      const std::uint64_t r = mix(h + std::uint64_t(i));
-      const std::uint32_t sum = std::uint32_t(r & 0xffff) + std::uint32_t((r >> 16) & 0xffff) +
-                                std::uint32_t((r >> 32) & 0xffff) + std::uint32_t(r >> 48);
-      v[std::size_t(i)] = (float(sum) - 2.0f * 65535.0f) * scale;
-    }
+    for (std::int64_t i = 0; i < n; ++i) v[std::size_t(i)] = gpu::random_weight(h, i, scale);
     return v;
   }
 

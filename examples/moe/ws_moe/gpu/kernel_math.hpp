@@ -1,0 +1,422 @@
+// ws_moe/gpu/kernel_math.hpp — the element-level math of the CUDA path's model
+// kernels, written once as host+device functors so that the very same code runs
+// in the CUDA kernels (ops.cu, nvcc) and in the host emulation of the CUDA path
+// (emulated_exec.hpp, g++; `ws_decode --device emulated`, tested in CI where no
+// GPU exists).
+//
+// Every functor is a plain aggregate of parameters (pointers are device memory
+// under the CUDA executor, host memory under the emulated one) with
+//   void operator()(idx i) const     element i of [0, size) — independent of every other i
+// A CUDA launch runs i over a grid-stride loop; the emulation runs it in an
+// OpenMP loop. Row reductions (RMSNorm, the prefill softmax) have a parameter
+// block and a per-row "finish" helper here; their reductions are written twice
+// (a block reduction in ops.cu, a sequential loop in the emulation).
+//
+// Numerics follow the host path (ops.hpp, moe.hpp), which follows transformers
+// in float32: RMSNorm's mean square and the router's softmax sums in double,
+// RoPE angles in fp32 with cos/sin in double, SiLU x/(1+exp(-x)) in fp32.
+//
+// nvcc constraints (STYLE.md §15): no std:: containers, no concepts, no device
+// lambdas; only <cstdint>, <cmath>, <cstring>.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#  define WS_MOE_HD __host__ __device__
+#else
+#  define WS_MOE_HD
+#endif
+
+namespace ws_moe::gpu {
+
+using idx = std::int64_t;
+
+/// Element type of a weight or GEMM operand. Activations are always fp32 in
+/// memory; GEMM inputs are bf16 or fp32 (docs/DECODERS.md, precision).
+enum class wtype : int { bf16 = 0, f32 = 1 };
+
+[[nodiscard]] WS_MOE_HD inline int type_bytes(wtype t) { return t == wtype::bf16 ? 2 : 4; }
+
+// -----------------------------------------------------------------------------
+// Scalars
+// -----------------------------------------------------------------------------
+
+[[nodiscard]] WS_MOE_HD inline std::uint32_t float_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+[[nodiscard]] WS_MOE_HD inline float bits_float(std::uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+/// bf16 bits -> float, exact.
+[[nodiscard]] WS_MOE_HD inline float bf16_to_float(std::uint16_t b) { return bits_float(std::uint32_t(b) << 16); }
+
+/// float -> bf16 bits, round to nearest even, NaN stays NaN (writescope::bf16::from_float).
+[[nodiscard]] WS_MOE_HD inline std::uint16_t float_to_bf16(float f) {
+  const std::uint32_t u = float_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return std::uint16_t((u >> 16) | 0x0040u);
+  return std::uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/// Element i of a weight tensor of type t.
+[[nodiscard]] WS_MOE_HD inline float load_as_float(const void* p, wtype t, idx i) {
+  return t == wtype::bf16 ? bf16_to_float(static_cast<const std::uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+/// Stores v as element i of a tensor of type t (bf16: rounded to nearest even).
+WS_MOE_HD inline void store_from_float(void* p, wtype t, idx i, float v) {
+  if (t == wtype::bf16)
+    static_cast<std::uint16_t*>(p)[i] = float_to_bf16(v);
+  else
+    static_cast<float*>(p)[i] = v;
+}
+
+[[nodiscard]] WS_MOE_HD inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/// splitmix64 finaliser: the counter-based generator of --random-weights
+/// (weights.hpp, weight_source), the same on host and device.
+[[nodiscard]] WS_MOE_HD inline std::uint64_t mix64(std::uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+/// Element i of a random tensor whose name hashes to `h`: an Irwin-Hall sum of
+/// four 16-bit uniforms of one 64-bit hash, centred, times `scale`
+/// (= stddev * sqrt(3) / 65536). Bit-identical on host and device (one exact
+/// subtraction, one rounding multiply).
+[[nodiscard]] WS_MOE_HD inline float random_weight(std::uint64_t h, idx i, float scale) {
+  const std::uint64_t r = mix64(h + std::uint64_t(i));
+  const std::uint32_t sum = std::uint32_t(r & 0xffffu) + std::uint32_t((r >> 16) & 0xffffu) +
+                            std::uint32_t((r >> 32) & 0xffffu) + std::uint32_t(r >> 48);
+  return (float(sum) - 2.0f * 65535.0f) * scale;
+}
+
+// -----------------------------------------------------------------------------
+// Element-wise functors (size given at the launch)
+// -----------------------------------------------------------------------------
+
+/// x[t][e] = table[ids[t]][e] (fp32). Size n * hidden.
+struct embed_op {
+  const void* table;
+  wtype type;
+  const int* ids;
+  int hidden;
+  float* x;
+  WS_MOE_HD void operator()(idx i) const {
+    const idx t = i / hidden;
+    const idx e = i - t * hidden;
+    x[i] = load_as_float(table, type, idx(ids[t]) * hidden + e);
+  }
+};
+
+/// Rotary embedding in place at x + t*token_stride + h*head_stride, rotated
+/// width `dim` (pairs (j, j+dim/2), or (2j, 2j+1) when interleaved), position
+/// pos[t]; cos/sin times attention_factor (YaRN). Size n * heads * dim/2.
+struct rope_op {
+  float* x;
+  int heads;
+  idx token_stride;
+  idx head_stride;
+  const idx* pos;
+  const float* inv_freq;  ///< [dim/2]
+  int dim;
+  float attention_factor;
+  int interleaved;
+  WS_MOE_HD void operator()(idx i) const {
+    const int half = dim / 2;
+    const idx th = i / half;
+    const int j = int(i - th * half);
+    const idx t = th / heads;
+    const int h = int(th - t * heads);
+    const float angle = float(pos[t]) * inv_freq[j];  // fp32 like torch
+    const float c = float(cos(double(angle))) * attention_factor;
+    const float s = float(sin(double(angle))) * attention_factor;
+    float* v = x + t * token_stride + idx(h) * head_stride;
+    const int ia = interleaved ? 2 * j : j;
+    const int ib = interleaved ? 2 * j + 1 : j + half;
+    const float a = v[ia];
+    const float b = v[ib];
+    v[ia] = a * c - b * s;
+    v[ib] = b * c + a * s;
+  }
+};
+
+/// g = silu(g) * u. Size n.
+struct silu_mul_op {
+  float* g;
+  const float* u;
+  WS_MOE_HD void operator()(idx i) const { g[i] = silu(g[i]) * u[i]; }
+};
+
+/// x += y. Size n.
+struct add_op {
+  float* x;
+  const float* y;
+  WS_MOE_HD void operator()(idx i) const { x[i] += y[i]; }
+};
+
+/// y[r][c] += bias[c]. Size rows * cols.
+struct bias_op {
+  float* y;
+  const float* bias;
+  int cols;
+  WS_MOE_HD void operator()(idx i) const { y[i] += bias[i % cols]; }
+};
+
+/// out[i] = in[i] as type `type` (bf16: rounded to nearest even). Size n.
+struct convert_op {
+  const float* in;
+  void* out;
+  wtype type;
+  WS_MOE_HD void operator()(idx i) const { store_from_float(out, type, i, in[i]); }
+};
+
+/// out[i] = in[i] widened to fp32 (exact). Size n.
+struct widen_op {
+  const void* in;
+  wtype type;
+  float* out;
+  WS_MOE_HD void operator()(idx i) const { out[i] = load_as_float(in, type, i); }
+};
+
+/// dst[j][e] = src[rows[j] * src_stride + e]. Size n * cols.
+struct gather_rows_op {
+  const float* src;
+  idx src_stride;
+  const int* rows;
+  int cols;
+  float* dst;
+  WS_MOE_HD void operator()(idx i) const {
+    const idx j = i / cols;
+    const idx e = i - j * cols;
+    dst[i] = src[idx(rows[j]) * src_stride + e];
+  }
+};
+
+/// MoE combine: out[t][e] = sum over s < k, in order, of w[t][s] * y[rows[t][s]][e],
+/// starting from 0 — the host path's accumulation order when the k slots of a
+/// token are sorted by expert id (moe.hpp: experts in ascending order). Size n * hidden.
+struct combine_op {
+  const float* y;
+  const int* rows;
+  const float* w;
+  int k;
+  int hidden;
+  float* out;
+  WS_MOE_HD void operator()(idx i) const {
+    const idx t = i / hidden;
+    const idx e = i - t * hidden;
+    float acc = 0.0f;
+    for (int s = 0; s < k; ++s) acc += y[idx(rows[t * k + s]) * hidden + e] * w[t * k + s];
+    out[i] = acc;
+  }
+};
+
+/// Fills n floats with `value`. Size n.
+struct fill_op {
+  float* p;
+  float value;
+  WS_MOE_HD void operator()(idx i) const { p[i] = value; }
+};
+
+/// out[i] = random_weight(hash, i, scale) as type `type`. Size n.
+struct random_op {
+  void* out;
+  wtype type;
+  std::uint64_t hash;
+  float scale;
+  WS_MOE_HD void operator()(idx i) const { store_from_float(out, type, i, random_weight(hash, i, scale)); }
+};
+
+/// Router of one token (moe.hpp route_tokens, all three models). Size n.
+///   p = softmax(logits) (double sums, fp32 values)
+///   group_limited: keep the topk_group groups (of n_group) with the largest
+///                  per-group max of p, zero the other experts
+///   top-k of the kept scores, ties to the lower expert index; w = score,
+///   / sum of the k scores when renorm, * scale (DeepSeek's routed_scaling_factor)
+/// experts[t][i], weights[t][i] in rank order.
+struct route_op {
+  static constexpr int max_experts = 512;
+  static constexpr int max_groups = 64;
+  const float* logits;  ///< [n][E]
+  int E;
+  int k;
+  int group_limited;
+  int n_group;
+  int topk_group;
+  int renorm;
+  int apply_scale;
+  float scale;
+  int* experts;    ///< [n][k]
+  float* weights;  ///< [n][k]
+
+  WS_MOE_HD void operator()(idx t) const {
+    const float* lg = logits + t * E;
+    float m = lg[0];
+    for (int e = 1; e < E; ++e) m = lg[e] > m ? lg[e] : m;
+    double sum = 0.0;
+    for (int e = 0; e < E; ++e) sum += exp(double(lg[e]) - double(m));
+    const int per = group_limited ? E / n_group : E;
+    std::uint64_t kept_groups = ~0ull;  // bit g: group g kept
+    if (group_limited) {
+      float gmax[max_groups];
+      for (int g = 0; g < n_group; ++g) {
+        float best = prob(lg, m, sum, g * per);
+        for (int e = g * per + 1; e < (g + 1) * per; ++e) {
+          const float p = prob(lg, m, sum, e);
+          best = p > best ? p : best;
+        }
+        gmax[g] = best;
+      }
+      kept_groups = 0;
+      for (int r = 0; r < topk_group; ++r) {  // stable descending: ties to the lower group
+        int bg = -1;
+        for (int g = 0; g < n_group; ++g)
+          if (!((kept_groups >> g) & 1ull) && (bg < 0 || gmax[g] > gmax[bg])) bg = g;
+        kept_groups |= 1ull << bg;
+      }
+    }
+    std::uint64_t taken[max_experts / 64] = {};
+    float wsum = 0.0f;
+    for (int r = 0; r < k; ++r) {
+      int best = -1;
+      float bv = 0.0f;
+      for (int e = 0; e < E; ++e) {
+        if ((taken[e >> 6] >> (e & 63)) & 1ull) continue;
+        const float v = ((kept_groups >> (e / per)) & 1ull) ? prob(lg, m, sum, e) : 0.0f;
+        if (best < 0 || v > bv) {  // strictly greater: ties keep the lower index
+          best = e;
+          bv = v;
+        }
+      }
+      taken[best >> 6] |= 1ull << (best & 63);
+      experts[t * k + r] = best;
+      weights[t * k + r] = bv;
+      wsum += bv;
+    }
+    for (int r = 0; r < k; ++r) {
+      float w = weights[t * k + r];
+      if (renorm) w /= wsum;
+      if (apply_scale) w *= scale;
+      weights[t * k + r] = w;
+    }
+  }
+
+  [[nodiscard]] WS_MOE_HD static float prob(const float* lg, float m, double sum, int e) {
+    return float(exp(double(lg[e]) - double(m)) / sum);
+  }
+};
+
+// -----------------------------------------------------------------------------
+// Prefill attention: packing and unpacking around the batched GEMMs
+// -----------------------------------------------------------------------------
+//
+// For a block of `rows` query tokens [t0, t0 + rows) of one sequence, the
+// queries of KV head g's group are packed as one matrix Qp[g] of R = rows*group
+// rows (row q = r*group + j: token t0 + r, query head g*group + j), so that
+// S[g] = Qp[g]·K[g]ᵀ and O[g] = P[g]·V[g] are one strided-batched GEMM each
+// over the KV heads (gemm.hpp, prefill_qk / prefill_pv).
+
+/// Qp[g][r][j][e] = q[(t0 + r)][g*group + j][e], stored as `type`. Size hq * rows * qd.
+struct pack_q_op {
+  const float* q;  ///< the sequence's queries [T][hq][qd]
+  idx t0;
+  idx rows;
+  int hq;
+  int group;
+  int qd;
+  void* out;
+  wtype type;
+  WS_MOE_HD void operator()(idx i) const {
+    const idx e = i % qd;
+    const idx rest = i / qd;
+    const idx j = rest % group;
+    const idx rest2 = rest / group;
+    const idx r = rest2 % rows;
+    const idx g = rest2 / rows;
+    store_from_float(out, type, i, q[((t0 + r) * hq + g * group + j) * qd + e]);
+  }
+};
+
+/// out[(t0 + r)][g*group + j][e] = Op[g][r][j][e]. Size hq * rows * dv.
+struct unpack_o_op {
+  const float* o;  ///< [hkv][rows][group][dv]
+  idx t0;
+  idx rows;
+  int hq;
+  int group;
+  int dv;
+  float* out;  ///< the sequence's outputs [T][hq][dv]
+  WS_MOE_HD void operator()(idx i) const {
+    const idx e = i % dv;
+    const idx rest = i / dv;
+    const idx j = rest % group;
+    const idx rest2 = rest / group;
+    const idx r = rest2 % rows;
+    const idx g = rest2 / rows;
+    out[((t0 + r) * hq + g * group + j) * dv + e] = o[i];
+  }
+};
+
+// -----------------------------------------------------------------------------
+// Row reductions
+// -----------------------------------------------------------------------------
+
+/// y[r][0:dim] = x[r][0:dim] / sqrt(mean(x²) + eps) * w (ops.hpp rms_norm); y may alias x.
+struct rms_norm_params {
+  const float* x;
+  idx x_stride;
+  const float* w;
+  idx rows;
+  int dim;
+  double eps;
+  float* y;
+  idx y_stride;
+};
+
+/// The scale of a row from its sum of squares (double), as the host path computes it.
+[[nodiscard]] WS_MOE_HD inline float rms_inverse(double sum_squares, int dim, double eps) {
+  return float(1.0 / sqrt(sum_squares / dim + eps));
+}
+
+/// Causal softmax of a block of prefill scores (ops.hpp causal_attention):
+/// row q of head-group g (q = r*group + j, token t0 + r) keeps keys
+/// [0, t0 + r + 1): p = exp(s*scale - max) / sum (exp in fp32, sum in double,
+/// p = e * float(1/sum)); the other keys get 0.
+struct softmax_params {
+  const float* s;  ///< [hkv][R][keys] fp32
+  void* p;         ///< [hkv][R][keys], type p_type
+  wtype p_type;
+  idx rows_total;  ///< hkv * R
+  idx R;           ///< rows * group
+  int group;
+  idx keys;        ///< t0 + rows
+  idx t0;
+  float scale;
+};
+
+/// Valid keys of row `row` (of rows_total) of a softmax block.
+[[nodiscard]] WS_MOE_HD inline idx softmax_valid(const softmax_params& p, idx row) {
+  const idx local = row % p.R;
+  return p.t0 + local / p.group + 1;
+}
+
+}  // namespace ws_moe::gpu
