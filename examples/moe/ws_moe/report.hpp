@@ -88,6 +88,56 @@ inline std::string mib(index_t bytes) {
   return b;
 }
 
+/// "1.25 GiB", "3.4 MiB", "12 KiB".
+inline std::string human_bytes(index_t bytes) {
+  char b[48];
+  const double v = double(bytes);
+  if (v >= double(1 << 30)) std::snprintf(b, sizeof b, "%.2f GiB", v / double(1 << 30));
+  else if (v >= double(1 << 20)) std::snprintf(b, sizeof b, "%.1f MiB", v / double(1 << 20));
+  else std::snprintf(b, sizeof b, "%.0f KiB", v / 1024.0);
+  return b;
+}
+
+/// "0-3,7" for a sorted list of expert ids; "none" when empty.
+inline std::string id_ranges(const std::vector<int>& ids) {
+  if (ids.empty()) return "none";
+  std::string out;
+  for (std::size_t i = 0; i < ids.size();) {
+    std::size_t j = i;
+    while (j + 1 < ids.size() && ids[j + 1] == ids[j] + 1) ++j;
+    if (!out.empty()) out += ",";
+    out += std::to_string(ids[i]);
+    if (j > i) out += "-" + std::to_string(ids[j]);
+    i = j + 1;
+  }
+  return out;
+}
+
+/// The CUDA path's lines of the summary: device memory by use, expert placement.
+inline void print_device(std::FILE* f, const generation_result& r) {
+  const device_report& d = r.device;
+  std::fprintf(f, "device     %s; precision: %s\n", d.device.c_str(), d.precision.c_str());
+  std::fprintf(f, "device mem total %s, budget %s, in use after setup %s: weights %s, routed experts %s, "
+                  "KV regions (D-window + ping-pong) %s, workspaces %s\n",
+               human_bytes(d.total_bytes).c_str(), d.budget_bytes > 0 ? human_bytes(d.budget_bytes).c_str() : "none",
+               human_bytes(d.used_bytes).c_str(),
+               human_bytes(d.weights_bytes).c_str(), human_bytes(d.experts_gpu_bytes).c_str(), human_bytes(d.kv_bytes).c_str(),
+               human_bytes(d.workspace_bytes).c_str());
+  std::fprintf(f, "experts    %d routed experts: %d on the GPU, %d in host memory (%s), CPU expert time %.3f s for %lld rows\n",
+               d.experts_total, d.experts_gpu, d.experts_host, human_bytes(d.experts_host_bytes).c_str(), d.cpu_expert_seconds,
+               static_cast<long long>(d.cpu_expert_rows));
+  if (d.experts_host > 0) {  // layers with the same host set, grouped
+    for (std::size_t l = 0; l < d.host_experts.size();) {
+      std::size_t m = l;
+      while (m + 1 < d.host_experts.size() && d.host_experts[m + 1] == d.host_experts[l]) ++m;
+      std::fprintf(f, "           host experts of layers %zu-%zu: %s\n", l, m, id_ranges(d.host_experts[l]).c_str());
+      l = m + 1;
+    }
+  }
+  std::fprintf(f, "prefill    %d wave(s), attention blocks of %lld query rows\n", d.prefill_waves,
+               static_cast<long long>(d.prefill_block_rows));
+}
+
 inline void print_summary(std::FILE* f, const model_config& c, const generation_result& r, double load_seconds,
                           bool random_weights) {
   const summary_numbers s = summarize(r);
@@ -97,10 +147,11 @@ inline void print_summary(std::FILE* f, const model_config& c, const generation_
   std::fprintf(f, "model      %s, %d layers, hidden %d, %d experts (top-%d), %s weights, loaded in %.2f s\n",
                to_string(c.kind), c.num_layers, c.hidden_size, c.num_experts, c.experts_per_tok,
                random_weights ? "random" : "checkpoint", load_seconds);
-  std::fprintf(f, "cache      %s, %lld B/token/layer, block %d tokens, D %d, ping-pong %d x %lld blocks, host backend (emulated GPU)\n",
+  std::fprintf(f, "cache      %s, %lld B/token/layer, block %d tokens, D %d, ping-pong %d x %lld blocks, %s\n",
                r.layout.c_str(), static_cast<long long>(r.token_bytes), r.spec.block_tokens, r.spec.d_window_tokens,
                r.spec.ping_pong_buffers, static_cast<long long>(u.ping_pong_bytes / std::max<index_t>(1, r.block_bytes) /
-                                                                 std::max(1, r.spec.ping_pong_buffers)));
+                                                                 std::max(1, r.spec.ping_pong_buffers)),
+               r.backend.c_str());
   std::fprintf(f, "policy     %s%s%s\n", r.policy.c_str(), r.policy_final != r.policy ? "; at the end: " : "",
                r.policy_final != r.policy ? r.policy_final.c_str() : "");
   std::fprintf(f, "prefill    %lld tokens (%zu sequences) in %.3f s = %.1f tok/s\n", static_cast<long long>(r.prefill_tokens),
@@ -142,6 +193,7 @@ inline void print_summary(std::FILE* f, const model_config& c, const generation_
                mib(u.pinned_used_blocks * per_block_all).c_str(), static_cast<long long>(u.pinned_used_blocks));
   std::fprintf(f, "           D-window (GPU)          %s\n", mib(u.d_window_bytes).c_str());
   std::fprintf(f, "           ping-pong (GPU)         %s\n", mib(u.ping_pong_bytes).c_str());
+  if (r.device.used) print_device(f, r);
   for (std::size_t i = 0; i < r.tokens.size(); ++i) {
     std::fprintf(f, "tokens %zu  ", i);
     for (std::size_t j = 0; j < r.tokens[i].size(); ++j) std::fprintf(f, "%s%d", j ? "," : "", r.tokens[i][j]);
@@ -191,6 +243,28 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
   j["spec"] = {{"block_tokens", r.spec.block_tokens},       {"d_window_tokens", r.spec.d_window_tokens},
                {"ping_pong_bytes", r.spec.ping_pong_bytes}, {"ping_pong_buffers", r.spec.ping_pong_buffers},
                {"gpu_split_blocks", r.spec.gpu_split_blocks}, {"cpu_task_blocks", r.spec.cpu_task_blocks}};
+  j["backend"] = r.backend;
+  if (r.device.used) {
+    const device_report& d = r.device;
+    j["device"] = {{"name", d.device},
+                   {"precision", d.precision},
+                   {"total_bytes", d.total_bytes},
+                   {"budget_bytes", d.budget_bytes},
+                   {"used_bytes", d.used_bytes},
+                   {"weights_bytes", d.weights_bytes},
+                   {"experts_gpu_bytes", d.experts_gpu_bytes},
+                   {"experts_host_bytes", d.experts_host_bytes},
+                   {"kv_bytes", d.kv_bytes},
+                   {"workspace_bytes", d.workspace_bytes},
+                   {"prefill_waves", d.prefill_waves},
+                   {"prefill_block_rows", d.prefill_block_rows}};
+    j["experts"] = {{"total", d.experts_total},
+                    {"gpu", d.experts_gpu},
+                    {"host", d.experts_host},
+                    {"host_per_layer", d.host_experts},
+                    {"cpu_seconds", d.cpu_expert_seconds},
+                    {"cpu_rows", d.cpu_expert_rows}};
+  }
   j["tokens"] = r.tokens;
   return j;
 }

@@ -1,0 +1,196 @@
+// ws_moe/gpu/cuda_exec.hpp — the executor of the CUDA path's decoder
+// (device_decoder.hpp) on a real GPU: one non-blocking stream on which every
+// model kernel, every cuBLAS call and writescope's cuda_backend (its "caller"
+// stream) run in order; device memory from cuda_backend::allocate_device;
+// cuBLAS with CUBLAS_COMPUTE_32F (bf16 or fp32 inputs, fp32 output; default
+// math mode, so no TF32).
+//
+// Host code (g++): the kernels are reached through ops.hpp (ops.cu) and
+// writescope's kernels.hpp (ws_kernels_*.cu). Every CUDA call is checked with
+// WS_CUDA_TRY, every cuBLAS call with WS_CUBLAS_TRY; both throw
+// writescope::cuda_error naming the call, the status and the source line.
+//
+// Copies: h2d() and d2h() (pageable host memory) return once the copy is
+// complete; the *_async variants need page-locked host memory (host_staging())
+// and are ordered on the stream.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <writescope/cuda/cuda_backend.hpp>
+#include <writescope/cuda/cuda_error.hpp>
+#include <writescope/cuda/pinned_allocators.hpp>
+
+#include "gemm.hpp"
+#include "kernel_math.hpp"
+#include "ops.hpp"
+
+namespace ws_moe::gpu {
+
+/// Throws writescope::cuda_error for a cuBLAS status other than success.
+inline void cublas_check(cublasStatus_t s, const char* call, const char* file, int line) {
+  if (s == CUBLAS_STATUS_SUCCESS) return;
+  throw writescope::cuda_error(std::string(call) + " failed: " + cublasGetStatusName(s) + " (" +
+                                   cublasGetStatusString(s) + ") at " + writescope::cuda_detail::base_name(file) + ":" +
+                                   std::to_string(line),
+                               int(s));
+}
+
+}  // namespace ws_moe::gpu
+
+/// Calls a cuBLAS function; throws writescope::cuda_error unless it returns CUBLAS_STATUS_SUCCESS.
+#define WS_CUBLAS_TRY(call) ::ws_moe::gpu::cublas_check((call), #call, __FILE__, __LINE__)
+
+namespace ws_moe::gpu {
+
+/// Number of usable CUDA devices; 0 when there is no driver or no device (never throws).
+inline int cuda_device_count() noexcept {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+class cuda_exec {
+ public:
+  using backend_type = writescope::cuda_backend;
+  using pinned_allocator = writescope::cuda_host_register;
+  static constexpr bool is_emulated = false;
+
+  cuda_exec() : stream_(writescope::cuda_detail::unique_stream::create()) {
+    WS_CUDA_TRY(cudaFree(nullptr));  // the context exists before the first memory reading
+    std::size_t free = 0, total = 0;
+    WS_CUDA_TRY(cudaMemGetInfo(&free, &total));
+    free_at_start_ = idx(free);
+    total_ = idx(total);
+    backend_.emplace(stream_.get());
+    done_ = writescope::cuda_detail::unique_event::create();
+    WS_CUBLAS_TRY(cublasCreate(&blas_));
+    WS_CUBLAS_TRY(cublasSetStream(blas_, stream_.get()));
+    WS_CUBLAS_TRY(cublasSetMathMode(blas_, CUBLAS_DEFAULT_MATH));
+  }
+  cuda_exec(const cuda_exec&) = delete;
+  cuda_exec& operator=(const cuda_exec&) = delete;
+  ~cuda_exec() {
+    writescope::cuda_detail::ignore(cudaStreamSynchronize(stream_.get()));
+    if (blas_ != nullptr) (void)cublasDestroy(blas_);
+    bufs_.clear();
+    backend_.reset();
+  }
+
+  [[nodiscard]] backend_type& backend() noexcept { return *backend_; }
+  [[nodiscard]] std::string device_name() const { return std::string(backend_->name()); }
+  [[nodiscard]] cudaStream_t stream() const noexcept { return stream_.get(); }
+
+  /// Device memory (cudaMalloc through cuda_backend: resource_error naming `what`
+  /// and the size when refused), owned by the executor. Not initialised.
+  void* alloc(idx bytes, const char* what) {
+    if (bytes <= 0) return nullptr;
+    bufs_.push_back(backend_->allocate_device(bytes, what));
+    allocated_ += bytes;
+    return bufs_.back().data();
+  }
+  [[nodiscard]] idx allocated_bytes() const noexcept { return allocated_; }
+
+  template <class Op>
+  void run(const Op& op, idx n) {
+    launch_elementwise(op, n, stream_.get());
+  }
+  void rms_norm(const rms_norm_params& p) { launch_rms_norm(p, stream_.get()); }
+  void causal_softmax(const softmax_params& p) { launch_causal_softmax(p, stream_.get()); }
+
+  void gemm(const gemm_desc& d, const char* what) {
+    check_gemm(d, what);
+    if (d.m == 0 || d.n == 0) return;
+    const float one = 1.0f, zero = 0.0f;
+    const cudaDataType t = d.a_type == wtype::bf16 ? CUDA_R_16BF : CUDA_R_32F;
+    const cublasOperation_t ta = d.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t tb = d.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    if (d.k == 0) {  // an empty sum: C = 0 (cuBLAS would scale C by beta, which is what we want, but be explicit)
+      for (idx b = 0; b < d.batch; ++b)
+        WS_CUDA_TRY(cudaMemset2DAsync(d.c + b * d.stride_c, std::size_t(d.ldc) * 4, 0, std::size_t(d.m) * 4,
+                                      std::size_t(d.n), stream_.get()));
+      return;
+    }
+    if (d.batch == 1) {
+      WS_CUBLAS_TRY(cublasGemmEx(blas_, ta, tb, int(d.m), int(d.n), int(d.k), &one, d.a, t, int(d.lda), d.b, t,
+                                 int(d.ldb), &zero, d.c, CUDA_R_32F, int(d.ldc), CUBLAS_COMPUTE_32F,
+                                 CUBLAS_GEMM_DEFAULT));
+    } else {
+      WS_CUBLAS_TRY(cublasGemmStridedBatchedEx(blas_, ta, tb, int(d.m), int(d.n), int(d.k), &one, d.a, t, int(d.lda),
+                                               static_cast<long long>(d.stride_a), d.b, t, int(d.ldb),
+                                               static_cast<long long>(d.stride_b), &zero, d.c, CUDA_R_32F, int(d.ldc),
+                                               static_cast<long long>(d.stride_c), int(d.batch), CUBLAS_COMPUTE_32F,
+                                               CUBLAS_GEMM_DEFAULT));
+    }
+  }
+
+  void h2d(void* dst, const void* src, idx bytes) {
+    if (bytes <= 0) return;
+    WS_CUDA_TRY(cudaMemcpyAsync(dst, src, std::size_t(bytes), cudaMemcpyHostToDevice, stream_.get()));
+    // The source is pageable and may be reused or freed at once: wait (every
+    // caller uploads between synchronising points, so the stream is idle anyway).
+    WS_CUDA_TRY(cudaStreamSynchronize(stream_.get()));
+  }
+  void d2h(void* dst, const void* src, idx bytes) {
+    if (bytes <= 0) return;
+    WS_CUDA_TRY(cudaMemcpyAsync(dst, src, std::size_t(bytes), cudaMemcpyDeviceToHost, stream_.get()));
+    WS_CUDA_TRY(cudaStreamSynchronize(stream_.get()));
+  }
+  void d2d(void* dst, const void* src, idx bytes) {
+    if (bytes > 0)
+      WS_CUDA_TRY(cudaMemcpyAsync(dst, src, std::size_t(bytes), cudaMemcpyDeviceToDevice, stream_.get()));
+  }
+  void copy_2d(void* dst, idx dpitch, const void* src, idx spitch, idx width, idx height) {
+    if (width > 0 && height > 0)
+      WS_CUDA_TRY(cudaMemcpy2DAsync(dst, std::size_t(dpitch), src, std::size_t(spitch), std::size_t(width),
+                                    std::size_t(height), cudaMemcpyDeviceToDevice, stream_.get()));
+  }
+  void zero(void* p, idx bytes) {
+    if (bytes > 0) WS_CUDA_TRY(cudaMemsetAsync(p, 0, std::size_t(bytes), stream_.get()));
+  }
+  void sync() { WS_CUDA_TRY(cudaStreamSynchronize(stream_.get())); }
+
+  /// Page-locked host memory (cudaHostAlloc via cuda_backend) for the async copies.
+  writescope::host_allocation host_staging(idx bytes) { return backend_->allocate_staging(bytes); }
+  void d2h_async(void* dst, const void* src, idx bytes) {
+    if (bytes > 0)
+      WS_CUDA_TRY(cudaMemcpyAsync(dst, src, std::size_t(bytes), cudaMemcpyDeviceToHost, stream_.get()));
+  }
+  void h2d_async(void* dst, const void* src, idx bytes) {
+    if (bytes > 0)
+      WS_CUDA_TRY(cudaMemcpyAsync(dst, src, std::size_t(bytes), cudaMemcpyHostToDevice, stream_.get()));
+  }
+  void record() { writescope::cuda_detail::record(done_, stream_.get()); }
+  void wait_recorded() { WS_CUDA_TRY(cudaEventSynchronize(done_.get())); }
+
+  [[nodiscard]] idx device_total_bytes() const noexcept { return total_; }
+  [[nodiscard]] idx device_free_bytes() const {
+    std::size_t free = 0, total = 0;
+    WS_CUDA_TRY(cudaMemGetInfo(&free, &total));
+    return idx(free);
+  }
+  /// Device memory this process took since the executor started (all allocations:
+  /// ours, the cache's regions, the engine's workspaces, cuBLAS).
+  [[nodiscard]] idx device_used_bytes() const { return free_at_start_ - device_free_bytes(); }
+  [[nodiscard]] idx device_free_at_start() const noexcept { return free_at_start_; }
+
+ private:
+  writescope::cuda_detail::unique_stream stream_;
+  idx free_at_start_ = 0, total_ = 0;
+  std::optional<backend_type> backend_;
+  writescope::cuda_detail::unique_event done_;
+  cublasHandle_t blas_ = nullptr;
+  std::vector<backend_type::device_buffer> bufs_;
+  idx allocated_ = 0;
+};
+
+}  // namespace ws_moe::gpu

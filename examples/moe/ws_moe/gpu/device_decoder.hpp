@@ -1,0 +1,937 @@
+// ws_moe/gpu/device_decoder.hpp — the CUDA path of the MoE decoders: the same
+// models as the host path (decoder.hpp), with weights and activations in
+// device memory, cuBLAS GEMMs and the small kernels of kernel_math.hpp, and the
+// KV cache on writescope's cuda_backend (docs/DECODERS.md, "CUDA path").
+//
+//   Layout  gqa_layout<64|128> | mla_layout<512,64> | mla_layout<128,32>
+//   Exec    cuda_exec (the GPU) | emulated_exec (the same code on the host, CI)
+//   cache   inplace_kv_cache<Layout, Exec::backend_type, Exec::pinned_allocator,
+//           runtime_policy>: unpinned CPU region, pinned load region
+//           (cudaHostRegister), D-window and ping-pong on the device
+//
+// Prefill: sequences are admitted (begin_sequence routes their eviction
+// batches at write time), then prefilled in waves of whole sequences (at most
+// --prefill-chunk-tokens tokens per wave unless one sequence is longer). Per
+// wave and layer: projections for all the wave's tokens; per sequence, its
+// K/V (bf16) goes to its final regions with append_prefill from device memory
+// as soon as it is produced (paper §4.2 footnote) and the prompt attends itself
+// causally on the GPU (blocks of query rows: one strided-batched GEMM over the
+// KV heads for the scores, a causal softmax kernel, one for P·V); then the
+// output projection, the FFN, and after the last layer the first token.
+//
+// Decode: per step and layer: projections (MLA: W_UK folded into q on the GPU),
+// append (device KV into the D-window), hybrid_attention::step (the CPU engine
+// attends the unpinned region with OpenMP threads while the GPU streams the
+// pinned region through ping-pong and attends it and the D-window; LSE merge on
+// the GPU), output projection (MLA: expansion by W_UV), FFN; then flush() and
+// the LM head; sampling on the host from the copied logits.
+//
+// MoE: the router (fp32) and top-k run on the device; the (token, expert)
+// pairs are copied to the host, grouped by expert there, and the tokens
+// gathered on the device in expert order; each active expert runs as three
+// GEMMs on its rows (GPU experts) or on the CPU (host experts, OpenMP, bf16
+// weights widened per row, overlapped with the GPU experts); one combine kernel
+// sums each token's k expert outputs in ascending expert order, as the host
+// path does; shared experts are added after.
+//
+// Precision (--precision): "bf16" — GEMM inputs in bf16 (weights as stored,
+// activations rounded to bf16 per GEMM), fp32 accumulation and fp32 outputs;
+// "fp32" — bf16 weights widened exactly to fp32 per GEMM, fp32 activations
+// (the host path's arithmetic, for the transformers fixtures). Everything else
+// is fp32 in both: residual stream, norms, RoPE, softmax, router, attention
+// accumulators; the cache holds bf16 K/V.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <writescope/writescope.hpp>
+
+#include "../decoder.hpp"
+#include "../model_config.hpp"
+#include "../ops.hpp"
+#include "../runtime_policy.hpp"
+#include "../sampling.hpp"
+#include "../weights.hpp"
+#include "device_weights.hpp"
+#include "gemm.hpp"
+#include "kernel_math.hpp"
+
+namespace ws_moe {
+
+/// Options of the CUDA path (ws_decode --device cuda|emulated).
+struct device_options {
+  gpu::wtype precision = gpu::wtype::bf16;  ///< GEMM input type
+  index_t vram_budget_bytes = 0;            ///< device memory for everything; 0 = free at start - 1 GiB
+  long long max_gpu_experts = -1;           ///< at most this many routed experts on the device (-1: no cap)
+  index_t prefill_chunk_tokens = 32768;     ///< tokens per prefill wave (whole sequences)
+  index_t prefill_attention_bytes = index_t{2} << 30;  ///< scores + probabilities of one prefill block
+  double max_host_expert_gib = 0.0;         ///< refuse more host-resident expert bytes (0 = 80% of RAM)
+  double physical_memory_gib = 0.0;         ///< host RAM (for the default above)
+};
+
+template <class Layout, class Exec>
+class device_decoder {
+ public:
+  using backend_type = typename Exec::backend_type;
+  using cache_type = writescope::inplace_kv_cache<Layout, backend_type, typename Exec::pinned_allocator, runtime_policy>;
+  using space = typename backend_type::activation_space;
+  static constexpr bool mla = Layout::is_mla;
+  static constexpr int QD = Layout::q_dim;     ///< query width per head (MLA: absorbed rank + rope)
+  static constexpr int VD = Layout::v_dim;     ///< attention output width per head (MLA: rank)
+  static constexpr int ROW = Layout::row_elems;
+
+  device_decoder(const model_config& c, const weight_source& src, const device_options& d)
+      : c_(c), src_(&src), d_(d), prec_(d.precision) {
+    if constexpr (mla) {
+      if (c.kv_lora_rank != Layout::kv_lora_rank || c.qk_rope_head_dim != Layout::rope_dim)
+        throw writescope::config_error("device_decoder: layout does not match the config's MLA shape");
+      rope_ = rotary(c.rope, Layout::rope_dim, rotary::style::interleaved);
+    } else {
+      if (c.head_dim != Layout::head_dim) throw writescope::config_error("device_decoder: layout head_dim mismatch");
+      rope_ = rotary(c.rope, Layout::head_dim, rotary::style::half);
+    }
+    if (c.num_experts > gpu::route_op::max_experts)
+      throw writescope::config_error("the CUDA path routes at most " + std::to_string(gpu::route_op::max_experts) +
+                                     " experts; the config has " + std::to_string(c.num_experts));
+    if (c.kind == arch::deepseek_v2 && c.topk_method == "group_limited_greedy" && c.n_group > gpu::route_op::max_groups)
+      throw writescope::config_error("the CUDA path's router supports at most 64 expert groups");
+  }
+  device_decoder(const device_decoder&) = delete;
+  device_decoder& operator=(const device_decoder&) = delete;
+
+  [[nodiscard]] Layout layout() const {
+    if constexpr (mla)
+      return Layout(c_.num_heads);
+    else
+      return Layout(c_.num_heads, c_.num_kv_heads);
+  }
+
+  /// Loads the weights, builds the cache and generates max_new_tokens tokens
+  /// for every prompt (ragged batch). on_layer(l) after each layer's
+  /// non-expert weights; on_loaded() once every weight is in place.
+  generation_result generate(const std::vector<std::vector<int>>& prompts, runtime_policy policy, const run_options& o,
+                             const std::function<void(int)>& on_layer = {}, const std::function<void()>& on_loaded = {}) {
+    using namespace writescope;
+    validate_prompts(c_, prompts, o);
+    const int B = int(prompts.size());
+    const int V = c_.vocab_size;
+    generation_result res;
+    res.backend = "cuda_backend on " + x_.device_name();
+    res.device.used = true;
+    res.device.device = x_.device_name();
+    res.device.precision = prec_ == gpu::wtype::bf16
+                               ? "bf16 GEMM inputs, fp32 accumulation; fp32 activations, norms, softmax, router"
+                               : "fp32 (bf16 weights widened exactly; fp32 activations and GEMMs)";
+    res.spec = make_partition_spec(layout(), c_.num_layers, prompts, o);
+    res.policy = policy.describe();
+
+    // ---- weights (all but the routed experts) ----------------------------------
+    load_dense_weights(on_layer);
+
+    // ---- cache, attention engine, workspaces -----------------------------------------
+    cache_ = std::make_unique<cache_type>(x_.backend(), layout(), res.spec, std::move(policy),
+                                          typename Exec::pinned_allocator{}, cache_options{o.kv.poison});
+    attention_options ao;
+    ao.cpu_threads = o.threads;
+    hybrid_ = std::make_unique<hybrid_attention<cache_type>>(*cache_, ao);
+    plan_waves(prompts);
+    allocate_workspaces(prompts);
+
+    // ---- routed experts: device while the budget lasts, then host memory ----------
+    place_and_load_experts(res.device);
+    x_.sync();
+    if (on_loaded) on_loaded();
+    res.block_bytes = cache_->format().block_bytes();
+    res.token_bytes = layout().token_bytes();
+    const region_usage u0 = cache_->usage();
+    res.device.kv_bytes = u0.d_window_bytes + u0.ping_pong_bytes;
+    res.device.weights_bytes = weights_bytes_;
+    res.device.workspace_bytes = workspace_bytes_;
+    res.device.total_bytes = x_.device_total_bytes();
+    res.device.used_bytes = device_used();
+    res.device.prefill_waves = int(waves_.size());
+    res.device.prefill_block_rows = rows_blk_;
+
+    res.tokens.assign(std::size_t(B), {});
+    if (o.record_logits) res.logits.assign(std::size_t(B), {});
+    sampler pick(o.sampling, B);
+    std::vector<float> logits(static_cast<std::size_t>(B) * static_cast<std::size_t>(V));
+    std::vector<int> cur(static_cast<std::size_t>(B));
+
+    // ---- admission + prefill ---------------------------------------------------------
+    const auto t_prefill = std::chrono::steady_clock::now();
+    std::vector<sequence_id> seqs(static_cast<std::size_t>(B));
+    for (int i = 0; i < B; ++i) seqs[std::size_t(i)] = cache_->begin_sequence(index_t(prompts[std::size_t(i)].size()));
+    for (std::size_t w = 0; w < waves_.size(); ++w) {
+      const wave& wv = waves_[w];
+      prefill_wave(wv, prompts, seqs, [&](int l) {
+        if (o.progress) o.progress(phase::prefill, int(w) * c_.num_layers + l + 1, int(waves_.size()) * c_.num_layers);
+      });
+      // first token of each sequence of the wave
+      const int ns = wv.end - wv.begin;
+      std::vector<int> last(static_cast<std::size_t>(ns));
+      for (int i = 0; i < ns; ++i) last[std::size_t(i)] = int(wv.offset[std::size_t(i) + 1] - 1);
+      x_.h2d(last_rows_, last.data(), index_t(ns) * 4);
+      x_.run(gpu::gather_rows_op{x_buf_, c_.hidden_size, last_rows_, c_.hidden_size, y2_}, index_t(ns) * c_.hidden_size);
+      head(y2_, ns, logits.data());
+      for (int i = 0; i < ns; ++i) take(res, pick, wv.begin + i, logits.data() + index_t(i) * V, cur, o);
+    }
+    res.prefill_tokens = 0;
+    for (const auto& p : prompts) res.prefill_tokens += index_t(p.size());
+    res.prefill_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_prefill).count();
+    res.trajectory.push_back(share_of(*cache_, seqs, 0));
+
+    // ---- decode ------------------------------------------------------------------------
+    const int steps = o.max_new_tokens - 1;
+    std::vector<index_t> pos(static_cast<std::size_t>(B));
+    for (int s = 1; s <= steps; ++s) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < B; ++i) pos[std::size_t(i)] = index_t(prompts[std::size_t(i)].size()) + s - 1;
+      x_.h2d(ids_, cur.data(), index_t(B) * 4);
+      x_.h2d(pos_, pos.data(), index_t(B) * 8);
+      embed(B);
+      for (int l = 0; l < c_.num_layers; ++l) layer_decode(l, seqs, res);
+      const flush_report fr = cache_->flush();
+      res.cpu_batches += fr.cpu_batches;
+      res.gpu_batches += fr.gpu_batches;
+      if (fr.evicted_sequences > 0) res.trajectory.push_back(share_of(*cache_, seqs, s));
+      head(x_buf_, B, logits.data());
+      for (int i = 0; i < B; ++i) take(res, pick, i, logits.data() + index_t(i) * V, cur, o);
+      res.step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      if (o.progress) o.progress(phase::decode, s, steps);
+    }
+    x_.sync();
+
+    for (int i = 0; i < B; ++i) {
+      const sequence_state& st = cache_->sequence(seqs[std::size_t(i)]);
+      res.sequences.push_back({st.prompt_tokens, st.placed_tokens, st.cpu_placed_tokens,
+                               index_t(st.window_tokens.empty() ? 0 : st.window_tokens[0])});
+    }
+    res.usage = cache_->usage();
+    res.policy_final = cache_->policy().describe();
+    res.device.cpu_expert_seconds = cpu_expert_seconds_;
+    res.device.cpu_expert_rows = cpu_expert_rows_;
+    for (sequence_id id : seqs) cache_->end_sequence(id);
+    return res;
+  }
+
+ private:
+  using wtype = gpu::wtype;
+
+  struct wave {
+    int begin = 0, end = 0;          ///< sequences [begin, end)
+    std::vector<index_t> offset;     ///< token offsets of the sequences inside the wave, [end-begin+1]
+  };
+
+  // ---------------------------------------------------------------------------
+  // Setup
+  // ---------------------------------------------------------------------------
+
+  void load_dense_weights(const std::function<void(int)>& on_layer) {
+    gpu::device_loader<Exec> ld(x_, *src_);
+    const index_t H = c_.hidden_size;
+    m_.embed = ld.matrix("model.embed_tokens.weight", c_.vocab_size, H);
+    m_.layers.resize(std::size_t(c_.num_layers));
+    for (int l = 0; l < c_.num_layers; ++l) {
+      gpu::dlayer& L = m_.layers[std::size_t(l)];
+      const std::string p = "model.layers." + std::to_string(l);
+      L.input_norm = ld.vector(p + ".input_layernorm.weight", H, 1.0f);
+      L.post_norm = ld.vector(p + ".post_attention_layernorm.weight", H, 1.0f);
+      const std::string a = p + ".self_attn";
+      const bool bias = c_.attention_bias;
+      if constexpr (mla) {
+        const index_t qk = c_.qk_nope_head_dim + c_.qk_rope_head_dim;
+        if (c_.q_lora_rank > 0) {
+          L.q_a = ld.linear(a + ".q_a_proj", c_.q_lora_rank, H, bias);
+          L.q_a_norm = ld.vector(a + ".q_a_layernorm.weight", c_.q_lora_rank, 1.0f);
+          L.q_b = ld.linear(a + ".q_b_proj", index_t(c_.num_heads) * qk, c_.q_lora_rank);
+        } else {
+          L.q = ld.linear(a + ".q_proj", index_t(c_.num_heads) * qk, H);
+        }
+        L.kv_a = ld.linear(a + ".kv_a_proj_with_mqa", c_.kv_lora_rank + c_.qk_rope_head_dim, H, bias);
+        L.kv_a_norm = ld.vector(a + ".kv_a_layernorm.weight", c_.kv_lora_rank, 1.0f);
+        L.kv_b = ld.matrix(a + ".kv_b_proj.weight", index_t(c_.num_heads) * (c_.qk_nope_head_dim + c_.v_head_dim),
+                           c_.kv_lora_rank);
+        L.o = ld.linear(a + ".o_proj", H, index_t(c_.num_heads) * c_.v_head_dim, bias);
+        if (prec_ == wtype::f32 && L.kv_b.type == wtype::bf16) {  // widened once: the absorb/expand GEMMs read it per head
+          float* w = static_cast<float*>(x_.alloc(L.kv_b.rows * L.kv_b.cols * 4, "kv_b_proj (fp32 copy)"));
+          weights_bytes_ += L.kv_b.rows * L.kv_b.cols * 4;
+          x_.run(gpu::widen_op{L.kv_b.p, wtype::bf16, w}, L.kv_b.rows * L.kv_b.cols);
+          L.kv_b_f32 = w;
+        }
+      } else {
+        const index_t d = c_.head_dim;
+        L.q = ld.linear(a + ".q_proj", index_t(c_.num_heads) * d, H, bias);
+        L.k = ld.linear(a + ".k_proj", index_t(c_.num_kv_heads) * d, H, bias);
+        L.v = ld.linear(a + ".v_proj", index_t(c_.num_kv_heads) * d, H, bias);
+        L.o = ld.linear(a + ".o_proj", H, index_t(c_.num_heads) * d, bias);
+        if (c_.kind == arch::qwen3_moe) {
+          L.q_norm = ld.vector(a + ".q_norm.weight", d, 1.0f);
+          L.k_norm = ld.vector(a + ".k_norm.weight", d, 1.0f);
+        }
+      }
+      L.is_moe = c_.is_moe_layer(l);
+      if (!L.is_moe) {
+        L.dense = ld.mlp({p + ".mlp.gate_proj", p + ".mlp.up_proj", p + ".mlp.down_proj"}, H, c_.intermediate_size);
+      } else {
+        const std::string m = p + (c_.kind == arch::mixtral ? ".block_sparse_moe" : ".mlp");
+        L.router = ld.linear(m + ".gate", c_.num_experts, H, false, /*force_f32=*/true);
+        if (c_.kind == arch::deepseek_v2 && c_.n_shared_experts > 0) {
+          L.has_shared = true;
+          L.shared = ld.mlp({m + ".shared_experts.gate_proj", m + ".shared_experts.up_proj", m + ".shared_experts.down_proj"},
+                            H, index_t(c_.moe_intermediate_size) * c_.n_shared_experts);
+        }
+        L.experts.resize(std::size_t(c_.num_experts));
+        L.on_host.assign(std::size_t(c_.num_experts), 0);
+        L.host_experts.resize(std::size_t(c_.num_experts));
+      }
+      if (on_layer) on_layer(l);
+    }
+    m_.final_norm = ld.vector("model.norm.weight", H, 1.0f);
+    if (c_.tie_word_embeddings)
+      m_.lm_head.w = m_.embed;
+    else
+      m_.lm_head = ld.linear("lm_head", c_.vocab_size, H);
+    weights_bytes_ += ld.bytes();
+    const std::vector<float>& f = rope_.inv_freq();
+    inv_freq_ = static_cast<float*>(x_.alloc(index_t(f.size()) * 4, "RoPE frequencies"));
+    x_.h2d(inv_freq_, f.data(), index_t(f.size()) * 4);
+  }
+
+  void plan_waves(const std::vector<std::vector<int>>& prompts) {
+    waves_.clear();
+    const int B = int(prompts.size());
+    const index_t limit = std::max<index_t>(1, d_.prefill_chunk_tokens);
+    for (int i = 0; i < B;) {
+      wave w;
+      w.begin = i;
+      w.offset.push_back(0);
+      index_t n = 0;
+      while (i < B && (n == 0 || n + index_t(prompts[std::size_t(i)].size()) <= limit)) {
+        n += index_t(prompts[std::size_t(i)].size());
+        w.offset.push_back(n);
+        ++i;
+      }
+      w.end = i;
+      waves_.push_back(std::move(w));
+    }
+  }
+
+  template <class T>
+  T* buffer(index_t count, const char* what) {
+    const index_t bytes = std::max<index_t>(count, 1) * index_t(sizeof(T));
+    workspace_bytes_ += bytes;
+    return static_cast<T*>(x_.alloc(bytes, what));
+  }
+  void* buffer_typed(index_t count, wtype t, const char* what) {
+    const index_t bytes = std::max<index_t>(count, 1) * gpu::type_bytes(t);
+    workspace_bytes_ += bytes;
+    return x_.alloc(bytes, what);
+  }
+
+  void allocate_workspaces(const std::vector<std::vector<int>>& prompts) {
+    const int B = int(prompts.size());
+    index_t T = B, longest = 1;
+    for (const wave& w : waves_) T = std::max(T, w.offset.back());
+    for (const auto& p : prompts) longest = std::max(longest, index_t(p.size()));
+    T_ = T;
+    const index_t H = c_.hidden_size;
+    const int hq = c_.num_heads;
+    const int hkv = layout().kv_heads();
+    ids_ = buffer<int>(T, "token ids");
+    pos_ = buffer<index_t>(T, "positions");
+    x_buf_ = buffer<float>(T * H, "hidden states");
+    h_ = buffer<float>(T * H, "normalised hidden states");
+    y_ = buffer<float>(T * H, "layer outputs");
+    y2_ = buffer<float>(T * H, "shared-expert outputs");
+    q_ = buffer<float>(T * hq * QD, "queries");
+    att_ = buffer<float>(T * hq * VD, "attention outputs");
+    index_t max_in = std::max<index_t>(H, index_t(hq) * VD);
+    index_t inter = 0;
+    if constexpr (mla) {
+      const index_t qk = c_.qk_nope_head_dim + c_.qk_rope_head_dim;
+      qf_ = buffer<float>(T * hq * qk, "MLA full queries");
+      if (c_.q_lora_rank > 0) qa_ = buffer<float>(T * c_.q_lora_rank, "MLA q LoRA");
+      kvf_[0] = buffer<float>(T * ROW, "MLA latent rows (fp32)");
+      kvb_[0] = buffer<writescope::bf16>(T * ROW, "MLA latent rows (bf16)");
+      vexp_ = buffer<float>(T * hq * c_.v_head_dim, "MLA expanded values");
+      max_in = std::max({max_in, index_t(c_.q_lora_rank), index_t(hq) * qk, index_t(hq) * c_.v_head_dim});
+    } else {
+      for (int p = 0; p < 2; ++p) {
+        kvf_[std::size_t(p)] = buffer<float>(T * hkv * ROW, "K/V (fp32)");
+        kvb_[std::size_t(p)] = buffer<writescope::bf16>(T * hkv * ROW, "K/V (bf16)");
+      }
+    }
+    bool any_moe = false;
+    for (int l = 0; l < c_.num_layers; ++l) {
+      if (c_.is_moe_layer(l)) {
+        any_moe = true;
+        inter = std::max<index_t>(inter, c_.moe_intermediate_size);
+        if (c_.kind == arch::deepseek_v2) inter = std::max<index_t>(inter, index_t(c_.moe_intermediate_size) * c_.n_shared_experts);
+      } else {
+        inter = std::max<index_t>(inter, c_.intermediate_size);
+      }
+    }
+    max_in = std::max(max_in, inter);
+    g_ = buffer<float>(T * inter, "MLP gate");
+    u_ = buffer<float>(T * inter, "MLP up");
+    if (any_moe) {
+      const index_t E = c_.num_experts, k = c_.experts_per_tok;
+      router_logits_ = buffer<float>(T * E, "router logits");
+      sel_e_ = buffer<int>(T * k, "routing: experts");
+      sel_w_ = buffer<float>(T * k, "routing: weights");
+      src_rows_ = buffer<int>(T * k, "routing: gather rows");
+      comb_rows_ = buffer<int>(T * k, "routing: combine rows");
+      comb_w_ = buffer<float>(T * k, "routing: combine weights");
+      xg_ = buffer<float>(T * k * H, "expert inputs");
+      yg_ = buffer<float>(T * k * H, "expert outputs");
+    }
+    if (prec_ == wtype::bf16) {
+      act16_cap_ = T * max_in;
+      act16_ = buffer<std::uint16_t>(act16_cap_, "bf16 GEMM inputs");
+    } else {
+      wide_cap_ = std::max<index_t>(index_t{16} << 20, max_in);
+      wide_ = buffer<float>(wide_cap_, "fp32-widened weight rows");
+    }
+    // prefill attention blocks: scores [hq][rows][keys] fp32 + probabilities in the GEMM type
+    const int ps = gpu::type_bytes(prec_);
+    const index_t per_row = index_t(hq) * longest * (4 + ps);
+    rows_blk_ = std::clamp<index_t>(d_.prefill_attention_bytes / std::max<index_t>(per_row, 1), 1, longest);
+    qp_ = buffer_typed(index_t(hq) * rows_blk_ * QD, prec_, "prefill packed queries");
+    s_ = buffer<float>(index_t(hq) * rows_blk_ * longest, "prefill scores");
+    p_ = buffer_typed(index_t(hq) * rows_blk_ * longest, prec_, "prefill probabilities");
+    op_ = buffer<float>(index_t(hq) * rows_blk_ * VD, "prefill block outputs");
+    last_rows_ = buffer<int>(B, "last prompt rows");
+    head_n_ = buffer<float>(index_t(B) * H, "final norm");
+    logits_ = buffer<float>(index_t(B) * c_.vocab_size, "logits");
+    (void)hkv;
+  }
+
+  index_t device_used() const {
+    if constexpr (Exec::is_emulated) {
+      const writescope::region_usage u = cache_->usage();
+      return x_.allocated_bytes() + u.d_window_bytes + u.ping_pong_bytes;
+    } else {
+      return x_.device_used_bytes();
+    }
+  }
+
+  void place_and_load_experts(device_report& rep) {
+    int first_moe = -1;
+    std::vector<int> moe_layers;
+    for (int l = 0; l < c_.num_layers; ++l)
+      if (m_.layers[std::size_t(l)].is_moe) {
+        if (first_moe < 0) first_moe = l;
+        moe_layers.push_back(l);
+      }
+    rep.host_experts.assign(std::size_t(c_.num_layers), {});
+    if (moe_layers.empty()) return;
+    const index_t ebytes = gpu::expert_bytes(c_, *src_, first_moe);
+    const index_t total = index_t(moe_layers.size()) * c_.num_experts;
+    index_t budget = d_.vram_budget_bytes;
+    if (budget <= 0) {
+      if constexpr (Exec::is_emulated)
+        budget = std::numeric_limits<index_t>::max() / 4;
+      else
+        budget = x_.device_free_at_start() - (index_t{1} << 30);
+    }
+    rep.budget_bytes = Exec::is_emulated && d_.vram_budget_bytes <= 0 ? 0 : budget;  // 0: no budget (emulated)
+    const index_t used = device_used();
+    index_t fit = budget > used ? (budget - used) / ebytes : 0;
+    fit = std::min(fit, total);
+    if (d_.max_gpu_experts >= 0) fit = std::min<index_t>(fit, d_.max_gpu_experts);
+    const index_t host_bytes = (total - fit) * ebytes;
+    const double limit_gib = d_.max_host_expert_gib > 0 ? d_.max_host_expert_gib : 0.8 * d_.physical_memory_gib;
+    if (limit_gib > 0 && double(host_bytes) > limit_gib * double(index_t{1} << 30))
+      throw writescope::config_error("the experts that do not fit the VRAM budget (" + writescope::format_bytes(budget) +
+                                     ") need " + writescope::format_bytes(host_bytes) + " of host memory, more than " +
+                                     std::to_string(limit_gib) + " GiB allowed (use --layers N or a larger --vram-budget)");
+    gpu::device_loader<Exec> ld(x_, *src_);
+    const index_t H = c_.hidden_size, I = c_.moe_intermediate_size;
+    index_t placed = 0;
+    for (int e = 0; e < c_.num_experts; ++e)  // expert-major: every layer gets its first experts on the GPU
+      for (int l : moe_layers) {
+        gpu::dlayer& L = m_.layers[std::size_t(l)];
+        const gpu::expert_names n = gpu::names_of_expert(c_, l, e);
+        if (placed < fit) {
+          L.experts[std::size_t(e)] = ld.mlp(n, H, I);
+          ++placed;
+        } else {
+          L.on_host[std::size_t(e)] = 1;
+          L.host_experts[std::size_t(e)] = ld.host_mlp(n, H, I);
+          rep.experts_host_bytes += L.host_experts[std::size_t(e)].gate.bytes() +
+                                    L.host_experts[std::size_t(e)].up.bytes() + L.host_experts[std::size_t(e)].down.bytes();
+          rep.host_experts[std::size_t(l)].push_back(e);
+        }
+      }
+    rep.experts_total = int(total);
+    rep.experts_gpu = int(placed);
+    rep.experts_host = int(total - placed);
+    rep.experts_gpu_bytes = ld.bytes();
+    any_host_experts_ = placed < total;
+  }
+
+  // ---------------------------------------------------------------------------
+  // Building blocks
+  // ---------------------------------------------------------------------------
+
+  /// The bf16 copy of `count` activations at `a` (bf16 precision) in the GEMM scratch.
+  const void* act_bf16(const float* a, index_t count) {
+    if (count > act16_cap_)
+      throw std::logic_error("device_decoder: bf16 GEMM scratch of " + std::to_string(act16_cap_) + " elements, " +
+                             std::to_string(count) + " needed");
+    x_.run(gpu::convert_op{a, act16_, wtype::bf16}, count);
+    return act16_;
+  }
+
+  /// out[n][W.rows] = in[n][W.cols] · Wᵀ (+ bias), in the configured precision.
+  void linear(const gpu::dlinear& L, const float* in, index_t n, float* out) {
+    const gpu::dmat& W = L.w;
+    if (n == 0) return;
+    if (W.type == wtype::f32) {
+      x_.gemm(gpu::linear_desc(W.p, wtype::f32, W.rows, W.cols, in, n, out, W.rows), "linear (fp32)");
+    } else if (prec_ == wtype::bf16) {
+      const void* xb = act_bf16(in, n * W.cols);
+      x_.gemm(gpu::linear_desc(W.p, wtype::bf16, W.rows, W.cols, xb, n, out, W.rows), "linear (bf16)");
+    } else {  // fp32 precision, bf16 weights: widen a block of rows at a time
+      const index_t chunk = std::max<index_t>(1, wide_cap_ / W.cols);
+      for (index_t o0 = 0; o0 < W.rows; o0 += chunk) {
+        const index_t rows = std::min(chunk, W.rows - o0);
+        x_.run(gpu::widen_op{static_cast<const std::uint16_t*>(W.p) + o0 * W.cols, wtype::bf16, wide_}, rows * W.cols);
+        x_.gemm(gpu::linear_desc(wide_, wtype::f32, rows, W.cols, in, n, out + o0, W.rows), "linear (widened)");
+      }
+    }
+    if (L.bias) x_.run(gpu::bias_op{out, L.bias, int(W.rows)}, n * W.rows);
+  }
+
+  void rms_norm(const float* in, index_t in_stride, const float* w, index_t rows, int dim, float* out, index_t out_stride) {
+    x_.rms_norm(gpu::rms_norm_params{in, in_stride, w, rows, dim, c_.rms_norm_eps, out, out_stride});
+  }
+
+  void mlp(const gpu::dmlp& m, const float* in, index_t n, float* out) {
+    if (n == 0) return;
+    const index_t I = m.gate.w.rows;
+    linear(m.gate, in, n, g_);
+    linear(m.up, in, n, u_);
+    x_.run(gpu::silu_mul_op{g_, u_}, n * I);
+    linear(m.down, g_, n, out);
+  }
+
+  void embed(index_t n) {
+    x_.run(gpu::embed_op{m_.embed.p, m_.embed.type, ids_, c_.hidden_size, x_buf_}, n * c_.hidden_size);
+  }
+
+  /// Final norm + LM head of n rows at `in` [n][hidden]; logits copied to `host` [n][vocab].
+  void head(const float* in, index_t n, float* host) {
+    rms_norm(in, c_.hidden_size, m_.final_norm, n, c_.hidden_size, head_n_, c_.hidden_size);
+    linear(m_.lm_head, head_n_, n, logits_);
+    x_.d2h(host, logits_, n * c_.vocab_size * 4);
+  }
+
+  void take(generation_result& res, sampler& pick, int i, const float* lg, std::vector<int>& cur, const run_options& o) {
+    take_token(res, pick, i, lg, c_.vocab_size, cur, o);
+  }
+
+  // ---------------------------------------------------------------------------
+  // Attention: projections, prefill attention, output
+  // ---------------------------------------------------------------------------
+
+  /// h_[n] -> q_ [n][hq][QD] (MLA: absorbed), K/V planes fp32 (kvf_) and bf16 (kvb_).
+  void project(const gpu::dlayer& L, index_t n) {
+    const int hq = c_.num_heads;
+    const int half = rope_.dim() / 2;
+    const float af = rope_.attention_factor();
+    if constexpr (mla) {
+      const int nope = c_.qk_nope_head_dim, rope = c_.qk_rope_head_dim, vh = c_.v_head_dim, rank = c_.kv_lora_rank;
+      const index_t qk = nope + rope;
+      if (c_.q_lora_rank > 0) {
+        linear(L.q_a, h_, n, qa_);
+        rms_norm(qa_, c_.q_lora_rank, L.q_a_norm, n, c_.q_lora_rank, qa_, c_.q_lora_rank);
+        linear(L.q_b, qa_, n, qf_);
+      } else {
+        linear(L.q, h_, n, qf_);
+      }
+      // q'[:, h, :rank] = q_nope_h · W_UK_h (before RoPE, like the host path)
+      const auto [wp, wt] = kv_b_operand(L);
+      const void* b = wt == wtype::bf16 ? act_bf16(qf_, n * hq * qk) : static_cast<const void*>(qf_);
+      x_.gemm(gpu::mla_absorb_desc(wp, b, wt, n, hq, nope, rope, vh, rank, q_, QD), "MLA absorb (q_nope W_UK)");
+      // q'[:, h, rank:] = q_pe_h
+      x_.copy_2d(q_ + rank, index_t(QD) * 4, qf_ + nope, qk * 4, index_t(rope) * 4, n * hq);
+      // cache rows c ‖ k_pe
+      float* rows = kvf_[0];
+      linear(L.kv_a, h_, n, rows);
+      rms_norm(rows, ROW, L.kv_a_norm, n, rank, rows, ROW);
+      x_.run(gpu::rope_op{q_ + rank, hq, index_t(hq) * QD, QD, pos_, inv_freq_, rope_.dim(), af, 1}, n * hq * half);
+      x_.run(gpu::rope_op{rows + rank, 1, ROW, ROW, pos_, inv_freq_, rope_.dim(), af, 1}, n * half);
+      x_.run(gpu::convert_op{rows, kvb_[0], wtype::bf16}, n * ROW);
+    } else {
+      const int hkv = c_.num_kv_heads;
+      const int d = Layout::head_dim;
+      linear(L.q, h_, n, q_);
+      linear(L.k, h_, n, kvf_[0]);
+      linear(L.v, h_, n, kvf_[1]);
+      if (L.q_norm) {
+        rms_norm(q_, d, L.q_norm, n * hq, d, q_, d);
+        rms_norm(kvf_[0], d, L.k_norm, n * hkv, d, kvf_[0], d);
+      }
+      x_.run(gpu::rope_op{q_, hq, index_t(hq) * d, d, pos_, inv_freq_, d, af, 0}, n * hq * half);
+      x_.run(gpu::rope_op{kvf_[0], hkv, index_t(hkv) * d, d, pos_, inv_freq_, d, af, 0}, n * hkv * half);
+      for (int p = 0; p < 2; ++p) x_.run(gpu::convert_op{kvf_[std::size_t(p)], kvb_[std::size_t(p)], wtype::bf16}, n * hkv * d);
+    }
+  }
+
+  /// kv_b as a GEMM operand: bf16 in bf16 precision, else its fp32 form.
+  std::pair<const void*, wtype> kv_b_operand(const gpu::dlayer& L) const {
+    if (L.kv_b.type == wtype::f32) return {L.kv_b.p, wtype::f32};
+    if (prec_ == wtype::bf16) return {L.kv_b.p, wtype::bf16};
+    return {L.kv_b_f32, wtype::f32};
+  }
+
+  /// att_ [n][hq][VD] -> y_ [n][hidden].
+  void attention_output(const gpu::dlayer& L, index_t n) {
+    if constexpr (mla) {
+      const int hq = c_.num_heads, nope = c_.qk_nope_head_dim, vh = c_.v_head_dim, rank = c_.kv_lora_rank;
+      const auto [wp, wt] = kv_b_operand(L);
+      const void* b = wt == wtype::bf16 ? act_bf16(att_, n * hq * rank) : static_cast<const void*>(att_);
+      x_.gemm(gpu::mla_expand_desc(wp, b, wt, n, hq, nope, vh, rank, vexp_), "MLA expand (W_UV a)");
+      linear(L.o, vexp_, n, y_);
+    } else {
+      linear(L.o, att_, n, y_);
+    }
+  }
+
+  /// Causal attention of one sequence's prompt (T tokens at wave offset o0)
+  /// over its own K/V: att_[o0 ..] (fp32 mode: fp32 K/V like transformers in
+  /// float32; bf16 mode: the bf16 K/V, like a bf16 model).
+  void prefill_attention(index_t o0, index_t T) {
+    const int hq = c_.num_heads;
+    const int hkv = layout().kv_heads();
+    const int group = hq / hkv;
+    const index_t ts = index_t(hkv) * ROW;  // token stride of the K/V planes
+    const float scale = float(c_.softmax_scale());
+    const wtype t = prec_;
+    const void* kbase;
+    const void* vbase;
+    if (t == wtype::bf16) {
+      kbase = kvb_[0] + o0 * ts;
+      vbase = kvb_[mla ? 0 : 1] + o0 * ts;
+    } else {
+      kbase = kvf_[0] + o0 * ts;
+      vbase = kvf_[mla ? 0 : 1] + o0 * ts;
+    }
+    const float* qs = q_ + o0 * hq * QD;
+    float* out = att_ + o0 * hq * VD;
+    for (index_t t0 = 0; t0 < T; t0 += rows_blk_) {
+      const index_t rows = std::min(rows_blk_, T - t0);
+      const index_t keys = t0 + rows;
+      const index_t R = rows * group;
+      x_.run(gpu::pack_q_op{qs, t0, rows, hq, group, QD, qp_, t}, index_t(hq) * rows * QD);
+      x_.gemm(gpu::prefill_qk_desc(kbase, t, ts, ROW, qp_, R, QD, keys, hkv, s_), "prefill scores");
+      x_.causal_softmax(gpu::softmax_params{s_, p_, t, index_t(hkv) * R, R, group, keys, t0, scale});
+      x_.gemm(gpu::prefill_pv_desc(vbase, t, ts, ROW, p_, R, keys, VD, hkv, op_), "prefill P*V");
+      x_.run(gpu::unpack_o_op{op_, t0, rows, hq, group, VD, out}, index_t(hq) * rows * VD);
+    }
+  }
+
+  // ---------------------------------------------------------------------------
+  // FFN
+  // ---------------------------------------------------------------------------
+
+  /// x_ += FFN(RMSNorm(x_)) for n tokens.
+  void ffn_residual(int l, index_t n) {
+    const gpu::dlayer& L = m_.layers[std::size_t(l)];
+    const index_t H = c_.hidden_size;
+    rms_norm(x_buf_, H, L.post_norm, n, int(H), h_, H);
+    if (!L.is_moe)
+      mlp(L.dense, h_, n, y_);
+    else
+      moe(L, n);
+    x_.run(gpu::add_op{x_buf_, y_}, n * H);
+  }
+
+  /// y_ = routed experts (+ shared experts) of h_, n tokens.
+  void moe(const gpu::dlayer& L, index_t n) {
+    const int E = c_.num_experts, k = c_.experts_per_tok;
+    const index_t H = c_.hidden_size;
+    const index_t nk = n * k;
+    linear(L.router, h_, n, router_logits_);
+    gpu::route_op r{};
+    r.logits = router_logits_;
+    r.E = E;
+    r.k = k;
+    r.group_limited = c_.kind == arch::deepseek_v2 && c_.topk_method == "group_limited_greedy" ? 1 : 0;
+    r.n_group = c_.n_group;
+    r.topk_group = c_.topk_group;
+    r.renorm = c_.kind == arch::mixtral || (c_.kind == arch::qwen3_moe && c_.norm_topk_prob) ? 1 : 0;
+    r.apply_scale = c_.kind == arch::deepseek_v2 ? 1 : 0;
+    r.scale = float(c_.routed_scaling_factor);
+    r.experts = sel_e_;
+    r.weights = sel_w_;
+    x_.run(r, n);
+    he_.resize(std::size_t(nk));
+    hw_.resize(std::size_t(nk));
+    x_.d2h(he_.data(), sel_e_, nk * 4);
+    x_.d2h(hw_.data(), sel_w_, nk * 4);
+
+    // Group the (token, slot) pairs by expert: packed rows in expert order,
+    // tokens ascending inside an expert; each token's slots in expert order.
+    count_.assign(std::size_t(E) + 1, 0);
+    for (index_t i = 0; i < nk; ++i) {
+      const int e = he_[std::size_t(i)];
+      if (e < 0 || e >= E) throw std::logic_error("router returned expert " + std::to_string(e));
+      ++count_[std::size_t(e) + 1];
+    }
+    for (int e = 0; e < E; ++e) count_[std::size_t(e) + 1] += count_[std::size_t(e)];
+    cursor_.assign(count_.begin(), count_.end() - 1);
+    srow_.resize(std::size_t(nk));
+    crow_.resize(std::size_t(nk));
+    cw_.resize(std::size_t(nk));
+    for (index_t t = 0; t < n; ++t) {
+      slot_.clear();
+      for (int s = 0; s < k; ++s) slot_.push_back(s);
+      std::sort(slot_.begin(), slot_.end(),
+                [&](int a, int b) { return he_[std::size_t(t * k + a)] < he_[std::size_t(t * k + b)]; });
+      for (int j = 0; j < k; ++j) {
+        const index_t i = t * k + slot_[std::size_t(j)];
+        const int e = he_[std::size_t(i)];
+        const int row = cursor_[std::size_t(e)]++;
+        srow_[std::size_t(row)] = int(t);
+        crow_[std::size_t(t * k + j)] = row;
+        cw_[std::size_t(t * k + j)] = hw_[std::size_t(i)];
+      }
+    }
+    x_.h2d(src_rows_, srow_.data(), nk * 4);
+    x_.h2d(comb_rows_, crow_.data(), nk * 4);
+    x_.h2d(comb_w_, cw_.data(), nk * 4);
+    x_.run(gpu::gather_rows_op{h_, H, src_rows_, int(H), xg_}, nk * H);
+
+    // Host experts: their input rows go to page-locked staging first ...
+    index_t host_rows = 0;
+    host_runs_.clear();
+    if (any_host_experts_)
+      for (int e = 0; e < E; ++e) {
+        const index_t m = count_[std::size_t(e) + 1] - count_[std::size_t(e)];
+        if (m > 0 && L.on_host[std::size_t(e)]) {
+          host_runs_.push_back({e, count_[std::size_t(e)], m, host_rows});
+          host_rows += m;
+        }
+      }
+    if (host_rows > 0) {
+      ensure_staging(host_rows * H);
+      for (const host_run& hr : host_runs_)
+        x_.d2h_async(stage_x_ + hr.stage_row * H, xg_ + hr.row * H, hr.rows * H * 4);
+      x_.record();
+    }
+    // ... while the GPU runs its experts ...
+    for (int e = 0; e < E; ++e) {
+      const index_t m = count_[std::size_t(e) + 1] - count_[std::size_t(e)];
+      if (m == 0 || L.on_host[std::size_t(e)]) continue;
+      const index_t row = count_[std::size_t(e)];
+      mlp(L.experts[std::size_t(e)], xg_ + row * H, m, yg_ + row * H);
+    }
+    // ... and the CPU runs the host experts, whose outputs go back to their rows.
+    if (host_rows > 0) {
+      x_.wait_recorded();
+      const auto t0 = std::chrono::steady_clock::now();
+      for (const host_run& hr : host_runs_)
+        cpu_expert(L.host_experts[std::size_t(hr.expert)], stage_x_ + hr.stage_row * H, hr.rows, stage_y_ + hr.stage_row * H);
+      cpu_expert_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      cpu_expert_rows_ += host_rows;
+      for (const host_run& hr : host_runs_)
+        x_.h2d_async(yg_ + hr.row * H, stage_y_ + hr.stage_row * H, hr.rows * H * 4);
+    }
+    x_.run(gpu::combine_op{yg_, comb_rows_, comb_w_, k, int(H), y_}, n * H);
+    if (L.has_shared) {
+      mlp(L.shared, h_, n, y2_);
+      x_.run(gpu::add_op{y_, y2_}, n * H);
+    }
+  }
+
+  struct host_run {
+    int expert;
+    index_t row;        ///< first packed row (device)
+    index_t rows;
+    index_t stage_row;  ///< first row in the staging buffers
+  };
+
+  void ensure_staging(index_t floats) {
+    if (stage_cap_ >= floats) return;
+    x_.sync();  // no copy may still use the old buffers
+    stage_x_mem_ = x_.host_staging(floats * 4);
+    stage_y_mem_ = x_.host_staging(floats * 4);
+    stage_x_ = reinterpret_cast<float*>(stage_x_mem_.data());
+    stage_y_ = reinterpret_cast<float*>(stage_y_mem_.data());
+    stage_cap_ = floats;
+  }
+
+  /// One expert on the CPU: Y[m][H] = down(silu(gate X) · up X), weights widened
+  /// per row; in bf16 precision the GEMM inputs are rounded to bf16 as on the GPU.
+  void cpu_expert(const gpu::hmlp& w, const float* X, index_t m, float* Y) {
+    const index_t H = c_.hidden_size, I = w.gate.rows;
+    xin_.assign(X, X + m * H);
+    if (prec_ == wtype::bf16)
+      for (float& v : xin_) v = gpu::bf16_to_float(gpu::float_to_bf16(v));
+    gcpu_.resize(std::size_t(m * I));
+    ucpu_.resize(std::size_t(m * I));
+    cpu_matmul(w.gate, xin_.data(), m, gcpu_.data());
+    cpu_matmul(w.up, xin_.data(), m, ucpu_.data());
+    for (std::size_t i = 0; i < gcpu_.size(); ++i) {
+      const float a = gpu::silu(gcpu_[i]) * ucpu_[i];
+      gcpu_[i] = prec_ == wtype::bf16 ? gpu::bf16_to_float(gpu::float_to_bf16(a)) : a;
+    }
+    cpu_matmul(w.down, gcpu_.data(), m, Y);
+  }
+
+  /// Y[m][W.rows] = X[m][W.cols] · Wᵀ, parallel over W's rows (each widened once).
+  static void cpu_matmul(const gpu::hmat& W, const float* X, index_t m, float* Y) {
+    const index_t O = W.rows, I = W.cols;
+#pragma omp parallel
+    {
+      std::vector<float> row(static_cast<std::size_t>(I));
+#pragma omp for schedule(static)
+      for (index_t o = 0; o < O; ++o) {
+        W.widen_row(o, row.data());
+        for (index_t r = 0; r < m; ++r) {
+          const float* xr = X + r * I;
+          float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+          for (index_t i = 0; i < I; ++i) acc += xr[i] * row[std::size_t(i)];
+          Y[r * O + o] = acc;
+        }
+      }
+    }
+  }
+
+  // ---------------------------------------------------------------------------
+  // Layers
+  // ---------------------------------------------------------------------------
+
+  template <class Progress>
+  void prefill_wave(const wave& w, const std::vector<std::vector<int>>& prompts,
+                    const std::vector<writescope::sequence_id>& seqs, Progress&& progress) {
+    using namespace writescope;
+    const index_t N = w.offset.back();
+    ids_host_.resize(std::size_t(N));
+    pos_host_.resize(std::size_t(N));
+    for (int i = w.begin; i < w.end; ++i) {
+      const auto& p = prompts[std::size_t(i)];
+      const index_t o0 = w.offset[std::size_t(i - w.begin)];
+      for (index_t t = 0; t < index_t(p.size()); ++t) {
+        ids_host_[std::size_t(o0 + t)] = p[std::size_t(t)];
+        pos_host_[std::size_t(o0 + t)] = t;
+      }
+    }
+    x_.h2d(ids_, ids_host_.data(), N * 4);
+    x_.h2d(pos_, pos_host_.data(), N * 8);
+    embed(N);
+    const index_t H = c_.hidden_size;
+    const index_t per = index_t(layout().kv_heads()) * ROW;
+    for (int l = 0; l < c_.num_layers; ++l) {
+      const gpu::dlayer& L = m_.layers[std::size_t(l)];
+      rms_norm(x_buf_, H, L.input_norm, N, int(H), h_, H);
+      project(L, N);
+      for (int i = w.begin; i < w.end; ++i) {
+        const index_t o0 = w.offset[std::size_t(i - w.begin)];
+        const index_t T = w.offset[std::size_t(i - w.begin) + 1] - o0;
+        kv_tokens<Layout, space> kv;
+        for (int p = 0; p < Layout::planes; ++p) kv.planes[std::size_t(p)] = kvb_[std::size_t(p)] + o0 * per;
+        kv.num_tokens = T;
+        cache_->append_prefill(l, seqs[std::size_t(i)], kv);  // to its final regions as it is produced
+        prefill_attention(o0, T);
+      }
+      attention_output(L, N);
+      x_.run(gpu::add_op{x_buf_, y_}, N * H);
+      ffn_residual(l, N);
+      progress(l);
+    }
+  }
+
+  void layer_decode(int l, const std::vector<writescope::sequence_id>& seqs, generation_result& res) {
+    using namespace writescope;
+    const gpu::dlayer& L = m_.layers[std::size_t(l)];
+    const index_t B = index_t(seqs.size());
+    const index_t H = c_.hidden_size;
+    const int hq = c_.num_heads;
+    rms_norm(x_buf_, H, L.input_norm, B, int(H), h_, H);
+    project(L, B);
+    kv_tokens<Layout, space> kv;
+    for (int p = 0; p < Layout::planes; ++p) kv.planes[std::size_t(p)] = kvb_[std::size_t(p)];
+    kv.num_tokens = B;
+    cache_->append(l, seqs, kv);
+    const step_outputs<space> so{mem_span<float, space>(att_, B * hq * VD), mem_span<float, space>(), nullptr};
+    const step_report r = hybrid_->step(l, seqs, mem_span<const float, space>(q_, B * hq * QD),
+                                        float(c_.softmax_scale()), so);
+    res.attention_seconds += r.total_seconds;
+    res.cpu_engine_seconds += r.cpu_seconds;
+    res.gpu_engine_seconds += r.gpu_seconds;
+    res.cpu_tokens += r.cpu_tokens;
+    res.streamed_tokens += r.streamed_tokens;
+    res.window_tokens += r.window_tokens;
+    attention_output(L, B);
+    x_.run(gpu::add_op{x_buf_, y_}, B * H);
+    ffn_residual(l, B);
+  }
+
+  // Declaration order = destruction order reversed: the executor (and its
+  // backend, stream, device memory) outlives the cache and the engine.
+  Exec x_;
+  model_config c_;
+  const weight_source* src_;
+  device_options d_;
+  wtype prec_;
+  rotary rope_;
+  gpu::dmodel m_;
+  index_t weights_bytes_ = 0, workspace_bytes_ = 0;
+  bool any_host_experts_ = false;
+  std::vector<wave> waves_;
+  index_t T_ = 0, rows_blk_ = 1;
+
+  // device buffers (owned by x_)
+  int* ids_ = nullptr;
+  index_t* pos_ = nullptr;
+  float* inv_freq_ = nullptr;
+  float *x_buf_ = nullptr, *h_ = nullptr, *y_ = nullptr, *y2_ = nullptr, *q_ = nullptr, *att_ = nullptr;
+  float *qf_ = nullptr, *qa_ = nullptr, *vexp_ = nullptr;
+  std::array<float*, 2> kvf_{};
+  std::array<writescope::bf16*, 2> kvb_{};
+  float *g_ = nullptr, *u_ = nullptr;
+  float *router_logits_ = nullptr, *sel_w_ = nullptr, *comb_w_ = nullptr, *xg_ = nullptr, *yg_ = nullptr;
+  int *sel_e_ = nullptr, *src_rows_ = nullptr, *comb_rows_ = nullptr, *last_rows_ = nullptr;
+  std::uint16_t* act16_ = nullptr;
+  index_t act16_cap_ = 0;
+  float* wide_ = nullptr;
+  index_t wide_cap_ = 0;
+  void* qp_ = nullptr;
+  float* s_ = nullptr;
+  void* p_ = nullptr;
+  float *op_ = nullptr, *head_n_ = nullptr, *logits_ = nullptr;
+
+  // host-side state
+  std::vector<int> ids_host_;
+  std::vector<index_t> pos_host_;
+  std::vector<int> he_, count_, cursor_, srow_, crow_, slot_;
+  std::vector<float> hw_, cw_;
+  std::vector<host_run> host_runs_;
+  writescope::host_allocation stage_x_mem_, stage_y_mem_;
+  float *stage_x_ = nullptr, *stage_y_ = nullptr;
+  index_t stage_cap_ = 0;
+  std::vector<float> xin_, gcpu_, ucpu_;
+  double cpu_expert_seconds_ = 0.0;
+  index_t cpu_expert_rows_ = 0;
+
+  std::unique_ptr<cache_type> cache_;
+  std::unique_ptr<writescope::hybrid_attention<cache_type>> hybrid_;
+};
+
+}  // namespace ws_moe

@@ -1,0 +1,232 @@
+// ws_moe/gpu/device_weights.hpp — the model's weights for the CUDA path:
+// matrices on the device in the checkpoint's precision (BF16 stays bf16; F16
+// and F32 are widened exactly to fp32), routers always fp32, norms and biases
+// fp32; routed experts either on the device or — when they do not fit the
+// --vram-budget — in host memory (bf16, or fp32 for F16/F32 checkpoints), run
+// by the CPU.
+//
+// Checkpoint tensors are copied from the memory-mapped file to the device one
+// at a time (nothing but the current tensor passes through host memory, and a
+// BF16 tensor not even that: it is copied straight from the mapping).
+// --random-weights tensors are generated on the device by a counter-based
+// kernel (gpu::random_op), element i of tensor `name` being the same value the
+// host path generates (weights.hpp), rounded to bf16; host-resident random
+// experts are generated on the host with the same function.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "../checkpoint.hpp"
+#include "../model_config.hpp"
+#include "../weights.hpp"
+#include "kernel_math.hpp"
+
+namespace ws_moe::gpu {
+
+/// A row-major [rows][cols] matrix in device memory, bf16 or fp32.
+struct dmat {
+  const void* p = nullptr;
+  wtype type = wtype::bf16;
+  idx rows = 0, cols = 0;
+  [[nodiscard]] idx bytes() const noexcept { return rows * cols * type_bytes(type); }
+};
+
+/// y = x·Wᵀ (+ bias): W [out][in] on the device, bias fp32 [out] or null.
+struct dlinear {
+  dmat w;
+  const float* bias = nullptr;
+};
+
+/// down(silu(gate x) · up x) on the device.
+struct dmlp {
+  dlinear gate, up, down;
+};
+
+/// A row-major matrix in host memory: bf16 bits, or fp32 (F16/F32 checkpoints).
+struct hmat {
+  std::vector<std::uint16_t> bf16;
+  std::vector<float> f32;
+  idx rows = 0, cols = 0;
+  [[nodiscard]] idx bytes() const noexcept { return idx(bf16.size()) * 2 + idx(f32.size()) * 4; }
+  /// Row r widened to fp32 into `out` [cols].
+  void widen_row(idx r, float* out) const {
+    if (!f32.empty()) {
+      std::memcpy(out, f32.data() + r * cols, std::size_t(cols) * 4);
+      return;
+    }
+    const std::uint16_t* b = bf16.data() + r * cols;
+    for (idx i = 0; i < cols; ++i) out[i] = bf16_to_float(b[i]);
+  }
+};
+
+/// A SiLU-gated expert in host memory (run by the CPU).
+struct hmlp {
+  hmat gate, up, down;
+};
+
+/// One decoder layer. GQA uses q, k, v, o (+ q_norm, k_norm for Qwen3); MLA
+/// uses q (or q_a, q_a_norm, q_b), kv_a, kv_a_norm, kv_b, o.
+struct dlayer {
+  const float* input_norm = nullptr;
+  const float* post_norm = nullptr;
+  dlinear q, k, v, o;
+  const float* q_norm = nullptr;
+  const float* k_norm = nullptr;
+  dlinear q_a, q_b, kv_a;
+  const float* q_a_norm = nullptr;
+  const float* kv_a_norm = nullptr;
+  dmat kv_b;                         ///< [H*(nope+v)][rank]: W_UK ‖ W_UV per head
+  const float* kv_b_f32 = nullptr;   ///< fp32 copy of a bf16 kv_b (fp32 GEMM precision only)
+  bool is_moe = false;
+  dmlp dense;                        ///< dense MLP (non-MoE layers)
+  dlinear router;                    ///< [E][hidden], fp32
+  std::vector<dmlp> experts;         ///< [E]; empty matrices for host experts
+  std::vector<char> on_host;         ///< [E]: expert kept in host memory
+  std::vector<hmlp> host_experts;    ///< [E]; filled for host experts only
+  bool has_shared = false;
+  dmlp shared;                       ///< DeepSeek shared experts
+};
+
+struct dmodel {
+  dmat embed;  ///< [vocab][hidden]
+  std::vector<dlayer> layers;
+  const float* final_norm = nullptr;
+  dlinear lm_head;  ///< [vocab][hidden] (the embedding when tied)
+};
+
+/// Bytes and element type a routed expert takes on the device, from the
+/// checkpoint's first expert (bf16 for random weights).
+inline idx expert_bytes(const model_config& c, const weight_source& src, int first_moe_layer) {
+  const idx elems = 3 * idx(c.hidden_size) * c.moe_intermediate_size;
+  if (src.is_random() || first_moe_layer < 0) return elems * 2;
+  const std::string p = "model.layers." + std::to_string(first_moe_layer) +
+                        (c.kind == arch::mixtral ? ".block_sparse_moe.experts.0.w1.weight" : ".mlp.experts.0.gate_proj.weight");
+  const checkpoint* ck = src.ckpt();
+  return ck->contains(p) && ck->tensor(p).type == dtype::bf16 ? elems * 2 : elems * 4;
+}
+
+/// The checkpoint names of expert `e` of layer `l`: {gate, up, down} prefixes.
+struct expert_names {
+  std::string gate, up, down;
+};
+inline expert_names names_of_expert(const model_config& c, int l, int e) {
+  const std::string p = "model.layers." + std::to_string(l);
+  if (c.kind == arch::mixtral) {
+    const std::string m = p + ".block_sparse_moe.experts." + std::to_string(e);
+    return {m + ".w1", m + ".w3", m + ".w2"};
+  }
+  const std::string m = p + ".mlp.experts." + std::to_string(e);
+  return {m + ".gate_proj", m + ".up_proj", m + ".down_proj"};
+}
+
+/// Loads tensors onto the device through an executor (cuda_exec or
+/// emulated_exec), counting the bytes it allocates.
+template <class Exec>
+class device_loader {
+ public:
+  device_loader(Exec& x, const weight_source& src) : x_(&x), src_(&src) {}
+
+  /// A matrix "<name>" [rows][cols] in its checkpoint precision (random: bf16);
+  /// force_f32: fp32 whatever the checkpoint holds (routers).
+  dmat matrix(const std::string& name, idx rows, idx cols, bool force_f32 = false) {
+    dmat m;
+    m.rows = rows;
+    m.cols = cols;
+    const std::int64_t shape[2] = {rows, cols};
+    if (src_->is_random()) {
+      m.type = force_f32 ? wtype::f32 : wtype::bf16;
+      void* p = alloc(m.bytes(), name);
+      x_->run(random_op{p, m.type, src_->name_hash(name), src_->random_scale()}, rows * cols);
+      m.p = p;
+      return m;
+    }
+    const tensor_view& v = src_->ckpt()->checked(name, std::span<const std::int64_t>(shape, 2));
+    if (v.type == dtype::bf16 && !force_f32) {
+      m.type = wtype::bf16;
+      void* p = alloc(m.bytes(), name);
+      x_->h2d(p, v.data, idx(v.bytes));
+      m.p = p;
+    } else {
+      const std::vector<float> f = src_->ckpt()->load_f32(name, std::span<const std::int64_t>(shape, 2));
+      m.type = wtype::f32;
+      void* p = alloc(m.bytes(), name);
+      x_->h2d(p, f.data(), m.bytes());
+      m.p = p;
+    }
+    return m;
+  }
+
+  /// "<prefix>.weight" [out][in] (+ "<prefix>.bias" [out] when `bias`).
+  dlinear linear(const std::string& prefix, idx out, idx in, bool bias = false, bool force_f32 = false) {
+    dlinear l;
+    l.w = matrix(prefix + ".weight", out, in, force_f32);
+    if (bias) l.bias = vector(prefix + ".bias", out, 0.0f);
+    return l;
+  }
+
+  dmlp mlp(const expert_names& n, idx hidden, idx inter) {
+    return {linear(n.gate, inter, hidden), linear(n.up, inter, hidden), linear(n.down, hidden, inter)};
+  }
+
+  /// An fp32 vector [n] (norm weights, biases); random mode: `random_value` everywhere.
+  const float* vector(const std::string& name, idx n, float random_value) {
+    float* p = static_cast<float*>(alloc(n * 4, name));
+    if (src_->is_random()) {
+      x_->run(fill_op{p, random_value}, n);
+    } else {
+      const std::vector<float> f = src_->ckpt()->load_f32(name, {std::int64_t(n)});
+      x_->h2d(p, f.data(), n * 4);
+    }
+    return p;
+  }
+
+  /// A matrix kept in host memory (CPU experts): bf16 bits for BF16 and random
+  /// tensors, fp32 for F16/F32 ones.
+  hmat host_matrix(const std::string& name, idx rows, idx cols) {
+    hmat m;
+    m.rows = rows;
+    m.cols = cols;
+    const idx n = rows * cols;
+    if (src_->is_random()) {
+      m.bf16.resize(std::size_t(n));
+      const std::uint64_t h = src_->name_hash(name);
+      const float scale = src_->random_scale();
+      std::uint16_t* out = m.bf16.data();
+#pragma omp parallel for schedule(static)
+      for (idx i = 0; i < n; ++i) out[i] = float_to_bf16(random_weight(h, i, scale));
+      return m;
+    }
+    const std::int64_t shape[2] = {rows, cols};
+    const tensor_view& v = src_->ckpt()->checked(name, std::span<const std::int64_t>(shape, 2));
+    if (v.type == dtype::bf16) {
+      m.bf16.resize(std::size_t(n));
+      std::memcpy(m.bf16.data(), v.data, std::size_t(n) * 2);
+    } else {
+      m.f32 = src_->ckpt()->load_f32(name, std::span<const std::int64_t>(shape, 2));
+    }
+    return m;
+  }
+
+  hmlp host_mlp(const expert_names& n, idx hidden, idx inter) {
+    return {host_matrix(n.gate + ".weight", inter, hidden), host_matrix(n.up + ".weight", inter, hidden),
+            host_matrix(n.down + ".weight", hidden, inter)};
+  }
+
+  /// Bytes allocated so far by this loader.
+  [[nodiscard]] idx bytes() const noexcept { return bytes_; }
+
+ private:
+  void* alloc(idx bytes, const std::string& what) {
+    bytes_ += bytes;
+    return x_->alloc(bytes, what.c_str());
+  }
+
+  Exec* x_;
+  const weight_source* src_;
+  idx bytes_ = 0;
+};
+
+}  // namespace ws_moe::gpu

@@ -1,0 +1,125 @@
+// ws_moe/gpu/emulated_exec.hpp — the executor of the CUDA path's decoder
+// (device_decoder.hpp) on the host, for machines without a GPU (CI):
+// `ws_decode --device emulated`.
+//
+// It runs the CUDA path's own code — the same decoder, the same buffers and
+// offsets, the same GEMM descriptors (checked by check_gemm, computed by
+// reference_gemm) and the same element functors of kernel_math.hpp (run in an
+// OpenMP loop instead of a grid) — with writescope's host_backend as the cache
+// backend, whose "device" memory is host memory. What it cannot show is
+// whether the CUDA kernels, cuBLAS and cuda_backend themselves behave; that is
+// what the gpu-labelled tests on the GPU machine are for.
+//
+// Same interface as cuda_exec (cuda_exec.hpp); see there for the semantics.
+#pragma once
+
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <writescope/host_backend.hpp>
+#include <writescope/host_memory.hpp>
+
+#include "gemm.hpp"
+#include "kernel_math.hpp"
+
+namespace ws_moe::gpu {
+
+class emulated_exec {
+ public:
+  using backend_type = writescope::host_backend;
+  using pinned_allocator = writescope::pageable_allocator;
+  static constexpr bool is_emulated = true;
+
+  emulated_exec() = default;
+  emulated_exec(const emulated_exec&) = delete;
+  emulated_exec& operator=(const emulated_exec&) = delete;
+
+  [[nodiscard]] backend_type& backend() noexcept { return backend_; }
+  [[nodiscard]] std::string device_name() const { return "emulated on the host (no GPU; --device emulated)"; }
+
+  /// Zero-filled "device" memory owned by the executor; `what` names it in errors.
+  void* alloc(idx bytes, const char* what) {
+    if (bytes <= 0) return nullptr;
+    bufs_.push_back(backend_.allocate_device(bytes, what));
+    allocated_ += bytes;
+    return bufs_.back().data();
+  }
+  [[nodiscard]] idx allocated_bytes() const noexcept { return allocated_; }
+
+  template <class Op>
+  void run(const Op& op, idx n) {
+#pragma omp parallel for schedule(static)
+    for (idx i = 0; i < n; ++i) op(i);
+  }
+
+  void rms_norm(const rms_norm_params& p) {
+#pragma omp parallel for schedule(static)
+    for (idx r = 0; r < p.rows; ++r) {
+      const float* x = p.x + r * p.x_stride;
+      float* y = p.y + r * p.y_stride;
+      double ss = 0.0;
+      for (int e = 0; e < p.dim; ++e) ss += double(x[e]) * double(x[e]);
+      const float inv = rms_inverse(ss, p.dim, p.eps);
+      for (int e = 0; e < p.dim; ++e) y[e] = p.w[e] * (x[e] * inv);
+    }
+  }
+
+  void causal_softmax(const softmax_params& p) {
+#pragma omp parallel for schedule(static)
+    for (idx row = 0; row < p.rows_total; ++row) {
+      const idx valid = softmax_valid(p, row);
+      const float* s = p.s + row * p.keys;
+      float m = -INFINITY;
+      for (idx j = 0; j < valid; ++j) m = std::max(m, s[j] * p.scale);
+      double sum = 0.0;
+      for (idx j = 0; j < valid; ++j) sum += double(expf(s[j] * p.scale - m));
+      const float inv = float(1.0 / sum);
+      for (idx j = 0; j < p.keys; ++j)
+        store_from_float(p.p, p.p_type, row * p.keys + j, j < valid ? expf(s[j] * p.scale - m) * inv : 0.0f);
+    }
+  }
+
+  void gemm(const gemm_desc& d, const char* what) {
+    check_gemm(d, what);
+    reference_gemm(d);
+  }
+
+  void h2d(void* dst, const void* src, idx bytes) { copy(dst, src, bytes); }
+  void d2h(void* dst, const void* src, idx bytes) { copy(dst, src, bytes); }
+  void d2d(void* dst, const void* src, idx bytes) { copy(dst, src, bytes); }
+  void copy_2d(void* dst, idx dpitch, const void* src, idx spitch, idx width, idx height) {
+    for (idx r = 0; r < height; ++r)
+      std::memcpy(static_cast<char*>(dst) + r * dpitch, static_cast<const char*>(src) + r * spitch, std::size_t(width));
+  }
+  void zero(void* p, idx bytes) {
+    if (bytes > 0) std::memset(p, 0, std::size_t(bytes));
+  }
+  void sync() {}
+
+  /// Host staging for the CPU experts' copies (page-locked under CUDA).
+  writescope::host_allocation host_staging(idx bytes) { return backend_.allocate_staging(bytes); }
+  void d2h_async(void* dst, const void* src, idx bytes) { copy(dst, src, bytes); }
+  void h2d_async(void* dst, const void* src, idx bytes) { copy(dst, src, bytes); }
+  /// record(): marks the work enqueued so far; wait_recorded(): the host waits for it.
+  void record() {}
+  void wait_recorded() {}
+
+  /// Device memory: none to report under emulation (total = free = 0).
+  [[nodiscard]] idx device_total_bytes() const noexcept { return 0; }
+  [[nodiscard]] idx device_free_bytes() const noexcept { return 0; }
+  /// Bytes in use by this process on the device (emulation: what alloc() handed out).
+  [[nodiscard]] idx device_used_bytes() const noexcept { return allocated_; }
+
+ private:
+  static void copy(void* dst, const void* src, idx bytes) {
+    if (bytes > 0) std::memcpy(dst, src, std::size_t(bytes));
+  }
+
+  backend_type backend_;
+  std::vector<backend_type::device_buffer> bufs_;
+  idx allocated_ = 0;
+};
+
+}  // namespace ws_moe::gpu

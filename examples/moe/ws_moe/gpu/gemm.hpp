@@ -1,0 +1,220 @@
+// ws_moe/gpu/gemm.hpp — every matrix product of the CUDA path as a descriptor
+// with cuBLAS's column-major semantics, the builders of the five products the
+// decoders need, and a reference executor on the host.
+//
+// The CUDA executor hands a descriptor to cublasGemmEx (batch 1) or
+// cublasGemmStridedBatchedEx (CUBLAS_COMPUTE_32F, fp32 output, alpha 1, beta 0);
+// the emulated executor (and the unit tests) run reference_gemm on the same
+// descriptor. Both call check_gemm first, which enforces cuBLAS's own argument
+// rules (leading dimensions, equal input types, 32-bit sizes), so a descriptor
+// that passes the host tests is one cuBLAS accepts.
+//
+// Column-major semantics: for each batch b,
+//   C_b(i, j) = sum_l opA(i, l) * opB(l, j),  0 <= i < m, 0 <= j < n, 0 <= l < k
+//   opA(i, l) = trans_a ? A_b[l + i*lda] : A_b[i + l*lda]
+//   opB(l, j) = trans_b ? B_b[j + l*ldb] : B_b[l + j*ldb]
+//   C_b(i, j) at C_b[i + j*ldc];  X_b = X + b*stride_x (elements)
+// A row-major [R][C] matrix with row stride ld is the column-major C×R matrix
+// with leading dimension ld; the builders below are written in those terms.
+#pragma once
+
+#include <algorithm>
+#include <climits>
+#include <string>
+
+#include <writescope/error.hpp>
+
+#include "kernel_math.hpp"
+
+namespace ws_moe::gpu {
+
+struct gemm_desc {
+  bool trans_a = false, trans_b = false;
+  idx m = 0, n = 0, k = 0;
+  const void* a = nullptr;
+  wtype a_type = wtype::f32;
+  idx lda = 0, stride_a = 0;
+  const void* b = nullptr;
+  wtype b_type = wtype::f32;
+  idx ldb = 0, stride_b = 0;
+  float* c = nullptr;  ///< fp32 output
+  idx ldc = 0, stride_c = 0;
+  idx batch = 1;
+};
+
+/// Throws config_error (naming `what` and the rule) for a descriptor cuBLAS
+/// would reject: mixed input types, a leading dimension below the stored rows,
+/// sizes beyond 32 bits, a null operand of a non-empty product.
+inline void check_gemm(const gemm_desc& d, const char* what) {
+  auto fail = [&](const std::string& m) { throw writescope::config_error(std::string("GEMM ") + what + ": " + m); };
+  if (d.m < 0 || d.n < 0 || d.k < 0 || d.batch < 1) fail("negative size or batch < 1");
+  if (d.m == 0 || d.n == 0) return;
+  if (d.a_type != d.b_type) fail("A and B must have the same element type");
+  const idx lim = INT_MAX;
+  if (d.m > lim || d.n > lim || d.k > lim || d.lda > lim || d.ldb > lim || d.ldc > lim || d.batch > lim)
+    fail("a size or leading dimension exceeds 2^31-1");
+  if (d.k > 0 && (d.a == nullptr || d.b == nullptr)) fail("null input operand");
+  if (d.c == nullptr) fail("null output");
+  if (d.lda < std::max<idx>(1, d.trans_a ? d.k : d.m))
+    fail("lda " + std::to_string(d.lda) + " < " + std::to_string(d.trans_a ? d.k : d.m));
+  if (d.ldb < std::max<idx>(1, d.trans_b ? d.n : d.k))
+    fail("ldb " + std::to_string(d.ldb) + " < " + std::to_string(d.trans_b ? d.n : d.k));
+  if (d.ldc < std::max<idx>(1, d.m)) fail("ldc " + std::to_string(d.ldc) + " < " + std::to_string(d.m));
+}
+
+/// The descriptor's product on the host (double accumulation), for the
+/// emulated executor and the tests. Parallel over (batch, column).
+inline void reference_gemm(const gemm_desc& d) {
+  check_gemm(d, "reference");
+  if (d.m == 0 || d.n == 0) return;
+  const idx cols = d.batch * d.n;
+#pragma omp parallel for schedule(static)
+  for (idx bj = 0; bj < cols; ++bj) {
+    const idx b = bj / d.n;
+    const idx j = bj - b * d.n;
+    const idx a0 = b * d.stride_a, b0 = b * d.stride_b;
+    float* c = d.c + b * d.stride_c + j * d.ldc;
+    for (idx i = 0; i < d.m; ++i) {
+      double acc = 0.0;
+      for (idx l = 0; l < d.k; ++l) {
+        const float x = load_as_float(d.a, d.a_type, a0 + (d.trans_a ? l + i * d.lda : i + l * d.lda));
+        const float y = load_as_float(d.b, d.b_type, b0 + (d.trans_b ? j + l * d.ldb : l + j * d.ldb));
+        acc += double(x) * double(y);
+      }
+      c[i] = float(acc);
+    }
+  }
+}
+
+// -----------------------------------------------------------------------------
+// Builders
+// -----------------------------------------------------------------------------
+
+/// Linear layer: y[t][o] (row stride ldy) = sum_l x[t][l] · W[o][l], for
+/// t < n, o < out; W row-major [out][in] (PyTorch's layout), x row-major [n][in].
+///   column-major: C = y (out × n, ldc ldy) = opA(W: in × out, ld in, transposed) · x (in × n, ld in)
+inline gemm_desc linear_desc(const void* w, wtype type, idx out, idx in, const void* x, idx n, float* y, idx ldy) {
+  gemm_desc d;
+  d.trans_a = true;
+  d.m = out;
+  d.n = n;
+  d.k = in;
+  d.a = w;
+  d.a_type = type;
+  d.lda = in;
+  d.b = x;
+  d.b_type = type;
+  d.ldb = in;
+  d.c = y;
+  d.ldc = ldy;
+  return d;
+}
+
+/// MLA absorption (attention.hpp): for each head h < H,
+///   q'[t][h][0:rank] = q_nope[t][h] (nope) · W_UK_h ([nope][rank])
+/// with q_nope at qf + t*H*qk + h*qk (qk = nope + rope), W_UK_h the rows
+/// [h*(nope+vh), h*(nope+vh)+nope) of kv_b ([H*(nope+vh)][rank]), q' at
+/// q + t*H*q_dim + h*q_dim. One strided batch over the heads.
+///   column-major per head: C (rank × n, ldc H*q_dim) = W_UK_h (rank × nope, ld rank) · q_nope (nope × n, ld H*qk)
+inline gemm_desc mla_absorb_desc(const void* kv_b, const void* qf, wtype type, idx n, int heads, int nope, int rope,
+                                 int vh, int rank, float* q, int q_dim) {
+  gemm_desc d;
+  d.m = rank;
+  d.n = n;
+  d.k = nope;
+  d.a = kv_b;
+  d.a_type = type;
+  d.lda = rank;
+  d.stride_a = idx(nope + vh) * rank;
+  d.b = qf;
+  d.b_type = type;
+  d.ldb = idx(heads) * (nope + rope);
+  d.stride_b = nope + rope;
+  d.c = q;
+  d.ldc = idx(heads) * q_dim;
+  d.stride_c = q_dim;
+  d.batch = heads;
+  return d;
+}
+
+/// MLA expansion (attention.hpp output): for each head h < H,
+///   v[t][h][c] = sum_r a[t][h][r] · W_UV_h[c][r],  c < vh, r < rank
+/// with a at a + t*H*rank + h*rank, W_UV_h the rows [h*(nope+vh)+nope, (h+1)*(nope+vh))
+/// of kv_b, v at v + t*H*vh + h*vh.
+///   column-major per head: C (vh × n, ldc H*vh) = opA(W_UV_h: rank × vh, ld rank, transposed) · a (rank × n, ld H*rank)
+inline gemm_desc mla_expand_desc(const void* kv_b, const void* a, wtype type, idx n, int heads, int nope, int vh,
+                                 int rank, float* v) {
+  gemm_desc d;
+  d.trans_a = true;
+  d.m = vh;
+  d.n = n;
+  d.k = rank;
+  d.a = static_cast<const char*>(kv_b) + idx(nope) * rank * type_bytes(type);
+  d.a_type = type;
+  d.lda = rank;
+  d.stride_a = idx(nope + vh) * rank;
+  d.b = a;
+  d.b_type = type;
+  d.ldb = idx(heads) * rank;
+  d.stride_b = rank;
+  d.c = v;
+  d.ldc = idx(heads) * vh;
+  d.stride_c = vh;
+  d.batch = heads;
+  return d;
+}
+
+/// Prefill scores of one query block, per KV head g < hkv (kernel_math.hpp pack_q_op):
+///   S[g][q][key] = sum_l Qp[g][q][l] · K[key][g][l],  q < R, key < keys, l < qd
+/// Qp packed [hkv][R][qd]; K token-major (token stride ts elements, KV head g
+/// at + g*head_stride); S [hkv][R][keys].
+///   column-major per g: C (keys × R, ldc keys) = opA(K: qd × keys, ld ts, transposed) · Qp (qd × R, ld qd)
+inline gemm_desc prefill_qk_desc(const void* k, wtype type, idx ts, idx head_stride, const void* qp, idx R, int qd,
+                                 idx keys, int hkv, float* s) {
+  gemm_desc d;
+  d.trans_a = true;
+  d.m = keys;
+  d.n = R;
+  d.k = qd;
+  d.a = k;
+  d.a_type = type;
+  d.lda = ts;
+  d.stride_a = head_stride;
+  d.b = qp;
+  d.b_type = type;
+  d.ldb = qd;
+  d.stride_b = R * qd;
+  d.c = s;
+  d.ldc = keys;
+  d.stride_c = R * keys;
+  d.batch = hkv;
+  return d;
+}
+
+/// Prefill outputs of one query block, per KV head g:
+///   O[g][q][c] = sum_key P[g][q][key] · V[key][g][c],  c < dv
+/// P [hkv][R][keys]; V token-major like K (MLA: the latent, the first dv
+/// elements of the K row); O [hkv][R][dv].
+///   column-major per g: C (dv × R, ldc dv) = V (dv × keys, ld ts) · P (keys × R, ld keys)
+inline gemm_desc prefill_pv_desc(const void* v, wtype type, idx ts, idx head_stride, const void* p, idx R, idx keys,
+                                 int dv, int hkv, float* o) {
+  gemm_desc d;
+  d.m = dv;
+  d.n = R;
+  d.k = keys;
+  d.a = v;
+  d.a_type = type;
+  d.lda = ts;
+  d.stride_a = head_stride;
+  d.b = p;
+  d.b_type = type;
+  d.ldb = keys;
+  d.stride_b = R * keys;
+  d.c = o;
+  d.ldc = dv;
+  d.stride_c = R * dv;
+  d.batch = hkv;
+  return d;
+}
+
+}  // namespace ws_moe::gpu

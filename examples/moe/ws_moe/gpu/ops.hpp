@@ -1,0 +1,28 @@
+// ws_moe/gpu/ops.hpp — host-visible declarations of the CUDA path's model
+// kernels (definitions in ops.cu, nvcc) and of the GEMM descriptor both
+// executors run (cuda_exec.hpp: cuBLAS; emulated_exec.hpp: a reference loop).
+// Compiles with the host compiler (plus <cuda_runtime_api.h>) and with nvcc.
+//
+// All pointers are device memory; every launch is asynchronous on `stream` and
+// checks the launch with WS_CUDA_CHECK_LAST (execution errors surface at the
+// next synchronising call, as writescope::cuda_error).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "kernel_math.hpp"
+
+namespace ws_moe::gpu {
+
+/// Runs op(i) for every i in [0, n) (grid-stride loop). Explicitly
+/// instantiated in ops.cu for the functors of kernel_math.hpp.
+template <class Op>
+void launch_elementwise(const Op& op, idx n, cudaStream_t stream);
+
+/// RMSNorm, one CTA per row (double sum of squares).
+void launch_rms_norm(const rms_norm_params& p, cudaStream_t stream);
+
+/// Causal softmax of a prefill score block, one CTA per row.
+void launch_causal_softmax(const softmax_params& p, cudaStream_t stream);
+
+}  // namespace ws_moe::gpu
