@@ -436,9 +436,16 @@ void rebuild(run_state& st) {
       return ts.time([&](cudaStream_t s) {
         int b = 0;
         for (int q = 0; q < batch; ++q)
-          for (index_t off = 0; off < seq_bytes; off += pp, b ^= 1)
-            WS_CUDA_TRY(cudaMemcpyAsync(pingpong.data() + b * pp, pinned.data() + index_t(q) * seq_bytes + off,
-                                        std::size_t(std::min(pp, seq_bytes - off)), cudaMemcpyHostToDevice, s));
+          for (index_t off = 0; off < seq_bytes; off += pp, b ^= 1) {
+            // A copy may not span two page-locked registrations (cuda_host_register
+            // registers in chunks): split it where one ends, as the backend does.
+            const std::byte* src = pinned.data() + index_t(q) * seq_bytes + off;
+            const index_t n = std::min(pp, seq_bytes - off);
+            ws::cuda_detail::pinned_registry::instance().split(src, n, [&](index_t o, index_t len) {
+              WS_CUDA_TRY(cudaMemcpyAsync(pingpong.data() + b * pp + o, src + o, std::size_t(len),
+                                          cudaMemcpyHostToDevice, s));
+            });
+          }
       });
     });
     json row{{"preset", std::string(P::name)},

@@ -140,6 +140,13 @@ def headline(res):
         if v is not None:
             out.append(("adaptive / frozen latency under contention", subj, v, 1.0, v < 1.0,
                         "solo %.3f, frozen %.3f, adaptive %.3f ms/layer" % (c["solo_ms"], c["frozen"]["mean_ms"], c["adaptive"]["mean_ms"])))
+        for kind in ("cpu", "pcie"):
+            nb = c.get("neighbour_" + kind)
+            if nb:
+                v = nb["adaptive_over_frozen"]
+                out.append(("adaptive / frozen latency, %s neighbour" % kind, subj, v, 1.0, v < 1.0,
+                            "solo %.3f (r %.3f), frozen %.3f, adaptive %.3f ms/layer (r %.3f)"
+                            % (c["solo_ms"], c["solo_share"], nb["frozen_ms"], nb["adaptive_ms"], nb["adaptive_share"])))
     return out
 
 
@@ -247,6 +254,21 @@ def markdown(res):
                  c["frozen_over_solo"], c["adaptive_over_solo"], c["adaptive_over_frozen"]] for c in ct]
         out.append(md_table(["preset", "request", "threads/tenant", "solo r", "adaptive r", "solo", "fixed r", "adaptive",
                              "fixed/solo", "adaptive/solo", "adaptive/fixed"], rows))
+        nrows = []
+        for c in ct:
+            for kind in ("cpu", "pcie"):
+                nb = c.get("neighbour_" + kind)
+                if nb:
+                    nrows.append([c["preset"], "%dx%s" % (c["batch"], klen(c["tokens_per_sequence"])), kind,
+                                  c["solo_share"], nb["adaptive_share"], c["solo_ms"], nb["frozen_ms"], nb["adaptive_ms"],
+                                  nb["adaptive_over_frozen"]])
+        if nrows:
+            out.append("")
+            out.append("One tenant beside a neighbour that loads one resource (MoE expert work: CPU-side memory streaming "
+                       "on half the tenant's cores, or back-to-back pinned H2D copies):")
+            out.append("")
+            out.append(md_table(["preset", "request", "neighbour", "solo r", "adaptive r", "solo ms", "frozen ms",
+                                 "adaptive ms", "adaptive/frozen"], nrows))
 
     mi = res.get("micro")
     if mi:

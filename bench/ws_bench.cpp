@@ -61,6 +61,9 @@ constexpr const char* usage_text = R"(ws_bench — writescope attention benchmar
   --ablate-lengths LIST ablate (default 32K,8K)
   --contend-preset P    contend (default qwen3)
   --contend-configs L   contend: BATCHxLENGTH list (default 8x8K,16x16K)
+  --contend-kinds K     contend: tenant (a second cache), cpu (a CPU-side neighbour
+                        streaming memory on half the tenant's cores), pcie (a
+                        neighbour saturating H2D) (default tenant,cpu,pcie)
   --tenant-threads N    contend: CPU threads per tenant (default (cores-2)/2)
   --threads N           CPU engine threads (default cores-1)
   --steps N             timed decode steps per row (default 12)
@@ -90,6 +93,7 @@ struct options {
   std::vector<index_t> ablate_lengths{32768, 8192};
   std::string contend_preset = "qwen3";
   std::vector<std::pair<int, index_t>> contend_configs{{8, 8192}, {16, 16384}};
+  std::vector<std::string> contend_kinds{"tenant", "cpu", "pcie"};
   int tenant_threads = std::max(1, (int(std::thread::hardware_concurrency()) - 2) / 2);
   int threads = default_threads();
   int steps = 12;
@@ -151,6 +155,8 @@ options parse(int argc, char** argv) {
       o.ablate_batch = parse_list<int>(f, a.value());
     } else if (f == "--ablate-lengths") {
       o.ablate_lengths = parse_list<index_t>(f, a.value());
+    } else if (f == "--contend-kinds") {
+      o.contend_kinds = split_list(a.value());
     } else if (f == "--contend-preset") {
       o.contend_preset = canonical_preset(a.value());
     } else if (f == "--contend-configs") {
@@ -616,6 +622,69 @@ std::vector<double> contended_steps(Rig& r, int n, std::atomic<int>& done, int t
   return ms;
 }
 
+/// A neighbour that loads one resource the way MoE expert work does (paper
+/// §2.2): `cpu` — `threads` threads on the tenant's own cores streaming a
+/// 512 MiB buffer (experts' weight reads and GEMMs on the CPU); `pcie` — one
+/// thread issuing back-to-back 64 MiB pinned H2D copies on its own stream
+/// (expert loading). Runs until destroyed.
+class background_load {
+ public:
+  background_load(const std::string& kind, int first_core, int threads) {
+    if (kind == "cpu") {
+      buf_.assign(std::size_t(512) << 20 >> 3, 1);
+      for (int i = 0; i < threads; ++i)
+        threads_.emplace_back([this, first_core, i] {
+          pin_current_thread(first_core + i, 1);
+          const std::size_t n = buf_.size();
+          const std::size_t lo = n / 64 * std::size_t(i % 64), len = n / 4;
+          std::uint64_t acc = 0;
+          while (!stop_.load(std::memory_order_relaxed))
+            for (std::size_t k = 0; k < len; k += 8) acc += buf_[(lo + k) % n];
+          sink_.fetch_add(acc, std::memory_order_relaxed);
+        });
+    } else if (kind == "pcie") {
+#if WS_BENCH_CUDA
+      threads_.emplace_back([this] {
+        const std::size_t bytes = std::size_t(64) << 20;
+        void* host = nullptr;
+        void* dev = nullptr;
+        cudaStream_t s = nullptr;
+        if (cudaHostAlloc(&host, bytes, cudaHostAllocDefault) != cudaSuccess || cudaMalloc(&dev, bytes) != cudaSuccess ||
+            cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
+          failed_ = true;
+        } else {
+          while (!stop_.load(std::memory_order_relaxed)) {
+            (void)cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, s);
+            (void)cudaStreamSynchronize(s);
+          }
+        }
+        if (s) (void)cudaStreamDestroy(s);
+        if (dev) (void)cudaFree(dev);
+        if (host) (void)cudaFreeHost(host);
+      });
+#else
+      failed_ = true;  // no device on the host backend
+#endif
+    } else {
+      throw usage_error("--contend-kinds: unknown kind '" + kind + "' (tenant, cpu, pcie)");
+    }
+  }
+  background_load(const background_load&) = delete;
+  background_load& operator=(const background_load&) = delete;
+  ~background_load() {
+    stop_ = true;
+    for (auto& t : threads_) t.join();
+  }
+  [[nodiscard]] bool failed() const noexcept { return failed_; }
+
+ private:
+  std::vector<std::uint64_t> buf_;
+  std::vector<std::thread> threads_;
+  std::atomic<bool> stop_{false};
+  std::atomic<std::uint64_t> sink_{0};
+  bool failed_ = false;
+};
+
 template <class Preset>
 void run_contend(context& cx) {
   const options& o = *cx.opt;
@@ -725,6 +794,57 @@ void run_contend(context& cx) {
              adaptive["tenant_share"][0].get<double>(), adaptive["tenant_share"][1].get<double>());
     row["frozen"] = frozen;
     row["adaptive"] = adaptive;
+
+    // One tenant under an asymmetric neighbour (CPU-side or PCIe-side load):
+    // frozen at the solo share vs adaptive (online A and B).
+    for (const std::string& kind : o.contend_kinds) {
+      if (kind == "tenant") continue;
+#if !WS_BENCH_CUDA
+      if (kind == "pcie") continue;  // the emulated device has no PCIe
+#endif
+      if (cx.skip("contend " + name + " " + kind + " neighbour")) break;
+      auto single = [&](bool adaptive_policy) {
+        double ms_out = 0, share_out = 0;
+        std::exception_ptr e;
+        std::thread([&] {
+          try {
+            pin_current_thread(first_core(0), T);
+            backend_t be;
+            background_load load(kind, first_core(0), std::max(1, T / 2));
+            if (load.failed()) throw std::runtime_error("background " + kind + " load could not start");
+            if (adaptive_policy) {
+              rig<Preset, ws::roofline_policy> r(be, rc, *solo_policy, pool);
+              r.admit(L);
+              r.decode(warm);  // the estimates take in the neighbour
+              r.admit(L);      // placement by the contended estimates
+              r.decode(1);
+              ms_out = median(r.decode(o.steps).step_seconds) / rc.layers * 1e3;
+              share_out = r.cpu_share();
+            } else {
+              rig<Preset, ws::fixed_ratio> r(be, rc, ws::fixed_ratio(solo_share), pool);
+              r.admit(L);
+              r.decode(1);
+              ms_out = median(r.decode(o.steps).step_seconds) / rc.layers * 1e3;
+              share_out = r.cpu_share();
+            }
+          } catch (...) {
+            e = std::current_exception();
+          }
+        }).join();
+        if (e) std::rethrow_exception(e);
+        return std::pair<double, double>(ms_out, share_out);
+      };
+      const auto [f_ms, f_share] = single(false);
+      const auto [a_ms, a_share] = single(true);
+      row["neighbour_" + kind] = {{"frozen_ms", f_ms}, {"frozen_share", f_share}, {"adaptive_ms", a_ms},
+                                  {"adaptive_share", a_share}, {"adaptive_over_frozen", a_ms / f_ms},
+                                  {"neighbour_threads", kind == "cpu" ? std::max(1, T / 2) : 1}};
+      progress(cx.bud, "  %s neighbour: frozen %.3f ms (r %.3f), adaptive %.3f ms (r %.3f)", kind.c_str(), f_ms, f_share,
+               a_ms, a_share);
+      std::printf("contend %-17s %3dx%-6lld %s neighbour: frozen %.3f ms (r %.3f)  adaptive %.3f ms (r %.3f)  x%.3f\n",
+                  name.c_str(), batch, static_cast<long long>(L), kind.c_str(), f_ms, f_share, a_ms, a_share, a_ms / f_ms);
+      std::fflush(stdout);
+    }
     row["frozen_over_solo"] = frozen["mean_ms"].get<double>() / solo_ms;
     row["adaptive_over_solo"] = adaptive["mean_ms"].get<double>() / solo_ms;
     row["adaptive_over_frozen"] = adaptive["mean_ms"].get<double>() / frozen["mean_ms"].get<double>();
