@@ -47,6 +47,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <limits>
 #include <memory>
 #include <span>
@@ -495,14 +496,24 @@ class device_decoder {
     return act16_;
   }
 
+  /// The bf16 copy of `in` for several bf16 linear layers reading it (bf16
+  /// precision; null otherwise: each layer then converts or reads fp32 itself).
+  const void* shared_bf16_input(const float* in, index_t count, std::initializer_list<const gpu::dlinear*> layers) {
+    if (prec_ != wtype::bf16) return nullptr;
+    for (const gpu::dlinear* l : layers)
+      if (l->w.type != wtype::bf16) return nullptr;
+    return act_bf16(in, count);
+  }
+
   /// out[n][W.rows] = in[n][W.cols] · Wᵀ (+ bias), in the configured precision.
-  void linear(const gpu::dlinear& L, const float* in, index_t n, float* out) {
+  /// `in_bf16`: the bf16 copy of `in` when the caller made one (shared_bf16_input).
+  void linear(const gpu::dlinear& L, const float* in, index_t n, float* out, const void* in_bf16 = nullptr) {
     const gpu::dmat& W = L.w;
     if (n == 0) return;
     if (W.type == wtype::f32) {
       x_.gemm(gpu::linear_desc(W.p, wtype::f32, W.rows, W.cols, in, n, out, W.rows), "linear (fp32)");
     } else if (prec_ == wtype::bf16) {
-      const void* xb = act_bf16(in, n * W.cols);
+      const void* xb = in_bf16 ? in_bf16 : act_bf16(in, n * W.cols);
       x_.gemm(gpu::linear_desc(W.p, wtype::bf16, W.rows, W.cols, xb, n, out, W.rows), "linear (bf16)");
     } else {  // fp32 precision, bf16 weights: widen a block of rows at a time
       const index_t chunk = std::max<index_t>(1, wide_cap_ / W.cols);
@@ -522,8 +533,9 @@ class device_decoder {
   void mlp(const gpu::dmlp& m, const float* in, index_t n, float* out) {
     if (n == 0) return;
     const index_t I = m.gate.w.rows;
-    linear(m.gate, in, n, g_);
-    linear(m.up, in, n, u_);
+    const void* xb = shared_bf16_input(in, n * m.gate.w.cols, {&m.gate, &m.up});
+    linear(m.gate, in, n, g_, xb);
+    linear(m.up, in, n, u_, xb);
     x_.run(gpu::silu_mul_op{g_, u_}, n * I);
     linear(m.down, g_, n, out);
   }
@@ -578,9 +590,10 @@ class device_decoder {
     } else {
       const int hkv = c_.num_kv_heads;
       const int d = Layout::head_dim;
-      linear(L.q, h_, n, q_);
-      linear(L.k, h_, n, kvf_[0]);
-      linear(L.v, h_, n, kvf_[1]);
+      const void* hb = shared_bf16_input(h_, n * c_.hidden_size, {&L.q, &L.k, &L.v});
+      linear(L.q, h_, n, q_, hb);
+      linear(L.k, h_, n, kvf_[0], hb);
+      linear(L.v, h_, n, kvf_[1], hb);
       if (L.q_norm) {
         rms_norm(q_, d, L.q_norm, n * hq, d, q_, d);
         rms_norm(kvf_[0], d, L.k_norm, n * hkv, d, kvf_[0], d);
