@@ -128,7 +128,8 @@ class device_decoder {
     const int B = int(prompts.size());
     const int V = c_.vocab_size;
     generation_result res;
-    res.backend = "cuda_backend on " + x_.device_name();
+    res.backend = Exec::is_emulated ? "host_backend (the CUDA path's code emulated on the host)"
+                                    : "cuda_backend on " + x_.device_name();
     res.device.used = true;
     res.device.device = x_.device_name();
     res.device.precision = prec_ == gpu::wtype::bf16
