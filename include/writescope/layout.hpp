@@ -215,7 +215,7 @@ decltype(auto) dispatch_value(int value, const char* what, F&& f) {
     if (hit) return;
   } else {
     std::optional<result_t> r;
-    ((value == Values ? (r.emplace(std::forward<F>(f)(std::integral_constant<int, Values>{})), true) : false) || ...);
+    (void)((value == Values ? (r.emplace(std::forward<F>(f)(std::integral_constant<int, Values>{})), true) : false) || ...);
     if (r) return result_t(std::move(*r));  // a prvalue: decltype(auto) must not deduce result_t&& to a local
   }
   std::string supported;
