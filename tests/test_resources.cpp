@@ -1,0 +1,416 @@
+// Resource limits (FAULT-KINDS K8, K9) on the host: each refusal is a typed
+// error at init (or at region growth) with nothing half-built, and memory is
+// resident only where it must be.
+//   * page-locking under a low RLIMIT_MEMLOCK (ctest also runs this binary
+//     under `prlimit --memlock=...`, test test_resources.memlock): refused at
+//     init naming mlock, the size and the limit; nothing stays mapped or
+//     locked; a region within the limit works; growth past it is refused at
+//     admission with the cache unchanged. Root bypasses RLIMIT_MEMLOCK through
+//     CAP_IPC_LOCK, so the test drops that capability from its effective set.
+//   * a memory cgroup smaller than the request (a child process moved into a
+//     fresh cgroup; skipped with a message where cgroups are not writable):
+//     refused before mlock with pinned_memory_error naming the cgroup — the
+//     kernel would otherwise kill the process inside mlock (OOM).
+//   * resident memory after init <= 1.05 x what must be resident: regions are
+//     reserved (MAP_NORESERVE) and become resident only when written; the
+//     mlock region and the poison option are resident at once; written blocks
+//     cost their bytes, no more.
+//   * CPU thread counts above the core count degrade smoothly (child
+//     processes per OMP_WAIT_POLICY; see docs/RELIABILITY.md, K9).
+#include <doctest/doctest.h>
+
+#include <linux/capability.h>
+#include <spawn.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <thread>
+
+#include "support/harness.hpp"
+
+extern char** environ;
+
+using namespace wstest;
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#  define WS_SANITIZED 1
+#elif defined(__has_feature)
+#  if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#    define WS_SANITIZED 1
+#  endif
+#endif
+#ifndef WS_SANITIZED
+#  define WS_SANITIZED 0
+#endif
+
+namespace {
+
+using G = gqa_layout<128>;
+const double gqa_scale = 1.0 / std::sqrt(128.0);
+constexpr index_t MiB = index_t{1} << 20;
+
+/// A field of /proc/self/status in bytes (VmRSS, VmSize, VmLck).
+index_t status_bytes(const char* field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  const std::string key = std::string(field) + ":";
+  while (std::getline(in, line))
+    if (line.rfind(key, 0) == 0) return index_t(std::atol(line.c_str() + key.size())) * 1024;
+  return -1;
+}
+
+/// For the lifetime of the guard: CAP_IPC_LOCK out of the effective set (root
+/// ignores RLIMIT_MEMLOCK with it) and the RLIMIT_MEMLOCK this test works
+/// under: the one `prlimit` set (checked against WS_EXPECT_MEMLOCK_BYTES), else
+/// 4 MiB set here (lowering the soft limit needs no privilege). Both restored after.
+class memlock_guard {
+ public:
+  memlock_guard() {
+    REQUIRE(::syscall(SYS_capget, &hdr_, saved_) == 0);
+    __user_cap_data_struct d[2] = {saved_[0], saved_[1]};
+    d[CAP_TO_INDEX(CAP_IPC_LOCK)].effective &= ~CAP_TO_MASK(CAP_IPC_LOCK);
+    REQUIRE(::syscall(SYS_capset, &hdr_, d) == 0);
+    REQUIRE(::getrlimit(RLIMIT_MEMLOCK, &rl_) == 0);
+    if (const char* want = std::getenv("WS_EXPECT_MEMLOCK_BYTES")) {
+      INFO("prlimit should have set RLIMIT_MEMLOCK to " << want);
+      REQUIRE(rl_.rlim_cur == rlim_t(std::atoll(want)));
+      limit_ = index_t(rl_.rlim_cur);
+    } else {
+      rlimit low = rl_;
+      if (low.rlim_cur == RLIM_INFINITY || low.rlim_cur > rlim_t(4 * MiB)) low.rlim_cur = rlim_t(4 * MiB);
+      REQUIRE(::setrlimit(RLIMIT_MEMLOCK, &low) == 0);
+      limit_ = index_t(low.rlim_cur);
+    }
+  }
+  ~memlock_guard() {
+    ::setrlimit(RLIMIT_MEMLOCK, &rl_);
+    ::syscall(SYS_capset, &hdr_, saved_);
+  }
+  memlock_guard(const memlock_guard&) = delete;
+  memlock_guard& operator=(const memlock_guard&) = delete;
+  [[nodiscard]] index_t limit() const { return limit_; }
+
+ private:
+  __user_cap_header_struct hdr_{_LINUX_CAPABILITY_VERSION_3, 0};
+  __user_cap_data_struct saved_[2]{};
+  rlimit rl_{};
+  index_t limit_ = 0;
+};
+
+/// A spec whose pinned region is `pinned_bytes` per layer (1 layer), pinned at init.
+partition_spec pinned_spec(const G& lay, index_t pinned_bytes, index_t growth_bytes = 0) {
+  partition_spec s = small_spec(1, 2);  // block 16, D 32
+  set_ping_pong_blocks(s, lay, 6);
+  const index_t token_bytes = block_format<G>{lay, 16}.block_bytes() / 16;
+  s.pinned_capacity_tokens = pinned_bytes / token_bytes;
+  s.pinned_initial_tokens = growth_bytes == 0 ? -1 : 0;
+  s.pinned_growth_tokens = growth_bytes / token_bytes;
+  s.cpu_capacity_tokens = 1024;
+  return s;
+}
+
+using mlock_cache = inplace_kv_cache<G, host_backend, mlock_allocator, gpu_only>;
+
+bool cgroup_v1_writable(std::string& why) {
+  const char* root = "/sys/fs/cgroup/memory";
+  if (::access((std::string(root) + "/memory.limit_in_bytes").c_str(), F_OK) != 0) {
+    why = "no cgroup v1 memory controller at /sys/fs/cgroup/memory";
+    return false;
+  }
+  const std::string probe = std::string(root) + "/ws_test_probe_" + std::to_string(::getpid());
+  if (::mkdir(probe.c_str(), 0755) != 0) {
+    why = "cannot create a memory cgroup (" + std::string(std::strerror(errno)) + ")";
+    return false;
+  }
+  ::rmdir(probe.c_str());
+  return true;
+}
+
+/// Runs this binary again with `filter` and extra environment; returns its exit status.
+int run_child(const std::string& filter, const std::vector<std::string>& extra_env) {
+  std::vector<std::string> env;
+  for (char** e = environ; *e; ++e) env.emplace_back(*e);
+  for (const auto& e : extra_env) env.push_back(e);
+  std::vector<char*> envp;
+  for (auto& s : env) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::string self = "/proc/self/exe", tc = "-tc=" + filter, quiet = "--no-intro";
+  char* argv[] = {self.data(), tc.data(), quiet.data(), nullptr};
+  pid_t pid = 0;
+  if (::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv, envp.data()) != 0) return -1;
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+}  // namespace
+
+// --- K8: RLIMIT_MEMLOCK -----------------------------------------------------------
+
+TEST_CASE("memlock: a pinned region above RLIMIT_MEMLOCK is refused at init, naming mlock, size and limit") {
+  if (WS_SANITIZED) {
+    MESSAGE("skipped under a sanitizer (its runtime turns mlock into a no-op)");
+    return;
+  }
+  const memlock_guard guard;
+  const index_t limit = guard.limit();
+  const G lay(8, 2);
+  host_backend be;
+  const index_t want = 4 * limit + 64 * 1024;  // well above the limit
+  const index_t size0 = status_bytes("VmSize"), lck0 = status_bytes("VmLck");
+  try {
+    mlock_cache cache(be, lay, pinned_spec(lay, want), gpu_only{});
+    FAIL("a pinned region of " << format_bytes(want) << " was locked under RLIMIT_MEMLOCK " << format_bytes(limit));
+  } catch (const pinned_memory_error& e) {
+    MESSAGE("refused as expected: " << std::string(e.what()));
+    CHECK(mentions(e.what(), {"pinned memory", "mlock", "RLIMIT_MEMLOCK", format_bytes(limit)}));
+  }
+  CHECK(status_bytes("VmSize") == size0);  // nothing half-built: every region unmapped again
+  CHECK(status_bytes("VmLck") == lck0);
+}
+
+TEST_CASE("memlock: a region within the limit is locked once at init and decodes; growth past the limit is refused") {
+  if (WS_SANITIZED) {
+    MESSAGE("skipped under a sanitizer (its runtime turns mlock into a no-op)");
+    return;
+  }
+  const memlock_guard guard;
+  const index_t limit = guard.limit();
+  const G lay(8, 2);
+  host_backend be;
+  const index_t slab = 64 * 1024;  // 4 blocks of 16 KiB: two eviction batches
+  REQUIRE(limit >= 2 * slab);
+  const index_t lck0 = status_bytes("VmLck");
+  {
+    mlock_cache cache(be, lay, pinned_spec(lay, 8 * limit, slab), gpu_only{}, {}, cache_options{true});
+    decode_driver<mlock_cache> d(cache, attention_options{1, true}, 5, gqa_scale);
+    std::vector<sequence_id> batch{d.add(2 * 32 + 3)};  // one slab, locked now
+    CHECK(status_bytes("VmLck") - lck0 == slab);
+    for (int s = 0; s < 40; ++s) REQUIRE(d.step(batch).ok());  // evictions go to the locked blocks
+    // A prompt needing more than the limit: its slabs are refused at admission.
+    const cache_snapshot before = snapshot(cache, batch);
+    const index_t too_many = (limit / (32 * 1024) + 1) * 32;  // batches of 32 tokens x 1 KiB
+    try {
+      d.add(too_many);
+      FAIL("admitted a prompt of " << too_many << " tokens past RLIMIT_MEMLOCK");
+    } catch (const pinned_memory_error& e) {
+      MESSAGE("growth refused as expected: " << std::string(e.what()));
+      CHECK(mentions(e.what(), {"mlock", "RLIMIT_MEMLOCK"}));
+    }
+    CHECK(snapshot(cache, batch) == before);
+    CHECK(status_bytes("VmLck") - lck0 <= limit);
+    for (int s = 0; s < 30; ++s) REQUIRE(d.step(batch).ok());  // still decodes, slabs pinned before the refusal reused
+    batch.push_back(d.add(32 + 5));
+    for (int s = 0; s < 30; ++s) REQUIRE(d.step(batch).ok());
+  }
+  CHECK(status_bytes("VmLck") == lck0);  // unlocked on destruction
+}
+
+// --- K8: memory cgroup --------------------------------------------------------------
+
+TEST_CASE("cgroup child: lock more than the memory cgroup allows") {
+  // Run by the next test in a child process inside a 32 MiB memory cgroup.
+  if (std::getenv("WS_IN_TEST_CGROUP") == nullptr) return;
+  const G lay(8, 2);
+  host_backend be;
+  try {
+    partition_spec s = pinned_spec(lay, 256 * MiB, 16 * MiB);  // 16 slabs of 16 MiB, all pinned at init
+    s.pinned_initial_tokens = -1;
+    mlock_cache cache(be, lay, s, gpu_only{});
+    std::exit(3);  // locked past the limit?
+  } catch (const pinned_memory_error& e) {
+    std::printf("child refused: %s\n", e.what());
+    std::fflush(stdout);
+    std::exit(mentions(e.what(), {"pinned memory", "memory cgroup", "limit 32.00 MiB"}) ? 42 : 4);
+  }
+}
+
+TEST_CASE("memory cgroup smaller than the request: pinned_memory_error at init, not the OOM killer") {
+  if (WS_SANITIZED) {
+    MESSAGE("skipped under a sanitizer (its runtime turns mlock into a no-op)");
+    return;
+  }
+  std::string why;
+  if (::geteuid() != 0 || !cgroup_v1_writable(why)) {
+    MESSAGE("skipped: memory cgroups are not usable here (" << (why.empty() ? "not root" : why) << ")");
+    return;
+  }
+  const detail::cgroup_headroom here = detail::memory_cgroup_headroom();
+  std::string parent = "/sys/fs/cgroup/memory" + (here.path.empty() || here.path == "/" ? std::string() : here.path);
+  {  // our own cgroup (v1 path from /proc/self/cgroup)
+    std::ifstream cg("/proc/self/cgroup");
+    std::string line;
+    while (std::getline(cg, line))
+      if (line.find(":memory:") != std::string::npos) parent = "/sys/fs/cgroup/memory" + line.substr(line.find(":memory:") + 8);
+  }
+  if (!parent.empty() && parent.back() == '/') parent.pop_back();
+  const std::string dir = parent + "/ws_test_" + std::to_string(::getpid());
+  REQUIRE(::mkdir(dir.c_str(), 0755) == 0);
+  { std::ofstream(dir + "/memory.limit_in_bytes") << 32 * MiB; }
+  // posix_spawn, then move the child in before it allocates: use a wrapper shell.
+  const std::string script = "echo $$ > " + dir + "/cgroup.procs && exec /proc/" + std::to_string(::getpid()) +
+                             "/exe '-tc=cgroup child*' --no-intro";
+  std::vector<std::string> env;
+  for (char** e = environ; *e; ++e) env.emplace_back(*e);
+  env.emplace_back("WS_IN_TEST_CGROUP=1");
+  std::vector<char*> envp;
+  for (auto& s : env) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::string sh = "/bin/sh", c = "-c";
+  char* argv[] = {sh.data(), c.data(), const_cast<char*>(script.c_str()), nullptr};
+  pid_t pid = 0;
+  REQUIRE(::posix_spawn(&pid, "/bin/sh", nullptr, nullptr, argv, envp.data()) == 0);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  ::rmdir(dir.c_str());
+  INFO("child status " << status << " (exited " << WIFEXITED(status) << ", code " << WEXITSTATUS(status)
+                        << ", signal " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0) << ")");
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 42);  // refused with the typed error, by the library, in the child
+}
+
+// --- resident memory -----------------------------------------------------------------
+
+TEST_CASE("resident memory after init <= 1.05 x what must be resident; written blocks cost their bytes") {
+  if (WS_SANITIZED) {
+    MESSAGE("skipped under a sanitizer (shadow memory counts as resident)");
+    return;
+  }
+  const G lay(32, 4);  // 2 KiB per token per layer
+  host_backend be;
+  SUBCASE("reserved regions: 32 GiB of capacity, nothing resident until written") {
+    partition_spec s = small_spec(4, 16, 64, 256);
+    set_ping_pong_blocks(s, lay, 64);
+    s.cpu_capacity_tokens = index_t{1} << 22;     // 8 GiB per layer, 4 layers
+    s.pinned_capacity_tokens = index_t{1} << 20;  // pageable allocator: reserved too
+    s.pinned_initial_tokens = -1;
+    const index_t rss0 = status_bytes("VmRSS");
+    host_cache<G, fixed_ratio> cache(be, lay, s, fixed_ratio(0.5));
+    hybrid_attention<decltype(cache)> attn(cache, attention_options{1, false});
+    const region_usage u = cache.usage();
+    const index_t reserved = u.cpu_region_bytes + u.pinned_region_bytes + u.d_window_bytes + u.ping_pong_bytes;
+    const index_t grew = status_bytes("VmRSS") - rss0;
+    MESSAGE("reserved " << format_bytes(reserved) << ", resident after init +" << format_bytes(std::max<index_t>(grew, 0)));
+    CHECK(reserved > (index_t{32} << 30));
+    CHECK(grew <= 4 * MiB);  // bookkeeping only (block bitmaps, workspaces)
+
+    // Writing a prompt makes exactly its blocks resident (x 1.05, + slack for the KV input).
+    decode_driver<decltype(cache)> d(cache, attention_options{1, false}, 3, 1.0 / std::sqrt(128.0));
+    const index_t rss1 = status_bytes("VmRSS");
+    const index_t prompt = 64 * 256;
+    d.add(prompt);
+    const index_t written = prompt * lay.token_bytes() * 4;  // 4 layers, whole batches
+    const index_t history = written;                       // the harness keeps its own copy
+    const index_t input = prompt * lay.token_bytes();      // one layer's generated KV (malloc keeps it)
+    const index_t grew2 = status_bytes("VmRSS") - rss1;
+    MESSAGE("wrote " << format_bytes(written) << " of KV: resident +" << format_bytes(grew2) << " (incl. the test's own "
+                     << format_bytes(history) << " copy and " << format_bytes(input) << " input buffer)");
+    CHECK(grew2 <= index_t(1.05 * double(written + history + input)) + 8 * MiB);
+  }
+  SUBCASE("an mlock-pinned region is resident at init, and no more than it") {  // (not under a sanitizer: see above)
+    const index_t bytes = 64 * MiB;
+    const index_t rss0 = status_bytes("VmRSS");
+    try {
+      mlock_cache cache(be, lay, pinned_spec(lay, bytes), gpu_only{});
+      const index_t locked = cache.usage().pinned_region_bytes;
+      const index_t grew = status_bytes("VmRSS") - rss0;
+      MESSAGE("mlock region " << format_bytes(locked) << ": resident +" << format_bytes(grew));
+      CHECK(grew >= locked);
+      CHECK(grew <= index_t(1.05 * double(locked)) + 2 * MiB);
+    } catch (const pinned_memory_error& e) {
+      MESSAGE("skipped: " << std::string(e.what()));
+    }
+  }
+  SUBCASE("the poison option touches every region: resident == requested within 5 %") {
+    partition_spec s = small_spec(2, 8, 64, 256);
+    set_ping_pong_blocks(s, lay, 64);
+    s.cpu_capacity_tokens = index_t{1} << 16;  // 128 MiB per layer
+    s.pinned_capacity_tokens = index_t{1} << 15;
+    s.pinned_initial_tokens = -1;
+    const index_t rss0 = status_bytes("VmRSS");
+    host_cache<G, gpu_only> cache(be, lay, s, gpu_only{}, {}, cache_options{true});
+    const region_usage u = cache.usage();
+    const index_t requested = u.cpu_region_bytes + u.pinned_region_bytes + u.d_window_bytes + u.ping_pong_bytes;
+    const index_t grew = status_bytes("VmRSS") - rss0;
+    MESSAGE("poisoned " << format_bytes(requested) << ": resident +" << format_bytes(grew));
+    CHECK(grew >= index_t(0.95 * double(requested)));
+    CHECK(grew <= index_t(1.05 * double(requested)) + 2 * MiB);
+  }
+}
+
+// --- K9: threads above the core count ----------------------------------------------------
+
+TEST_CASE("thread sweep child: seconds per step for each CPU thread count") {
+  const char* out = std::getenv("WS_THREAD_SWEEP_OUT");
+  if (out == nullptr) return;
+  const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
+  const G lay(8, 2);
+  std::ofstream f(out);
+  for (int threads : {1, cores, cores + 1, 2 * cores, 4 * cores}) {
+    host_backend be;
+    partition_spec s = small_spec(1, 4, 16, 64);
+    set_ping_pong_blocks(s, lay, 16);
+    s.cpu_task_blocks = 4;
+    s.cpu_capacity_tokens = 1 << 15;
+    host_cache<G, cpu_only> cache(be, lay, s, cpu_only{});
+    decode_driver<decltype(cache)> d(cache, attention_options{threads, false}, 9, gqa_scale);
+    std::vector<sequence_id> batch;
+    for (int i = 0; i < 4; ++i) batch.push_back(d.add(2048));
+    for (int i = 0; i < 3; ++i) d.step(batch, false);  // warm-up
+    double best = 1e9;
+    for (int rep = 0; rep < 3; ++rep) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < 20; ++i) d.step(batch, false);
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 20);
+    }
+    f << threads << " " << best << "\n";
+  }
+}
+
+TEST_CASE("K9: CPU thread counts above the core count degrade smoothly (per OpenMP wait policy)") {
+  if (WS_SANITIZED) {
+    MESSAGE("skipped under a sanitizer (timing)");
+    return;
+  }
+  const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
+  for (const std::string policy : {"passive", "active"}) {
+    CAPTURE(policy);
+    const std::string file = "ws_thread_sweep_" + std::to_string(::getpid()) + "_" + policy;
+    REQUIRE(run_child("thread sweep child*", {"WS_THREAD_SWEEP_OUT=" + file, "OMP_WAIT_POLICY=" + policy}) == 0);
+    std::ifstream in(file);
+    std::vector<std::pair<int, double>> rows;
+    int t = 0;
+    double sec = 0;
+    while (in >> t >> sec) rows.emplace_back(t, sec);
+    std::remove(file.c_str());
+    REQUIRE(rows.size() == 5);
+    const double one = rows[0].second;
+    std::string table;
+    for (const auto& row : rows) {
+      char cell[64];
+      std::snprintf(cell, sizeof cell, " %d:%.3fms", row.first, row.second * 1e3);
+      table += cell;
+    }
+    MESSAGE("OMP_WAIT_POLICY=" << policy << ", " << cores << " cores, ms/step by threads:" << table);
+    for (const auto& row : rows) {
+      const int th = row.first;
+      const double s = row.second;
+      CAPTURE(th);
+      // No cliff: passive waiting stays within 3x the one-thread time at any
+      // count; active (spinning) waiting above the core count within
+      // 1 + threads/cores times it (time slicing). At exactly the core count
+      // with active waiting the spinning team starves the thread that drives
+      // the GPU side: reported above, not asserted (K9, docs/RELIABILITY.md).
+      if (policy == "passive") CHECK(s <= 3.0 * one);
+      else if (th > cores) CHECK(s <= (1.0 + double(th) / cores) * one + 1e-3);
+    }
+  }
+}
