@@ -68,6 +68,10 @@ struct sequence_state {
   std::vector<block_id> pinned_blocks;///< pinned load blocks, token order
   std::vector<int> window_tokens;     ///< [layer] valid D-window rows
   std::vector<std::uint8_t> layer_ready;  ///< [layer] prompt written (or no prompt)
+  /// Distinct for every begin_sequence() of the cache (from 1): a sequence id
+  /// reused after end_sequence() gets a new generation, so per-block data kept
+  /// outside the cache (sparse block summaries) can tell the new owner apart.
+  std::uint64_t generation = 0;
 
   [[nodiscard]] index_t total_tokens(int layer) const noexcept { return placed_tokens + window_tokens[std::size_t(layer)]; }
 };
@@ -212,6 +216,7 @@ class inplace_kv_cache {
     st.window_slot = slot;
     st.window_tokens.assign(std::size_t(spec_.num_layers), 0);
     st.layer_ready.assign(std::size_t(spec_.num_layers), prompt_tokens == 0 ? 1 : 0);
+    st.generation = ++generations_;
 
     const sequence_id id = free_sequence_id();
     const index_t batches = prompt_tokens / spec_.d_window_tokens;
@@ -660,6 +665,7 @@ class inplace_kv_cache {
   std::vector<std::uint8_t> slot_used_;
   int live_count_ = 0;
   index_t total_placed_tokens_ = 0;
+  std::uint64_t generations_ = 0;  // sequences begun so far (sequence_state::generation)
 
   std::vector<block_write> writes_;
   std::vector<block_copy> copies_;
