@@ -80,6 +80,28 @@ struct debug_partials {
   std::vector<float> window_o, window_lse;      ///< D-window
 };
 
+/// What a gpu_engine reserves for sparse steps (docs/SPARSE.md): two staging
+/// buffers of `chunk_blocks` blocks of `block_bytes` (page-locked on a real
+/// device, like the load region), per-chunk block lists for up to `buffers`
+/// ping-pong buffers of `kv_heads` heads, and `gather_threads` host threads
+/// (cuda_backend) that gather selected blocks into staging. Reserved once, off
+/// the step path; a larger request later grows it (between steps).
+struct sparse_reservation {
+  index_t chunk_blocks = 0;
+  index_t block_bytes = 0;
+  int buffers = 2;
+  int kv_heads = 1;
+  int gather_threads = 1;
+};
+
+/// The gather of the last sparse step (filled in by gpu_engine::finish).
+struct gather_stats {
+  double seconds = 0.0;        ///< wall time from the first gather memcpy to the last (0 if none)
+  index_t bytes = 0;           ///< bytes gathered into staging
+  index_t gathered_chunks = 0; ///< chunks that moved as one copy out of staging
+  index_t direct_chunks = 0;   ///< chunks copied run by run from the pinned region
+};
+
 /// Arguments of the GPU side of one step (one layer), see gpu_engine::launch.
 template <kv_layout Layout, memory_space ActSpace>
 struct gpu_step_args {
@@ -87,7 +109,8 @@ struct gpu_step_args {
   float softmax_scale = 1.0f;
   int batch = 0;
   mem_span<const float, ActSpace> q;          ///< [batch][Hq][q_dim], fp32
-  const stream_plan* plan = nullptr;          ///< pinned blocks to stream (host memory)
+  const stream_plan* plan = nullptr;          ///< pinned blocks to stream (host memory); a sparse plan needs
+                                              ///< the engine's reserve_sparse() first
   std::span<const window_ref> windows;        ///< [batch] D-window of each sequence
   std::span<bf16* const> ping_pong;           ///< device buffers, plan chunk c uses ping_pong[chunk.buffer]
   bool poison_workspaces = false;             ///< fill partial workspaces with NaN first (tests)

@@ -11,10 +11,21 @@
 // one copy run, so an orderly pool streams as a few large copies (≥ 2 MB on
 // real hardware; 4 KB copies crawl at 1.6 GB/s, DESIGN.md §6).
 //
+// Sparse plans (build_sparse, docs/SPARSE.md; paper §4.4, Fig. 6): the same
+// splits, chunks and runs over each sequence's SELECTED pinned blocks (the
+// union over its KV heads), plus, per split and KV head, the list of the
+// split's blocks that head attends. A chunk whose copy runs are all long is
+// copied run by run from the pinned region (`gathered == false`); otherwise
+// its runs are first gathered by host memcpy into a contiguous staging buffer
+// and the chunk moves as ONE copy. With every block selected, splits, chunks
+// and runs are exactly the dense ones.
+//
 // Vectors are reused across steps: no allocation in steady state.
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -34,18 +45,36 @@ struct stream_run {
 
 /// One GPU partial: blocks [first_block, first_block + num_blocks) of the
 /// chunk's buffer, all of sequence `batch_index`, each block full.
+/// Sparse plans: `list_offset` is where the split's block lists start, counted
+/// from its chunk's `list_begin` in stream_plan::block_lists; KV head h's list
+/// is the num_blocks + 1 entries at list_offset + h*(num_blocks + 1):
+/// [count, i_0, ..., i_{count-1}, padding], i_j in [0, num_blocks) ascending,
+/// relative to first_block. Dense plans: -1.
 struct stream_split {
   int batch_index = 0;
   index_t first_block = 0;
   int num_blocks = 0;
+  index_t list_offset = -1;
 };
 
 /// One ping-pong fill: runs [run_begin, run_end), splits [split_begin, split_end).
+/// Sparse plans: its block lists are block_lists[list_begin, list_end), and
+/// `gathered` says whether its runs go through a staging buffer (one copy of
+/// num_blocks blocks) or are copied straight from the pinned region.
 struct stream_chunk {
   int buffer = 0;
   index_t run_begin = 0, run_end = 0;
   index_t split_begin = 0, split_end = 0;
   index_t num_blocks = 0;
+  index_t list_begin = 0, list_end = 0;
+  bool gathered = false;
+};
+
+/// A selected pinned block of a sparse step: its id and the KV heads that
+/// attend it (bit h = KV head h; never 0).
+struct sparse_block {
+  block_id id = 0;
+  std::uint64_t kv_head_mask = 0;
 };
 
 class stream_plan {
@@ -55,6 +84,11 @@ class stream_plan {
   std::vector<stream_chunk> chunks;
   index_t streamed_blocks = 0;
   index_t max_run_blocks = 0;
+  // Sparse plans only (build_sparse); a dense build leaves them empty / false.
+  bool sparse = false;
+  std::vector<std::int32_t> block_lists;  ///< per-split, per-KV-head block lists (see stream_split)
+  index_t max_chunk_list_ints = 0;        ///< largest list_end - list_begin of a chunk
+  index_t gathered_blocks = 0;            ///< blocks of chunks with gathered == true
 
   /// Builds the plan for `batch` sequences. `blocks_of(i)` returns sequence i's
   /// pinned block ids (std::span<const block_id>, logical order);
@@ -68,6 +102,10 @@ class stream_plan {
     chunks.clear();
     streamed_blocks = 0;
     max_run_blocks = 0;
+    sparse = false;
+    block_lists.clear();
+    max_chunk_list_ints = 0;
+    gathered_blocks = 0;
     stream_chunk cur{};
     const bf16* run_end_ptr = nullptr;  // address right after the open run's last source block
     auto close_chunk = [&] {
@@ -90,6 +128,82 @@ class stream_plan {
         splits.push_back({i, cur.num_blocks, nb});
         for (int k = 0; k < nb; ++k) {
           const bf16* src = block_ptr(ids[std::size_t(b0 + k)]);
+          if (src == run_end_ptr && !runs.empty() && runs.back().dst_block + runs.back().num_blocks == cur.num_blocks) {
+            ++runs.back().num_blocks;
+          } else {
+            runs.push_back({src, cur.num_blocks, 1});
+          }
+          max_run_blocks = std::max(max_run_blocks, runs.back().num_blocks);
+          run_end_ptr = src + block_elems;
+          ++cur.num_blocks;
+        }
+        streamed_blocks += nb;
+      }
+    }
+    close_chunk();
+  }
+
+  /// Builds a sparse plan: `selected_of(i)` returns sequence i's selected
+  /// pinned blocks (std::span<const sparse_block>, logical order, masks != 0,
+  /// bits only below kv_heads); splits of at most `split_blocks` of them are
+  /// packed into chunks as in build(). A chunk is copied straight from the
+  /// pinned region when each of its runs holds at least `direct_run_blocks`
+  /// blocks (0: always), else gathered. Requires 1 <= split_blocks <=
+  /// chunk_blocks, buffers >= 1, 1 <= kv_heads <= 64. A chunk's lists hold at
+  /// most 2 * kv_heads * chunk_blocks entries.
+  template <class SelectedOf, class BlockPtr>
+  void build_sparse(int batch, SelectedOf&& selected_of, BlockPtr&& block_ptr, index_t block_elems,
+                    index_t chunk_blocks, int split_blocks, int buffers, int kv_heads, index_t direct_run_blocks) {
+    runs.clear();
+    splits.clear();
+    chunks.clear();
+    block_lists.clear();
+    streamed_blocks = 0;
+    max_run_blocks = 0;
+    max_chunk_list_ints = 0;
+    gathered_blocks = 0;
+    sparse = true;
+    stream_chunk cur{};
+    const bf16* run_end_ptr = nullptr;
+    auto close_chunk = [&] {
+      if (cur.num_blocks == 0) return;
+      cur.run_end = index_t(runs.size());
+      cur.split_end = index_t(splits.size());
+      cur.list_end = index_t(block_lists.size());
+      index_t shortest = std::numeric_limits<index_t>::max();
+      for (index_t r = cur.run_begin; r < cur.run_end; ++r) shortest = std::min(shortest, runs[std::size_t(r)].num_blocks);
+      cur.gathered = shortest < direct_run_blocks;
+      if (cur.gathered) gathered_blocks += cur.num_blocks;
+      max_chunk_list_ints = std::max(max_chunk_list_ints, cur.list_end - cur.list_begin);
+      chunks.push_back(cur);
+      cur = stream_chunk{};
+      cur.buffer = int(chunks.size() % std::size_t(buffers));
+      cur.run_begin = index_t(runs.size());
+      cur.split_begin = index_t(splits.size());
+      cur.list_begin = index_t(block_lists.size());
+      run_end_ptr = nullptr;
+    };
+    for (int i = 0; i < batch; ++i) {
+      const auto sel = selected_of(i);
+      const index_t n = index_t(sel.size());
+      for (index_t b0 = 0; b0 < n; b0 += split_blocks) {
+        const int nb = int(std::min<index_t>(split_blocks, n - b0));
+        if (cur.num_blocks + nb > chunk_blocks) close_chunk();
+        splits.push_back({i, cur.num_blocks, nb, index_t(block_lists.size()) - cur.list_begin});
+        for (int h = 0; h < kv_heads; ++h) {  // [count, indices..., padding] per KV head
+          const std::size_t at = block_lists.size();
+          block_lists.push_back(0);
+          std::int32_t count = 0;
+          for (int k = 0; k < nb; ++k)
+            if ((sel[std::size_t(b0 + k)].kv_head_mask >> h) & 1u) {
+              block_lists.push_back(k);
+              ++count;
+            }
+          block_lists[at] = count;
+          block_lists.resize(at + std::size_t(nb) + 1, -1);
+        }
+        for (int k = 0; k < nb; ++k) {
+          const bf16* src = block_ptr(sel[std::size_t(b0 + k)].id);
           if (src == run_end_ptr && !runs.empty() && runs.back().dst_block + runs.back().num_blocks == cur.num_blocks) {
             ++runs.back().num_blocks;
           } else {
