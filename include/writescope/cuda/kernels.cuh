@@ -13,7 +13,7 @@
 // (at global namespace scope; compile with -std=c++20 --expt-relaxed-constexpr
 // and the target architecture, e.g. -arch=sm_90 — linking the .cu target to
 // writescope::cuda adds the first two). Keep the instantiated set short: each
-// layout costs five kernels of compile time.
+// layout costs six kernels of compile time.
 //
 // Numerics (DESIGN.md §4): KV is bf16 in memory and widened exactly; scores,
 // running max, running sum and outputs are fp32; exp/log are the natural-base
@@ -134,7 +134,7 @@ struct attend_cfg {
   static_assert(k_off % 16 == 0 && v_off % 16 == 0 && p_off % 16 == 0, "attend: smem regions must be 16-byte aligned");
 };
 
-template <class L>
+template <class L, bool Listed>
 __global__ void __launch_bounds__(256) attend_kernel(const __grid_constant__ attend_params p) {
   using C = attend_cfg<L>;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -153,8 +153,20 @@ __global__ void __launch_bounds__(256) attend_kernel(const __grid_constant__ att
   const int tid = int(threadIdx.x);
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int tokens = it.tokens;
   const int bt = p.block_tokens;
+  // Listed (sparse splits): this KV head's blocks, [count, i_0, ...]; token t
+  // of the listed sequence lives in block lst[1 + t / bt] after it.base. The
+  // count and the indices are clamped to the item's nb blocks: a bad list
+  // (a race, a bug) reads wrong blocks of the item, never outside it.
+  const std::int32_t* lst = nullptr;
+  int tokens = it.tokens;
+  int nb = 0;
+  if constexpr (Listed) {
+    nb = it.tokens / bt;
+    lst = p.block_lists + it.list_offset + index_t(kvh) * (nb + 1);
+    const int count = lst[0];
+    tokens = (count < 0 ? 0 : (count > nb ? nb : count)) * bt;
+  }
 
   if (p.delay_cycles > 0) {  // debug: a slow consumer (race tests)
     if (tid == 0) {
@@ -203,7 +215,12 @@ __global__ void __launch_bounds__(256) attend_kernel(const __grid_constant__ att
       const int c = i - r * C::RC;
       const int tok = t0 + r;
       const int blk = tok / bt;
-      const index_t off = index_t(blk) * p.block_elems + index_t(tok - blk * bt) * C::R + c * 8;
+      int src_blk = blk;
+      if constexpr (Listed) {
+        const int x = lst[1 + blk];
+        src_blk = x >= 0 && x < nb ? x : 0;
+      }
+      const index_t off = index_t(src_blk) * p.block_elems + index_t(tok - blk * bt) * C::R + c * 8;
       *reinterpret_cast<uint4*>(ks + r * C::RP + c * 8) = *reinterpret_cast<const uint4*>(kbase + off);
       if constexpr (!C::shared_kv)
         *reinterpret_cast<uint4*>(vs + r * C::RP + c * 8) = *reinterpret_cast<const uint4*>(vbase + off);
@@ -425,13 +442,28 @@ void launch_attend(const attend_params& p, cudaStream_t stream) {
   if (p.num_items <= 0) return;
   // Shared memory above 48 KiB needs an opt-in, once per kernel (HOPPER.md).
   static const bool configured = [] {
-    WS_CUDA_TRY(cudaFuncSetAttribute(detail::attend_kernel<Layout>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    WS_CUDA_TRY(cudaFuncSetAttribute(detail::attend_kernel<Layout, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      int(C::smem_bytes)));
     return true;
   }();
   (void)configured;
   const dim3 grid(unsigned(p.num_items), unsigned(p.hkv), unsigned((p.group + C::heads - 1) / C::heads));
-  detail::attend_kernel<Layout><<<grid, C::threads, C::smem_bytes, stream>>>(p);
+  detail::attend_kernel<Layout, false><<<grid, C::threads, C::smem_bytes, stream>>>(p);
+  WS_CUDA_CHECK_LAST();
+}
+
+template <class Layout>
+void launch_attend_listed(const attend_params& p, cudaStream_t stream) {
+  using C = detail::attend_cfg<Layout>;
+  if (p.num_items <= 0) return;
+  static const bool configured = [] {
+    WS_CUDA_TRY(cudaFuncSetAttribute(detail::attend_kernel<Layout, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     int(C::smem_bytes)));
+    return true;
+  }();
+  (void)configured;
+  const dim3 grid(unsigned(p.num_items), unsigned(p.hkv), unsigned((p.group + C::heads - 1) / C::heads));
+  detail::attend_kernel<Layout, true><<<grid, C::threads, C::smem_bytes, stream>>>(p);
   WS_CUDA_CHECK_LAST();
 }
 
@@ -483,6 +515,8 @@ void launch_spin(long long cycles, cudaStream_t stream) {
 /// given as the (possibly comma-containing) argument. Global namespace scope.
 #define WS_CUDA_INSTANTIATE(...)                                                                                  \
   template void writescope::gpu::launch_attend<__VA_ARGS__>(const writescope::gpu::attend_params&, cudaStream_t); \
+  template void writescope::gpu::launch_attend_listed<__VA_ARGS__>(const writescope::gpu::attend_params&,         \
+                                                                   cudaStream_t);                                 \
   template void writescope::gpu::launch_fold<__VA_ARGS__>(const writescope::gpu::fold_params&, cudaStream_t);     \
   template void writescope::gpu::launch_init_state<__VA_ARGS__>(float*, float*, writescope::index_t, cudaStream_t); \
   template void writescope::gpu::launch_merge<__VA_ARGS__>(const writescope::gpu::merge_params&, cudaStream_t);   \

@@ -49,12 +49,18 @@ inline constexpr int attend_heads_per_cta = 16;
 /// lives in block `i / block_tokens` after `base` (blocks contiguous, each
 /// block_elems elements), row `i % block_tokens`. Only the first `tokens`
 /// tokens are read (rows past them may hold poison).
+/// launch_attend_listed (sparse splits): `tokens` = nb * block_tokens spans nb
+/// whole blocks, and KV head h attends only the blocks listed at
+/// block_lists[list_offset + h*(nb + 1)]: [count, i_0, ..., i_{count-1}], each
+/// i_j in [0, nb), ascending — as if those blocks alone were contiguous after
+/// `base` (count = 0: the empty partial). Out-of-range counts and indices are
+/// clamped into the item (never read outside it). launch_attend ignores list_offset.
 struct attend_item {
   const bf16* base;   ///< first block (device: a ping-pong buffer or a D-window slot)
   int tokens;         ///< >= 0; 0 gives the empty partial (o = 0, lse = -inf)
   int q_seq;          ///< batch index: query rows q[(q_seq*hq + h)*q_dim ...]
   int out_index;      ///< output rows out_o[(out_index*hq + h)*v_dim ...], out_lse[out_index*hq + h]
-  int reserved;
+  int list_offset;    ///< launch_attend_listed only (see above)
 };
 
 /// Decode attention of every item for all heads: grid (items, kv_heads,
@@ -65,6 +71,7 @@ struct attend_params {
   float* out_o;          ///< [*][hq][v_dim]
   float* out_lse;        ///< [*][hq]
   long long delay_cycles;  ///< debug: each CTA spins this long before reading KV (slow consumer)
+  const std::int32_t* block_lists;  ///< launch_attend_listed: per-item, per-KV-head block lists (device)
   index_t block_elems;   ///< elements of one block
   float scale;           ///< softmax scale applied to q·k
   int hq;
@@ -78,6 +85,12 @@ static_assert(sizeof(attend_params) <= 4096, "attend_params must fit the 4 KiB k
 
 template <class Layout>
 void launch_attend(const attend_params& p, cudaStream_t stream);
+
+/// launch_attend for sparse splits: each (item, KV head) attends only the
+/// blocks of its list (see attend_item). With every block listed the result is
+/// bit-identical to launch_attend's (same loads, same arithmetic, same order).
+template <class Layout>
+void launch_attend_listed(const attend_params& p, cudaStream_t stream);
 
 // -----------------------------------------------------------------------------
 // Folding split partials into running per-sequence states
