@@ -11,6 +11,10 @@
 // its runs into its ping-pong buffer, attend its splits, fold each split into
 // the sequence's running streamed state in split order; then attend the
 // D-window. Activations (appended KV, queries, outputs) are pageable host memory.
+// Sparse plans (docs/SPARSE.md) run the same pipeline as cuda_backend, in
+// order on the worker: a gathered chunk is memcpy'd block by block into staging
+// buffer (chunk serial % 2), then copied whole into its ping-pong buffer; each
+// split is attended per KV head over the blocks of that head's list.
 //
 // Threading: one host_backend may serve several caches; each gpu_engine owns
 // its worker thread. Calls into one engine come from one thread.
@@ -22,12 +26,14 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <string>
 #include <string_view>
 #include <thread>
 #include <vector>
 
 #include "backend.hpp"
 #include "cpu/attention.hpp"
+#include "error.hpp"
 #include "host_memory.hpp"
 #include "partial_state.hpp"
 #include "stream_plan.hpp"
@@ -125,6 +131,14 @@ class host_backend::gpu_engine {
   /// Starts the GPU side; returns at once. `a` and everything it points to must
   /// stay valid until finish() returns.
   void launch(const args_type& a) {
+    if (a.plan != nullptr && a.plan->sparse) {
+      const index_t need = a.plan->chunks.empty() ? 0 : a.format.block_bytes();
+      index_t most = 0;
+      for (const stream_chunk& c : a.plan->chunks) most = std::max(most, c.gathered ? c.num_blocks : 0);
+      if (most * need > staging_bytes_)
+        throw state_error("gpu_engine::launch: a sparse plan needs reserve_sparse() with staging for " +
+                          std::to_string(most) + " blocks first");
+    }
     std::unique_lock lk(mu_);
     args_ = a;
     pending_ = true;
@@ -132,6 +146,18 @@ class host_backend::gpu_engine {
     lk.unlock();
     cv_.notify_all();
   }
+
+  /// Reserves the sparse pipeline (two staging buffers of r.chunk_blocks
+  /// blocks); grows it when a larger reservation is asked for. Between steps only.
+  void reserve_sparse(const sparse_reservation& r) {
+    const index_t bytes = r.chunk_blocks * r.block_bytes;
+    if (bytes <= staging_bytes_) return;
+    for (auto& st : staging_) st = detail::map_pageable(std::max<index_t>(bytes, 1), "sparse staging buffer");
+    staging_bytes_ = bytes;
+  }
+  [[nodiscard]] index_t sparse_staging_bytes() const noexcept { return 2 * staging_bytes_; }
+  /// The gather of the last finished sparse step.
+  [[nodiscard]] const gather_stats& last_gather() const noexcept { return gather_; }
 
   /// Host-readable queries for the CPU engine ([batch][Hq][q_dim]).
   [[nodiscard]] const float* host_queries() const noexcept { return args_.q.data(); }
@@ -148,6 +174,7 @@ class host_backend::gpu_engine {
     std::unique_lock lk(mu_);
     cv_.wait(lk, [this] { return done_; });
     lk.unlock();
+    gather_ = args_.plan != nullptr && args_.plan->sparse ? gather_pending_ : gather_stats{};
     const int batch = args_.batch;
     const int hq = layout_.num_q_heads();
     constexpr int V = Layout::v_dim;
@@ -210,25 +237,29 @@ class host_backend::gpu_engine {
     const index_t block_elems = f.block_elems();
     const float* q = a.q.data();
     std::vector<cpu::kv_segment>& segs = segs_;
-    for (const stream_chunk& c : a.plan->chunks) {
-      bf16* buf = a.ping_pong[std::size_t(c.buffer)];
-      for (index_t r = c.run_begin; r < c.run_end; ++r) {  // "H2D" of the chunk
-        const stream_run& run = a.plan->runs[std::size_t(r)];
-        std::memcpy(buf + run.dst_block * block_elems, run.src,
-                    static_cast<std::size_t>(run.num_blocks * f.block_bytes()));
-      }
-      for (index_t s = c.split_begin; s < c.split_end; ++s) {  // "kernel" over the chunk
-        const stream_split& sp = a.plan->splits[std::size_t(s)];
-        segs.clear();
-        for (int b = 0; b < sp.num_blocks; ++b)
-          segs.push_back({buf + (sp.first_block + b) * block_elems, f.block_tokens});
-        for (int kvh = 0; kvh < layout_.kv_heads(); ++kvh) {
-          const std::size_t row0 = std::size_t(sp.batch_index) * std::size_t(hq) + std::size_t(kvh) * group;
-          cpu::decode_kernel<Layout>::run(f, kvh, q + row0 * Layout::q_dim, Layout::q_dim, group, a.softmax_scale,
-                                          segs, split_o_.data(), V, split_lse_.data());
-          for (int g = 0; g < group; ++g)  // fold into the running state, split order
-            merge_state_row(&streamed_o_[(row0 + g) * V], streamed_lse_[row0 + g], &split_o_[std::size_t(g) * V],
-                            split_lse_[std::size_t(g)], &streamed_o_[(row0 + g) * V], &streamed_lse_[row0 + g], V);
+    if (a.plan->sparse) {
+      stream_sparse(a);
+    } else {
+      for (const stream_chunk& c : a.plan->chunks) {
+        bf16* buf = a.ping_pong[std::size_t(c.buffer)];
+        for (index_t r = c.run_begin; r < c.run_end; ++r) {  // "H2D" of the chunk
+          const stream_run& run = a.plan->runs[std::size_t(r)];
+          std::memcpy(buf + run.dst_block * block_elems, run.src,
+                      static_cast<std::size_t>(run.num_blocks * f.block_bytes()));
+        }
+        for (index_t s = c.split_begin; s < c.split_end; ++s) {  // "kernel" over the chunk
+          const stream_split& sp = a.plan->splits[std::size_t(s)];
+          segs.clear();
+          for (int b = 0; b < sp.num_blocks; ++b)
+            segs.push_back({buf + (sp.first_block + b) * block_elems, f.block_tokens});
+          for (int kvh = 0; kvh < layout_.kv_heads(); ++kvh) {
+            const std::size_t row0 = std::size_t(sp.batch_index) * std::size_t(hq) + std::size_t(kvh) * group;
+            cpu::decode_kernel<Layout>::run(f, kvh, q + row0 * Layout::q_dim, Layout::q_dim, group, a.softmax_scale,
+                                            segs, split_o_.data(), V, split_lse_.data());
+            for (int g = 0; g < group; ++g)  // fold into the running state, split order
+              merge_state_row(&streamed_o_[(row0 + g) * V], streamed_lse_[row0 + g], &split_o_[std::size_t(g) * V],
+                              split_lse_[std::size_t(g)], &streamed_o_[(row0 + g) * V], &streamed_lse_[row0 + g], V);
+          }
         }
       }
     }
@@ -245,11 +276,76 @@ class host_backend::gpu_engine {
     }
   }
 
+  // Sparse plan: per chunk, gather (if gathered) into staging (serial % 2) and
+  // copy it whole into the chunk's buffer, or copy its runs straight; then
+  // attend each split per KV head over that head's list, folding in split order.
+  void stream_sparse(const args_type& a) {
+    const int hq = layout_.num_q_heads();
+    const int group = layout_.group_size();
+    const int hkv = layout_.kv_heads();
+    constexpr int V = Layout::v_dim;
+    const block_format<Layout>& f = a.format;
+    const index_t block_elems = f.block_elems();
+    const index_t block_bytes = f.block_bytes();
+    const float* q = a.q.data();
+    const stream_plan& plan = *a.plan;
+    std::vector<cpu::kv_segment>& segs = segs_;
+    gather_stats gs;
+    std::chrono::steady_clock::time_point g0{}, g1{};
+    for (const stream_chunk& c : plan.chunks) {
+      bf16* buf = a.ping_pong[std::size_t(c.buffer)];
+      if (c.gathered) {
+        const auto t0 = std::chrono::steady_clock::now();
+        auto* st = reinterpret_cast<bf16*>(staging_[std::size_t(serial_ % 2)].data());
+        for (index_t r = c.run_begin; r < c.run_end; ++r) {  // host gather into staging
+          const stream_run& run = plan.runs[std::size_t(r)];
+          std::memcpy(st + run.dst_block * block_elems, run.src, static_cast<std::size_t>(run.num_blocks * block_bytes));
+        }
+        const auto t1 = std::chrono::steady_clock::now();
+        if (gs.gathered_chunks == 0) g0 = t0;
+        g1 = t1;
+        gs.bytes += c.num_blocks * block_bytes;
+        ++gs.gathered_chunks;
+        std::memcpy(buf, st, static_cast<std::size_t>(c.num_blocks * block_bytes));  // one "H2D" copy
+      } else {
+        for (index_t r = c.run_begin; r < c.run_end; ++r) {
+          const stream_run& run = plan.runs[std::size_t(r)];
+          std::memcpy(buf + run.dst_block * block_elems, run.src,
+                      static_cast<std::size_t>(run.num_blocks * block_bytes));
+        }
+        ++gs.direct_chunks;
+      }
+      ++serial_;
+      const std::int32_t* lists = plan.block_lists.data() + c.list_begin;
+      for (index_t s = c.split_begin; s < c.split_end; ++s) {
+        const stream_split& sp = plan.splits[std::size_t(s)];
+        for (int kvh = 0; kvh < hkv; ++kvh) {
+          const std::int32_t* lst = lists + sp.list_offset + index_t(kvh) * (sp.num_blocks + 1);
+          segs.clear();
+          for (int j = 0; j < lst[0]; ++j)
+            segs.push_back({buf + (sp.first_block + lst[1 + j]) * block_elems, f.block_tokens});
+          const std::size_t row0 = std::size_t(sp.batch_index) * std::size_t(hq) + std::size_t(kvh) * group;
+          cpu::decode_kernel<Layout>::run(f, kvh, q + row0 * Layout::q_dim, Layout::q_dim, group, a.softmax_scale,
+                                          segs, split_o_.data(), V, split_lse_.data());
+          for (int g = 0; g < group; ++g)  // fold into the running state, split order
+            merge_state_row(&streamed_o_[(row0 + g) * V], streamed_lse_[row0 + g], &split_o_[std::size_t(g) * V],
+                            split_lse_[std::size_t(g)], &streamed_o_[(row0 + g) * V], &streamed_lse_[row0 + g], V);
+        }
+      }
+    }
+    gs.seconds = gs.gathered_chunks > 0 ? std::chrono::duration<double>(g1 - g0).count() : 0.0;
+    gather_pending_ = gs;
+  }
+
   Layout layout_;
   int max_batch_;
   std::vector<float> streamed_o_, streamed_lse_, window_o_, window_lse_, cpu_o_, cpu_lse_, split_o_, split_lse_,
       merge_tmp_;
   std::vector<cpu::kv_segment> segs_;
+  host_allocation staging_[2];
+  index_t staging_bytes_ = 0;
+  std::uint64_t serial_ = 0;  // sparse chunks streamed so far (staging buffer = serial % 2)
+  gather_stats gather_pending_{}, gather_{};
   args_type args_{};
   double gpu_seconds_ = 0.0;
   std::mutex mu_;

@@ -35,6 +35,7 @@
 #include "error.hpp"
 #include "inplace_kv_cache.hpp"
 #include "partial_state.hpp"
+#include "sparse.hpp"
 #include "stream_plan.hpp"
 
 namespace writescope {
@@ -46,6 +47,8 @@ struct attention_options {
   /// Fill partial-state workspaces with NaN before every step (tests: an
   /// unwritten partial shows as NaN in the output).
   bool poison_workspaces = false;
+  /// The sparse pipeline (sparse steps only; docs/SPARSE.md).
+  sparse_options sparse{};
 };
 
 /// What one step did and how long each side took.
@@ -62,6 +65,15 @@ struct step_report {
   index_t copies = 0;            ///< H2D copies issued (after coalescing)
   index_t chunks = 0;            ///< ping-pong fills
   int cpu_tasks = 0;
+  // Sparse steps only (docs/SPARSE.md). There, cpu_tokens are the selected
+  // unpinned tokens averaged over the KV heads (sum over heads of the tokens
+  // each head attends, / Hkv) and streamed_tokens the selected pinned tokens
+  // (union over the KV heads: what crosses PCIe): the volumes the policy sees.
+  index_t placed_blocks = 0;     ///< placed blocks of the batch (the selection's candidates)
+  index_t selected_blocks = 0;   ///< of which attended by at least one KV head
+  double select_seconds = 0.0;   ///< summaries of newly placed blocks + the selector (in total_seconds)
+  double gather_seconds = 0.0;   ///< host gather into staging, first to last memcpy (overlaps the copies)
+  index_t gathered_bytes = 0;    ///< bytes gathered into staging
 };
 
 template <class Cache, class CpuKernel = cpu::decode_kernel<typename Cache::layout_type>>
@@ -80,6 +92,7 @@ class hybrid_attention {
         engine_(cache.backend(), cache.layout(), cache.spec().max_sequences) {
     if (options_.cpu_threads <= 0)
       options_.cpu_threads = std::max(1, int(std::thread::hardware_concurrency()) - 1);
+    if (options_.sparse.reserve) reserve_sparse();
   }
 
   /// Attends `layer` for the batch `seqs` (distinct live sequences, ragged).
@@ -164,16 +177,240 @@ class hybrid_attention {
     return rep;
   }
 
+  /// Sparse step (paper §4.4; docs/SPARSE.md): attends `layer` for `seqs`
+  /// like step() above, but only over the placed blocks `selector` chooses per
+  /// (sequence, KV head), plus every sequence's whole D-window — exactly (the
+  /// output is full attention restricted to those tokens). Per step:
+  ///   1. queries to the host (cuda_backend: a synchronous D2H copy of q,
+  ///      ordered after the caller stream — the selector needs them);
+  ///   2. summaries of blocks placed since this layer's last sparse step
+  ///      (block_summary_store::update; waits for pending host writes first);
+  ///   3. selector.select(...) per sequence with placed blocks, validated
+  ///      (shape_error for a block outside [0, placed blocks), before any work);
+  ///   4. GPU side: the selected pinned blocks (union over the KV heads) in
+  ///      splits of gpu_split_blocks, chunks gathered into staging and moved as
+  ///      one copy each (stream_plan::build_sparse), each split attended per KV
+  ///      head over its own blocks; the whole D-window;
+  ///   5. CPU side: tasks of cpu_task_blocks selected unpinned blocks per
+  ///      (sequence, KV head), in place;
+  ///   6. merge, and the policy observes the selected volumes (step_report).
+  /// With select_all the output is bit-identical to step(). Task and split
+  /// boundaries depend only on each sequence's own selection (K10). The first
+  /// sparse step reserves the pipeline unless attention_options::sparse.reserve.
+  /// Throws what step() throws, config_error for more than 64 KV heads, and
+  /// whatever the selector throws (before any work).
+  template <class Selector>
+    requires block_selector<Selector, layout_type>
+  step_report step(int layer, std::span<const sequence_id> seqs, mem_span<const float, activation_space> q,
+                   float scale, const step_outputs<activation_space>& out, Selector& selector) {
+    const auto t_start = std::chrono::steady_clock::now();
+    const layout_type& L = cache_->layout();
+    const int batch = int(seqs.size());
+    const int hkv = L.kv_heads();
+    validate(layer, seqs, q, scale, out);
+    if (hkv > max_sparse_kv_heads)
+      throw config_error("step: a sparse step supports at most " + std::to_string(max_sparse_kv_heads) +
+                         " KV heads; the layout has " + std::to_string(hkv));
+    reserve_sparse();
+
+    const layer_views<layout_type> v = cache_->views(layer);
+    const partition_spec& spec = cache_->spec();
+    const index_t block_elems = v.format.block_elems();
+    const int bt = spec.block_tokens;
+    step_report rep;
+
+    // 1-3. queries on the host, summaries of new blocks, the selection
+    const float* sel_q = selection_queries(q, index_t(batch) * L.num_q_heads() * layout_type::q_dim);
+    summaries_.update(v, seqs, options_.cpu_threads, [&] {
+      if constexpr (requires(backend_type& b) { b.synchronize_host_writes(); })
+        cache_->backend().synchronize_host_writes();
+    });
+    selection_.clear();
+    for (int i = 0; i < batch; ++i) {
+      const sequence_state& st = v.sequences[std::size_t(seqs[std::size_t(i)])];
+      const index_t n = index_t(st.block_table.size());
+      sel_out_.reset(hkv, n);
+      if (n > 0) {
+        selection_input<layout_type> in;
+        in.layout = &L;
+        in.layer = layer;
+        in.batch_index = i;
+        in.seq = seqs[std::size_t(i)];
+        in.placed_blocks = n;
+        in.block_tokens = bt;
+        in.q = sel_q + index_t(i) * L.num_q_heads() * layout_type::q_dim;
+        in.scale = scale;
+        in.blocks = std::span<const block_ref>(st.block_table);
+        in.summaries = &summaries_;
+        in.views = &v;
+        selector.select(in, sel_out_);
+      }
+      selection_.append(seqs[std::size_t(i)], n, sel_out_);
+      rep.placed_blocks += n;
+    }
+    rep.select_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+
+    // 4. sparse stream plan over each sequence's selected pinned blocks + D-window refs
+    sel_pinned_.clear();
+    sel_pinned_begin_.assign(1, 0);
+    for (int i = 0; i < batch; ++i) {
+      const sequence_state& st = v.sequences[std::size_t(seqs[std::size_t(i)])];
+      const std::span<const std::uint64_t> masks = selection_.masks(i);
+      for (std::size_t b = 0; b < masks.size(); ++b) {
+        if (masks[b] == 0) continue;
+        ++rep.selected_blocks;
+        if (st.block_table[b].region == placement::gpu_load) sel_pinned_.push_back({st.block_table[b].id, masks[b]});
+      }
+      sel_pinned_begin_.push_back(index_t(sel_pinned_.size()));
+    }
+    const index_t bb = v.format.block_bytes();
+    const index_t direct = options_.sparse.direct_run_bytes;
+    const index_t direct_blocks = direct <= 0 ? 0 : direct / bb + (direct % bb != 0 ? 1 : 0);
+    plan_.build_sparse(
+        batch,
+        [&](int i) {
+          const index_t b0 = sel_pinned_begin_[std::size_t(i)];
+          return std::span<const sparse_block>(sel_pinned_.data() + b0,
+                                               std::size_t(sel_pinned_begin_[std::size_t(i) + 1] - b0));
+        },
+        [&](block_id id) { return v.pinned_block(id); }, block_elems, v.ping_pong_blocks, spec.gpu_split_blocks,
+        int(v.ping_pong.size()), hkv, direct_blocks);
+    windows_.resize(std::size_t(batch));
+    for (int i = 0; i < batch; ++i) {
+      const sequence_state& st = v.sequences[std::size_t(seqs[std::size_t(i)])];
+      windows_[std::size_t(i)] = {v.window_slot(st.window_slot), st.window_tokens[std::size_t(layer)]};
+      rep.window_tokens += st.window_tokens[std::size_t(layer)];
+    }
+
+    // GPU side, asynchronous
+    gpu_step_args<layout_type, activation_space> args;
+    args.format = v.format;
+    args.softmax_scale = scale;
+    args.batch = batch;
+    args.q = q;
+    args.plan = &plan_;
+    args.windows = windows_;
+    args.ping_pong = v.ping_pong;
+    args.poison_workspaces = options_.poison_workspaces;
+    engine_.launch(args);
+
+    // 5. CPU side, concurrently (clock after the wait for q, as in step())
+    const float* host_q = engine_.host_queries();
+    const auto t_cpu = std::chrono::steady_clock::now();
+    build_sparse_cpu_tasks(v, seqs, rep);
+    run_cpu_side(v, batch, host_q, scale);
+    rep.cpu_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_cpu).count();
+
+    // 6. merge
+    rep.gpu_seconds = engine_.finish(out);
+    rep.streamed_tokens = plan_.streamed_blocks * bt;
+    rep.copies = index_t(plan_.runs.size());
+    rep.chunks = index_t(plan_.chunks.size());
+    rep.cpu_tasks = int(tasks_.size());
+    rep.gather_seconds = engine_.last_gather().seconds;
+    rep.gathered_bytes = engine_.last_gather().bytes;
+
+    // 7. online feedback on the selected volumes (A and B stay per attended token)
+    cost_sample s;
+    s.cpu_seconds = rep.cpu_seconds;
+    s.cpu_tokens = rep.cpu_tokens;
+    s.gpu_seconds = rep.gpu_seconds;
+    s.gpu_streamed_tokens = rep.streamed_tokens;
+    if constexpr (requires(engine_type& e) { e.take_completed_gpu_cost(); }) {
+      const auto c = engine_.take_completed_gpu_cost();  // see step()
+      s.gpu_seconds = c.seconds;
+      s.gpu_streamed_tokens = c.streamed_tokens;
+    }
+    s.batch_size = batch;
+    cache_->policy().observe(s);
+    rep.total_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    return rep;
+  }
+
+  /// Reserves the sparse pipeline now (the summary store's address space, the
+  /// engine's staging buffers, block lists and gather threads); a no-op once
+  /// done. Called by the constructor when attention_options::sparse.reserve,
+  /// else by the first sparse step. Throws resource_error / pinned_memory_error.
+  void reserve_sparse() {
+    const layout_type& L = cache_->layout();
+    const partition_spec& spec = cache_->spec();
+    if (!summaries_.reserved()) summaries_.reserve(L, spec);
+    if (!sparse_reserved_) {
+      sparse_reservation r;
+      r.chunk_blocks = spec.ping_pong_blocks(L);
+      r.block_bytes = cache_->format().block_bytes();
+      r.buffers = spec.ping_pong_buffers;
+      r.kv_heads = L.kv_heads();
+      r.gather_threads = std::max(1, options_.sparse.gather_threads);
+      engine_.reserve_sparse(r);
+      sparse_reserved_ = true;
+    }
+  }
+
   [[nodiscard]] const attention_options& options() const noexcept { return options_; }
   [[nodiscard]] const stream_plan& last_plan() const noexcept { return plan_; }
+  /// The validated selection of the last sparse step (batch order).
+  [[nodiscard]] const step_selection& last_selection() const noexcept { return selection_; }
+  /// The block summaries of the sparse steps.
+  [[nodiscard]] const block_summary_store<layout_type>& summaries() const noexcept { return summaries_; }
+  /// The GPU engine (diagnostics: gather statistics, reservations).
+  [[nodiscard]] engine_type& engine() noexcept { return engine_; }
 
  private:
   struct cpu_task {
     int batch_index;
     int kv_head;
-    index_t first_block;  // index into the sequence's cpu_blocks
+    index_t first_block;  // index into the sequence's cpu_blocks (sparse: into task_ids_)
     int num_blocks;
   };
+
+  // Queries for the selector, on the host: the step's own q when host-readable,
+  // else a synchronous copy (ordered after the caller's stream).
+  const float* selection_queries(const mem_span<const float, activation_space>& q, index_t n) {
+    if constexpr (activation_space::host_accessible) {
+      (void)n;
+      return q.data();
+    } else {
+      sel_q_host_.resize(std::size_t(n));
+      cache_->backend().copy_to_host_sync(sel_q_host_.data(), reinterpret_cast<const std::byte*>(q.data()),
+                                          n * index_t(sizeof(float)));
+      return sel_q_host_.data();
+    }
+  }
+
+  // Sparse CPU tasks: per (sequence, KV head), the selected unpinned blocks in
+  // token order, cut into runs of cpu_task_blocks (with every block selected:
+  // exactly build_cpu_tasks' tasks).
+  void build_sparse_cpu_tasks(const layer_views<layout_type>& v, std::span<const sequence_id> seqs, step_report& rep) {
+    tasks_.clear();
+    head_task_begin_.clear();
+    task_ids_.clear();
+    sparse_tasks_ = true;
+    const int per_task = cache_->spec().cpu_task_blocks;
+    const int hkv = cache_->layout().kv_heads();
+    index_t token_heads = 0;
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      const sequence_state& st = v.sequences[std::size_t(seqs[i])];
+      const std::span<const std::uint64_t> masks = selection_.masks(int(i));
+      for (int h = 0; h < hkv; ++h) {
+        head_task_begin_.push_back(int(tasks_.size()));
+        const index_t first = index_t(task_ids_.size());
+        for (std::size_t b = 0; b < masks.size(); ++b)
+          if (((masks[b] >> h) & 1u) != 0 && st.block_table[b].region == placement::cpu_compute)
+            task_ids_.push_back(st.block_table[b].id);
+        const index_t n = index_t(task_ids_.size()) - first;
+        token_heads += n * v.format.block_tokens;
+        for (index_t b0 = 0; b0 < n; b0 += per_task)
+          tasks_.push_back({int(i), h, first + b0, int(std::min<index_t>(per_task, n - b0))});
+      }
+    }
+    head_task_begin_.push_back(int(tasks_.size()));
+    rep.cpu_tokens = token_heads / hkv;
+    const std::size_t g = std::size_t(cache_->layout().group_size());
+    task_o_.resize(tasks_.size() * g * layout_type::v_dim);
+    task_lse_.resize(tasks_.size() * g);
+    seqs_.assign(seqs.begin(), seqs.end());
+  }
 
   void validate(int layer, std::span<const sequence_id> seqs, const mem_span<const float, activation_space>& q,
                 float scale, const step_outputs<activation_space>& out) const {
@@ -203,6 +440,7 @@ class hybrid_attention {
   void build_cpu_tasks(const layer_views<layout_type>& v, std::span<const sequence_id> seqs, step_report& rep) {
     tasks_.clear();
     head_task_begin_.clear();
+    sparse_tasks_ = false;
     const int per_task = cache_->spec().cpu_task_blocks;
     const int hkv = cache_->layout().kv_heads();
     for (std::size_t i = 0; i < seqs.size(); ++i) {
@@ -239,8 +477,8 @@ class hybrid_attention {
       const cpu_task& task = tasks[std::size_t(t)];
       const sequence_state& st = v.sequences[std::size_t(seqs[std::size_t(task.batch_index)])];
       segs.clear();
-      for (int b = 0; b < task.num_blocks; ++b)
-        segs.push_back({v.cpu_block(st.cpu_blocks[std::size_t(task.first_block + b)]), v.format.block_tokens});
+      const block_id* ids = (sparse_tasks_ ? task_ids_.data() : st.cpu_blocks.data()) + task.first_block;
+      for (int b = 0; b < task.num_blocks; ++b) segs.push_back({v.cpu_block(ids[b]), v.format.block_tokens});
       const std::size_t row0 = std::size_t(task.batch_index) * std::size_t(hq) + std::size_t(task.kv_head) * group;
       CpuKernel::run(v.format, task.kv_head, q + row0 * Q, Q, group, scale, segs,
                      task_o_.data() + std::size_t(t) * group * V, V, task_lse_.data() + std::size_t(t) * group);
@@ -283,6 +521,16 @@ class hybrid_attention {
   std::vector<int> head_task_begin_;
   std::vector<float> task_o_, task_lse_;
   std::vector<sequence_id> seqs_;
+  // Sparse steps
+  bool sparse_tasks_ = false;        // tasks_ index task_ids_ (sparse) or each sequence's cpu_blocks (dense)
+  std::vector<block_id> task_ids_;
+  bool sparse_reserved_ = false;
+  block_summary_store<layout_type> summaries_;
+  block_selection sel_out_;
+  step_selection selection_;
+  std::vector<sparse_block> sel_pinned_;
+  std::vector<index_t> sel_pinned_begin_;
+  std::vector<float> sel_q_host_;
 };
 
 }  // namespace writescope

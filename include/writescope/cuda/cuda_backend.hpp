@@ -44,12 +44,18 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -87,6 +93,14 @@ struct cuda_debug_options {
   /// A spin kernel of this many SM cycles is queued on the copy stream before
   /// each chunk's copies (slow copies: the RAW guard's mutation test).
   long long copy_delay_cycles = 0;
+  /// Sparse steps (docs/SPARSE.md), RAW: copy a staging buffer into ping-pong
+  /// without waiting for the host gather of its chunk.
+  bool skip_gather_wait = false;
+  /// Sparse steps, WAR: gather into a staging buffer without waiting for the
+  /// copy that last read it (two chunks earlier).
+  bool skip_staging_wait = false;
+  /// Sparse steps: every gather thread sleeps this long before each chunk (a slow gather).
+  long long gather_delay_microseconds = 0;
 };
 
 /// Ablation switches (paper §7.4, Fig. 10): each replaces one design point of
@@ -509,6 +523,23 @@ class cuda_backend {
 /// allocates nothing and never blocks the host (STYLE.md §6). One engine per
 /// cache: the filled/consumed events guard the ping-pong buffers of the cache
 /// it serves. Calls into one engine come from one thread.
+///
+/// Sparse plans (stream_plan::build_sparse; docs/SPARSE.md; paper Fig. 6),
+/// after reserve_sparse(): gather threads (host) copy the selected blocks of
+/// chunk n into pinned staging buffer n % 2 while the copy engine moves chunk
+/// n-1; per chunk, on the copy stream:
+///   host function: "chunk n-1 copied" (it runs after that copy: releases
+///   staging buffer (n-1) % 2 to the gather of chunk n+1, WAR), then wait
+///   until every gather thread has finished chunk n (RAW);
+///   wait consumed[b]; ONE copy staging[n % 2] -> ping-pong[b] (a gathered
+///   chunk; a direct one copies its long runs straight from the pinned region);
+///   copy the chunk's block lists (pinned) -> the buffer's device lists;
+///   record filled[b]
+/// and on the compute stream the listed attention kernel per split and KV head.
+/// launch() still enqueues only (it hands the chunks to the gather threads and
+/// returns); finish() additionally waits until the gather threads are done
+/// with the step's chunks (they read the plan), i.e. until roughly the start
+/// of its last copy — not for the copies or kernels.
 template <kv_layout Layout>
 class cuda_backend::gpu_engine {
  public:
@@ -555,7 +586,58 @@ class cuda_backend::gpu_engine {
     cuda_detail::ignore(cudaStreamSynchronize(be_->caller_));
     cuda_detail::ignore(cudaStreamSynchronize(be_->h2d_.get()));
     free_step_buffers();
+    stop_gather_threads();
   }
+
+  /// Reserves the sparse pipeline (backend.hpp sparse_reservation): two pinned
+  /// staging buffers of r.chunk_blocks blocks, two pinned and r.buffers device
+  /// block-list buffers, and r.gather_threads gather threads (created once).
+  /// A larger reservation later grows the buffers (waiting for the copy stream
+  /// first). Between steps only. Throws pinned_memory_error / resource_error.
+  void reserve_sparse(const sparse_reservation& r) {
+    const index_t staging = std::max<index_t>(r.chunk_blocks * r.block_bytes, 1);
+    const index_t lists = std::max<index_t>(2 * index_t(r.kv_heads) * r.chunk_blocks, 1);
+    const int buffers = std::max(r.buffers, 1);
+    if (staging > staging_bytes_ || lists > list_cap_ || buffers > list_buffers_) {
+      WS_CUDA_TRY(cudaStreamSynchronize(be_->h2d_.get()));  // nothing reads the old buffers any more
+      const index_t sb = std::max(staging, staging_bytes_);
+      const index_t lc = std::max(lists, list_cap_);
+      const int lb = std::max(buffers, list_buffers_);
+      host_allocation st[2], lh[2];
+      for (int k = 0; k < 2; ++k) {
+        st[k] = be_->allocate_staging(sb);
+        lh[k] = be_->allocate_staging(lc * index_t(sizeof(std::int32_t)));
+      }
+      device_buffer ld = be_->allocate_device(lc * lb * index_t(sizeof(std::int32_t)), "sparse block lists");
+      for (int k = 0; k < 2; ++k) {
+        staging_[k] = std::move(st[k]);
+        lists_host_[k] = std::move(lh[k]);
+      }
+      lists_dev_ = std::move(ld);
+      staging_bytes_ = sb;
+      list_cap_ = lc;
+      list_buffers_ = lb;
+    }
+    if (!gs_) {
+      auto g = std::make_unique<gather_shared>();
+      const int n = std::max(1, r.gather_threads);
+      g->progress.assign(std::size_t(n), 0);
+      g->t_first.assign(std::size_t(n), -1.0);
+      g->t_last.assign(std::size_t(n), -1.0);
+      gs_ = std::move(g);
+      try {
+        for (int j = 0; j < n; ++j) gather_threads_.emplace_back(&gpu_engine::gather_main, gs_.get(), j);
+      } catch (...) {
+        stop_gather_threads();
+        gs_.reset();
+        throw resource_error("gpu_engine::reserve_sparse: could not start " + std::to_string(n) + " gather threads");
+      }
+    }
+  }
+  /// Bytes of the two pinned staging buffers (0 before reserve_sparse).
+  [[nodiscard]] index_t sparse_staging_bytes() const noexcept { return 2 * staging_bytes_; }
+  /// The gather of the last finished sparse step (zeros after a dense one).
+  [[nodiscard]] const gather_stats& last_gather() const noexcept { return gather_; }
 
   /// Starts the GPU side of one step; returns at once (enqueues only). `a.q`
   /// (device), the D-window slots, the ping-pong buffers and the pinned
@@ -567,6 +649,11 @@ class cuda_backend::gpu_engine {
   void launch(const args_type& a) {
     validate(a);
     const cuda_debug_options dbg = be_->debug_;
+    if (a.plan->sparse) {  // docs/SPARSE.md; the ablation switches apply to dense steps only
+      launch_sparse(a, dbg);
+      return;
+    }
+    last_sparse_ = false;
     const cuda_ablation_options abl = be_->ablation_;
     const stream_plan& plan = *a.plan;
     const index_t rows = index_t(a.batch) * hq_;
@@ -717,6 +804,20 @@ class cuda_backend::gpu_engine {
       throw shape_error("gpu_engine::finish: lse has " + std::to_string(o.lse.size()) + " elements, needs " +
                         std::to_string(rows));
     launched_ = false;
+    gather_ = {};
+    if (last_sparse_) {  // the gather threads read the plan: wait until they are done with it
+      wait_gathers();
+      gather_ = job_stats_;
+      double t0 = 0.0, t1 = 0.0;
+      bool any = false;
+      for (std::size_t j = 0; j < gs_->t_first.size() && job_stats_.gathered_chunks > 0; ++j) {
+        if (gs_->t_first[j] < 0.0) continue;
+        t0 = any ? std::min(t0, gs_->t_first[j]) : gs_->t_first[j];
+        t1 = any ? std::max(t1, gs_->t_last[j]) : gs_->t_last[j];
+        any = true;
+      }
+      gather_.seconds = any ? t1 - t0 : 0.0;
+    }
     cudaStream_t caller = be_->caller_;
     if (rows > 0) {
       WS_CUDA_TRY(cudaMemcpyAsync(cpu_o_.data(), cpu_o_host_.data(), static_cast<std::size_t>(rows * V * 4),
@@ -792,8 +893,36 @@ class cuda_backend::gpu_engine {
       if (c.buffer < 0 || std::size_t(c.buffer) >= a.ping_pong.size())
         throw shape_error("gpu_engine::launch: plan chunk uses ping-pong buffer " + std::to_string(c.buffer) + " of " +
                           std::to_string(a.ping_pong.size()));
-    if (WS_DEBUG_CHECKS() && !be_->debug_.allow_pageable_sources)
-      for (const stream_run& r : a.plan->runs) require_page_locked(r.src, r.num_blocks * a.format.block_bytes());
+    if (a.plan->sparse) validate_sparse(a);
+    if (WS_DEBUG_CHECKS() && !be_->debug_.allow_pageable_sources) {
+      if (!a.plan->sparse) {
+        for (const stream_run& r : a.plan->runs) require_page_locked(r.src, r.num_blocks * a.format.block_bytes());
+      } else {  // only direct chunks copy from the region; gathered ones from staging (page-locked)
+        for (const stream_chunk& c : a.plan->chunks)
+          for (index_t k = c.run_begin; k < c.run_end && !c.gathered; ++k) {
+            const stream_run& r = a.plan->runs[std::size_t(k)];
+            require_page_locked(r.src, r.num_blocks * a.format.block_bytes());
+          }
+      }
+    }
+  }
+
+  void validate_sparse(const args_type& a) const {
+    if (!gs_) throw state_error("gpu_engine::launch: a sparse plan needs reserve_sparse() first");
+    if (sparse_failed_)
+      throw state_error("gpu_engine::launch: the sparse pipeline stopped after a failed launch (CUDA error); "
+                        "create a new engine");
+    for (const stream_chunk& c : a.plan->chunks) {
+      if (c.gathered && c.num_blocks * a.format.block_bytes() > staging_bytes_)
+        throw shape_error("gpu_engine::launch: a gathered chunk of " + std::to_string(c.num_blocks) +
+                          " blocks exceeds the staging buffer (" + format_bytes(staging_bytes_) +
+                          "); reserve_sparse() for the cache's ping-pong geometry");
+      if (c.list_end - c.list_begin > list_cap_ || c.buffer >= list_buffers_)
+        throw shape_error("gpu_engine::launch: a sparse chunk needs " + std::to_string(c.list_end - c.list_begin) +
+                          " list entries in buffer " + std::to_string(c.buffer) + "; reserved " +
+                          std::to_string(list_cap_) + " in " + std::to_string(list_buffers_) +
+                          " buffers (reserve_sparse())");
+    }
   }
 
   // FAULT-KINDS C9: a pageable source silently makes the copy synchronous and
@@ -895,6 +1024,352 @@ class cuda_backend::gpu_engine {
     d.cpu_lse.assign(cl, cl + n_l);
   }
 
+  // ---------------------------------------------------------------------------
+  // Sparse pipeline (docs/SPARSE.md)
+  // ---------------------------------------------------------------------------
+
+  /// What the gather threads do for one launch.
+  struct gather_job {
+    const stream_plan* plan = nullptr;
+    std::uint64_t first = 0;  ///< serial number of the plan's first chunk
+    index_t block_bytes = 0;
+    std::byte* staging[2] = {nullptr, nullptr};
+    std::int32_t* lists[2] = {nullptr, nullptr};
+    bool skip_staging_wait = false;
+    long long delay_us = 0;
+  };
+
+  /// State shared by the launching thread, the gather threads and the host
+  /// functions on the copy stream (one mutex; counters only grow). Chunks of
+  /// sparse launches are numbered by one serial over the engine's lifetime;
+  /// chunk n uses staging buffer n % 2.
+  struct gather_shared {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::uint64_t copied = 0;  ///< chunks whose copies are known complete (published by the host functions)
+    std::uint64_t waited = 0;  ///< host functions run so far (= serial of the chunk the next one guards)
+    std::vector<std::uint64_t> progress;  ///< per gather thread: serial + 1 of its last finished chunk
+    std::vector<double> t_first, t_last;  ///< per gather thread: its first / last gather memcpy of the job (s)
+    std::uint64_t job_id = 0;
+    gather_job job;
+    bool abort = false;  ///< a launch failed half-way: nothing waits any more
+    bool stop = false;   ///< the engine is being destroyed
+    [[nodiscard]] std::uint64_t min_progress() const noexcept {
+      std::uint64_t m = ~std::uint64_t{0};
+      for (const std::uint64_t p : progress) m = std::min(m, p);
+      return m;
+    }
+  };
+
+  static double now_seconds() noexcept {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+
+  // Copy-stream host function before chunk n's copy (n = the number of such
+  // calls before it: they run in stream order). It runs after chunk n-1's
+  // copies, so it first publishes "n chunks copied" (WAR release of staging
+  // buffer (n-1) % 2 for the gather of chunk n+1), then waits until every
+  // gather thread finished chunk n (RAW). No CUDA calls; it depends only on
+  // gathers, which depend only on earlier calls of it (stream order), so
+  // serialized host functions cannot deadlock.
+  static void CUDART_CB host_wait_gathered(void* data) {
+    auto* g = static_cast<gather_shared*>(data);
+    std::unique_lock lk(g->mu);
+    const std::uint64_t need = ++g->waited;  // guards chunk need - 1
+    g->copied = need - 1;
+    g->cv.notify_all();
+    g->cv.wait(lk, [&] { return g->abort || g->min_progress() >= need; });
+  }
+  // The mutation (cuda_debug_options::skip_gather_wait): publishes, does not wait.
+  static void CUDART_CB host_skip_wait(void* data) {
+    auto* g = static_cast<gather_shared*>(data);
+    {
+      std::lock_guard lk(g->mu);
+      g->copied = g->waited;
+      ++g->waited;
+    }
+    g->cv.notify_all();
+  }
+
+  // Gather thread j of nt: for each chunk of a job, in order, wait until the
+  // copy that last read its staging buffer (chunk n-2) completed, then copy
+  // its share of the chunk (blocks [j*nb/nt, (j+1)*nb/nt) of the staging
+  // buffer, from whichever runs hold them); thread 0 also writes the chunk's
+  // block lists. No CUDA calls.
+  static void gather_main(gather_shared* g, int j) {
+    std::uint64_t seen = 0;
+    for (;;) {
+      gather_job job;
+      {
+        std::unique_lock lk(g->mu);
+        g->cv.wait(lk, [&] { return g->stop || g->job_id != seen; });
+        if (g->stop) return;
+        seen = g->job_id;
+        job = g->job;
+      }
+      const stream_plan& plan = *job.plan;
+      const auto nt = index_t(g->progress.size());
+      double t_first = -1.0, t_last = -1.0;
+      for (std::size_t k = 0; k < plan.chunks.size(); ++k) {
+        const std::uint64_t n = job.first + k;
+        {
+          std::unique_lock lk(g->mu);
+          if (!job.skip_staging_wait && n >= 2)
+            g->cv.wait(lk, [&] { return g->abort || g->stop || g->copied + 1 >= n; });  // copy n-2 done (WAR)
+          if (g->abort || g->stop) break;
+        }
+        if (job.delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(job.delay_us));
+        const stream_chunk& c = plan.chunks[k];
+        const auto slot = std::size_t(n & 1u);
+        if (c.gathered) {  // this thread's share: chunk blocks [lo, hi), whatever runs they belong to
+          const double t0 = now_seconds();
+          const index_t lo = c.num_blocks * j / nt, hi = c.num_blocks * (j + 1) / nt;
+          for (index_t r = c.run_begin; r < c.run_end; ++r) {
+            const stream_run& run = plan.runs[std::size_t(r)];
+            if (run.dst_block >= hi) break;  // runs are in destination order
+            const index_t b0 = std::max(lo, run.dst_block), b1 = std::min(hi, run.dst_block + run.num_blocks);
+            if (b0 < b1)
+              std::memcpy(job.staging[slot] + b0 * job.block_bytes,
+                          reinterpret_cast<const std::byte*>(run.src) + (b0 - run.dst_block) * job.block_bytes,
+                          static_cast<std::size_t>((b1 - b0) * job.block_bytes));
+          }
+          if (t_first < 0.0) t_first = t0;
+          t_last = now_seconds();
+        }
+        if (j == 0 && c.list_end > c.list_begin)
+          std::memcpy(job.lists[slot], plan.block_lists.data() + c.list_begin,
+                      static_cast<std::size_t>(c.list_end - c.list_begin) * sizeof(std::int32_t));
+        if (k + 1 == plan.chunks.size()) break;  // the last chunk is reported with the statistics below
+        {
+          std::lock_guard lk(g->mu);
+          g->progress[std::size_t(j)] = n + 1;
+        }
+        g->cv.notify_all();
+      }
+      {
+        std::lock_guard lk(g->mu);
+        g->progress[std::size_t(j)] = job.first + plan.chunks.size();  // done (also after an abort)
+        g->t_first[std::size_t(j)] = t_first;
+        g->t_last[std::size_t(j)] = t_last;
+      }
+      g->cv.notify_all();
+    }
+  }
+
+  // Waits until the gather threads finished the last posted job. Polls the copy
+  // stream for a sticky CUDA error (host functions never run after one, so the
+  // counters would stop): then aborts the pipeline and throws cuda_error.
+  void wait_gathers() {
+    if (!gs_) return;
+    gather_shared& g = *gs_;
+    std::unique_lock lk(g.mu);
+    while (!(g.abort || g.min_progress() >= job_end_)) {
+      if (g.cv.wait_for(lk, std::chrono::milliseconds(100)) != std::cv_status::timeout) continue;
+      lk.unlock();
+      const cudaError_t e = cudaStreamQuery(be_->h2d_.get());
+      if (e == cudaErrorNotReady) (void)cudaGetLastError();
+      if (e != cudaSuccess && e != cudaErrorNotReady) {
+        abort_gathers();
+        cuda_detail::check(e, "cudaStreamQuery (sparse gather pipeline)", __FILE__, __LINE__);
+      }
+      lk.lock();
+    }
+  }
+
+  void abort_gathers() noexcept {
+    if (!gs_) return;
+    {
+      std::lock_guard lk(gs_->mu);
+      gs_->abort = true;
+    }
+    gs_->cv.notify_all();
+    sparse_failed_ = true;
+  }
+
+  void stop_gather_threads() noexcept {
+    if (gs_) {
+      {
+        std::lock_guard lk(gs_->mu);
+        gs_->stop = true;
+      }
+      gs_->cv.notify_all();
+    }
+    for (std::thread& t : gather_threads_)
+      if (t.joinable()) t.join();
+    gather_threads_.clear();
+  }
+
+  // The sparse launch: launch() with the chunks gathered into staging by the
+  // gather threads, the copy stream gated by host functions, block lists
+  // uploaded per chunk, and the listed attention kernel.
+  void launch_sparse(const args_type& a, const cuda_debug_options& dbg) {
+    const stream_plan& plan = *a.plan;
+    const index_t rows = index_t(a.batch) * hq_;
+    const index_t block_elems = a.format.block_elems();
+    const index_t block_bytes = a.format.block_bytes();
+    cudaStream_t caller = be_->caller_;
+    cudaStream_t h2d = be_->h2d_.get();
+    cudaStream_t comp = compute_.get();
+    gather_shared& g = *gs_;
+    wait_gathers();  // the previous sparse step's (finish() did already, unless it was skipped)
+    if (sparse_failed_) throw state_error("gpu_engine::launch: the sparse pipeline stopped after a failed launch");
+
+    // Hand the chunks to the gather threads now: chunk n gathers once the copy
+    // of chunk n-2 is known done (published by chunk n-1's host function).
+    const std::uint64_t first = next_serial_;
+    job_stats_ = {};
+    for (const stream_chunk& c : plan.chunks) {
+      if (c.gathered) {
+        ++job_stats_.gathered_chunks;
+        job_stats_.bytes += c.num_blocks * block_bytes;
+      } else {
+        ++job_stats_.direct_chunks;
+      }
+    }
+    if (!plan.chunks.empty()) {
+      {
+        std::lock_guard lk(g.mu);
+        gather_job& j = g.job;
+        j.plan = &plan;
+        j.first = first;
+        j.block_bytes = block_bytes;
+        for (int k = 0; k < 2; ++k) {
+          j.staging[k] = staging_[k].data();
+          j.lists[k] = reinterpret_cast<std::int32_t*>(lists_host_[k].data());
+        }
+        j.skip_staging_wait = dbg.skip_staging_wait;
+        j.delay_us = dbg.gather_delay_microseconds;
+        std::fill(g.t_first.begin(), g.t_first.end(), -1.0);
+        std::fill(g.t_last.begin(), g.t_last.end(), -1.0);
+        ++g.job_id;
+      }
+      g.cv.notify_all();
+    }
+    next_serial_ = first + plan.chunks.size();
+    job_end_ = next_serial_;
+    batch_ = a.batch;
+    launched_ = true;
+    last_sparse_ = true;
+
+    try {
+      // 0-2. As launch(): caller event, q copy, compute after the caller, copy
+      // stream after pending D2H writes (direct chunks read the region itself;
+      // gathered blocks landed before the step: hybrid_attention's summary
+      // update waited for every host write of newly placed blocks).
+      cuda_detail::record(launch_ev_, caller);
+      if (!dbg.skip_caller_event) cuda_detail::wait(qstream_.get(), launch_ev_);
+      if (rows > 0)
+        WS_CUDA_TRY(cudaMemcpyAsync(q_host_.data(), a.q.data(), static_cast<std::size_t>(rows * Q * 4),
+                                    cudaMemcpyDeviceToHost, qstream_.get()));
+      cuda_detail::record(q_done_, qstream_.get());
+      if (!dbg.skip_caller_event) cuda_detail::wait(comp, launch_ev_);
+      if (!dbg.skip_landing_wait) cuda_detail::wait(h2d, be_->d2h_done_);
+      const int tslot = timing_slot_;
+      cuda_detail::record(t_start_[std::size_t(tslot)], h2d);
+      if (a.poison_workspaces) {
+        WS_CUDA_TRY(cudaMemsetAsync(split_o_.data(), 0xff, static_cast<std::size_t>(split_o_.size_bytes()), comp));
+        WS_CUDA_TRY(cudaMemsetAsync(split_lse_.data(), 0xff, static_cast<std::size_t>(split_lse_.size_bytes()), comp));
+        WS_CUDA_TRY(cudaMemsetAsync(window_o_.data(), 0xff, static_cast<std::size_t>(rows * V * 4), comp));
+        WS_CUDA_TRY(cudaMemsetAsync(window_lse_.data(), 0xff, static_cast<std::size_t>(rows * 4), comp));
+      }
+      gpu::launch_init_state<Layout>(streamed_o_.as<float>(), streamed_lse_.as<float>(), rows, comp);
+
+      gpu::attend_params& ap = attend_;
+      ap.q = a.q.data();
+      ap.block_elems = block_elems;
+      ap.scale = a.softmax_scale;
+      ap.hq = hq_;
+      ap.hkv = layout_.kv_heads();
+      ap.group = layout_.group_size();
+      ap.block_tokens = a.format.block_tokens;
+
+      // 3. Per chunk: gated copy of its staging buffer (or direct runs) and its
+      // lists, then the listed attention of its splits and the in-order fold.
+      for (std::size_t k = 0; k < plan.chunks.size(); ++k) {
+        const stream_chunk& c = plan.chunks[k];
+        const std::uint64_t n = first + k;
+        const auto slot = std::size_t(n & 1u);
+        const auto b = std::size_t(c.buffer);
+        bf16* buf = a.ping_pong[b];
+        std::int32_t* dev_lists = lists_dev_.as<std::int32_t>() + index_t(b) * list_cap_;
+        WS_CUDA_TRY(cudaLaunchHostFunc(h2d, dbg.skip_gather_wait ? &host_skip_wait : &host_wait_gathered, &g));
+        if (!dbg.skip_consumed_wait) cuda_detail::wait(h2d, consumed_[b]);  // WAR on ping-pong[b] and its lists
+        if (dbg.copy_delay_cycles > 0) gpu::launch_spin(dbg.copy_delay_cycles, h2d);
+        if (c.gathered) {
+          copy_h2d(buf, reinterpret_cast<const bf16*>(staging_[slot].data()), c.num_blocks * block_bytes, h2d);
+        } else {
+          for (index_t r = c.run_begin; r < c.run_end; ++r) {
+            const stream_run& run = plan.runs[std::size_t(r)];
+            copy_h2d(buf + run.dst_block * block_elems, run.src, run.num_blocks * block_bytes, h2d);
+          }
+        }
+        const index_t list_ints = c.list_end - c.list_begin;
+        if (list_ints > 0)
+          WS_CUDA_TRY(cudaMemcpyAsync(dev_lists, lists_host_[slot].data(),
+                                      static_cast<std::size_t>(list_ints) * sizeof(std::int32_t),
+                                      cudaMemcpyHostToDevice, h2d));
+        cuda_detail::record(filled_[b], h2d);
+        if (!dbg.skip_filled_wait) cuda_detail::wait(comp, filled_[b]);  // RAW
+        ap.block_lists = dev_lists;
+        for (index_t s0 = c.split_begin; s0 < c.split_end; s0 += gpu::max_attend_items) {
+          const index_t s1 = std::min<index_t>(c.split_end, s0 + gpu::max_attend_items);
+          ap.out_o = split_o_.as<float>();
+          ap.out_lse = split_lse_.as<float>();
+          ap.delay_cycles = dbg.consumer_delay_cycles;
+          ap.num_items = int(s1 - s0);
+          gpu::fold_params& fp = fold_;
+          fp.state_o = streamed_o_.as<float>();
+          fp.state_lse = streamed_lse_.as<float>();
+          fp.split_o = split_o_.as<float>();
+          fp.split_lse = split_lse_.as<float>();
+          fp.hq = hq_;
+          fp.num_segments = 0;
+          for (index_t s = s0; s < s1; ++s) {
+            const stream_split& sp = plan.splits[std::size_t(s)];
+            const int local = int(s - s0);
+            ap.items[local] = {buf + sp.first_block * block_elems, sp.num_blocks * a.format.block_tokens,
+                               sp.batch_index, local, int(sp.list_offset)};
+            if (fp.num_segments > 0 && fp.segments[fp.num_segments - 1].batch_index == sp.batch_index)
+              fp.segments[fp.num_segments - 1].split_end = local + 1;
+            else
+              fp.segments[fp.num_segments++] = {sp.batch_index, local, local + 1};
+          }
+          gpu::launch_attend_listed<Layout>(ap, comp);
+          if (s1 == c.split_end) cuda_detail::record(consumed_[b], comp);  // last reader of buffer b and its lists
+          gpu::launch_fold<Layout>(fp, comp);
+        }
+      }
+      cuda_detail::record(be_->h2d_done_, h2d);  // C9: D2H into host blocks waits for this
+
+      // 4. D-window attention (the dense kernel).
+      ap.block_lists = nullptr;
+      ap.out_o = window_o_.as<float>();
+      ap.out_lse = window_lse_.as<float>();
+      ap.delay_cycles = 0;
+      for (int i0 = 0; i0 < a.batch; i0 += gpu::max_attend_items) {
+        const int i1 = std::min(a.batch, i0 + gpu::max_attend_items);
+        ap.num_items = i1 - i0;
+        for (int i = i0; i < i1; ++i) {
+          const window_ref& w = a.windows[std::size_t(i)];
+          ap.items[i - i0] = {w.slot, w.tokens, i, i, 0};
+        }
+        gpu::launch_attend<Layout>(ap, comp);
+      }
+      cuda_detail::record(t_end_[std::size_t(tslot)], comp);
+      cuda_detail::record(compute_done_, comp);
+      timing_pending_[std::size_t(tslot)] = true;
+      slot_tokens_[std::size_t(tslot)] = plan.streamed_blocks * a.format.block_tokens;
+      last_slot_ = tslot;
+      timing_slot_ = tslot ^ 1;
+    } catch (...) {
+      // Host functions already enqueued must not wait for chunks that will
+      // never be gathered or copied: stop the pipeline (later sparse launches
+      // throw state_error; dense launches are unaffected).
+      abort_gathers();
+      throw;
+    }
+  }
+
   cuda_backend* be_;
   Layout layout_;
   int max_batch_;
@@ -918,6 +1393,20 @@ class cuda_backend::gpu_engine {
   std::array<bf16*, max_ping_pong_buffers> step_buffers_{};
   gpu::attend_params attend_{};
   gpu::fold_params fold_{};
+  // Sparse pipeline
+  std::unique_ptr<gather_shared> gs_;
+  std::vector<std::thread> gather_threads_;
+  host_allocation staging_[2];     // pinned, staging_bytes_ each
+  host_allocation lists_host_[2];  // pinned, list_cap_ entries each
+  device_buffer lists_dev_;        // list_buffers_ × list_cap_ entries
+  index_t staging_bytes_ = 0;
+  index_t list_cap_ = 0;
+  int list_buffers_ = 0;
+  std::uint64_t next_serial_ = 0;  // serial of the next sparse chunk
+  std::uint64_t job_end_ = 0;      // serial after the last posted job's chunks
+  bool last_sparse_ = false;
+  bool sparse_failed_ = false;
+  gather_stats job_stats_{}, gather_{};
 };
 
 static_assert(backend<cuda_backend>);

@@ -1,0 +1,488 @@
+// Block-level sparse selection on cuda_backend (docs/SPARSE.md; paper §4.4,
+// Fig. 6): the device mirror of tests/test_sparse.cpp. select_all is
+// bit-identical to the dense step (every policy, GQA and MLA, gathered and
+// direct chunks, several gather threads); top-k equals the fp64 reference
+// restricted to the selected blocks + D-window and is the test's own top-k;
+// an engine without selected blocks gives exactly (0, -inf) (K1); selections
+// past 4 GiB in the unpinned region (and, with WS_TEST_LARGE_PINNED=1, the
+// pinned one); batch invariance (K10); the gather pipeline's two guards are
+// falsified by their mutation switches (K7): the copy of a staging buffer
+// waits for its gather (RAW), a gather waits for the copy that last read its
+// staging buffer (WAR).
+#include <doctest/doctest.h>
+
+#include <sys/resource.h>
+
+#include <optional>
+
+#include "device_harness.hpp"
+#include "support/sparse_checks.hpp"
+
+using namespace wstest;
+using namespace wstest::dev;
+
+namespace {
+
+using G = gqa_layout<128>;
+using M = mla_layout<512, 64>;
+const double gqa_scale = 1.0 / std::sqrt(128.0);
+
+/// Dense and sparse steps with the same device queries on a device driver's cache.
+template <class Cache>
+struct dev_runner {
+  using layout_type = typename Cache::layout_type;
+  static constexpr int V = layout_type::v_dim;
+  explicit dev_runner(device_decode_driver<Cache>& driver) : d(driver) {
+    const std::size_t rows =
+        std::size_t(d.cache().spec().max_sequences) * std::size_t(d.cache().layout().num_q_heads());
+    (void)out_dev.get<float>(rows * V, d.stream());
+    (void)lse_dev.get<float>(rows, d.stream());
+  }
+  device_decode_driver<Cache>& d;
+  device_scratch out_dev, lse_dev;
+  mem_span<const float, device_space> qd;
+  std::vector<float> out, lse;
+  step_report rep;
+
+  void make_queries(std::span<const sequence_id> batch) { qd = d.make_queries(batch); }  // host copy: d.q
+  step_outputs<device_space> outputs(std::size_t batch, debug_partials* dbg) {
+    const std::size_t rows = batch * std::size_t(d.cache().layout().num_q_heads());
+    float* o = out_dev.get<float>(rows * V, d.stream());
+    float* l = lse_dev.get<float>(rows, d.stream());
+    WS_CUDA_TRY(cudaMemsetAsync(o, 0xff, rows * V * sizeof(float), d.stream()));  // NaN: unwritten shows
+    WS_CUDA_TRY(cudaMemsetAsync(l, 0xff, rows * sizeof(float), d.stream()));
+    return {device_span<float>(o, index_t(rows * V)), device_span<float>(l, index_t(rows)), dbg};
+  }
+  void fetch(std::size_t batch) {
+    const std::size_t rows = batch * std::size_t(d.cache().layout().num_q_heads());
+    download(out, out_dev.get<float>(rows * V, d.stream()), rows * V, d.stream());
+    download(lse, lse_dev.get<float>(rows, d.stream()), rows, d.stream());
+  }
+  void dense(int l, std::span<const sequence_id> batch, debug_partials* dbg = nullptr) {
+    const auto so = outputs(batch.size(), dbg);
+    rep = d.attention().step(l, batch, qd, float(d.scale()), so);
+    fetch(batch.size());
+  }
+  template <class Selector>
+  void sparse(int l, std::span<const sequence_id> batch, Selector& sel, debug_partials* dbg = nullptr) {
+    const auto so = outputs(batch.size(), dbg);
+    rep = d.attention().step(l, batch, qd, float(d.scale()), so, sel);
+    fetch(batch.size());
+  }
+  /// Worst error of the last sparse step against the restricted reference.
+  compare_result check(int l, std::span<const sequence_id> batch) {
+    const layout_type& L = d.cache().layout();
+    const int hq = L.num_q_heads();
+    compare_result cr;
+    for (std::size_t i = 0; i < batch.size(); ++i)
+      check_restricted(L, d.history(batch[i], l), d.cache().sequence(batch[i]), d.cache().spec().block_tokens,
+                       d.attention().last_selection(), int(i), d.q.data() + i * std::size_t(hq) * layout_type::q_dim,
+                       d.scale(), out.data() + i * std::size_t(hq) * V, lse.data() + i * std::size_t(hq), cr);
+    return cr;
+  }
+};
+
+roofline_policy device_roofline() {
+  roofline_params p;
+  p.cpu_cost_per_token_seconds = 2.0e-9;
+  p.gpu_cost_per_token_seconds = 1.4e-9;
+  p.cpu_fixed_seconds = 20e-6;
+  p.gpu_fixed_seconds = 30e-6;
+  p.cost_window_samples = 16;
+  p.track_gpu_cost = true;
+  return roofline_policy(p);
+}
+
+partition_spec sparse_spec(int layers, int seqs, index_t tokens_per_seq) {
+  partition_spec s = small_spec(layers, seqs, 16, 32);
+  s.cpu_capacity_tokens = s.pinned_capacity_tokens = index_t(seqs) * (tokens_per_seq + 64);
+  s.gpu_split_blocks = 4;
+  s.cpu_task_blocks = 3;
+  return s;
+}
+
+template <class Layout, class Policy>
+void select_all_matches_dense(const Layout& L, Policy pol, double scale, index_t direct_run_bytes, int gather_threads,
+                              int steps, std::uint64_t seed) {
+  cuda_backend be;
+  const std::vector<index_t> prompts{1, 15, 33, 70, 100, 260};
+  partition_spec spec = sparse_spec(2, int(prompts.size()), 260 + steps);
+  set_ping_pong_blocks(spec, L, 6);
+  device_cache<Layout, Policy> cache(be, L, spec, pol, {}, cache_options{true});
+  attention_options ao{4, true};
+  ao.sparse.reserve = true;
+  ao.sparse.direct_run_bytes = direct_run_bytes;
+  ao.sparse.gather_threads = gather_threads;
+  device_decode_driver<decltype(cache)> d(cache, ao, seed, scale);
+  std::vector<sequence_id> batch;
+  for (index_t p : prompts) batch.push_back(d.add(p));
+  dev_runner<decltype(cache)> r(d);
+  select_all all;
+  index_t gathered = 0, direct = 0;
+  for (int s = 0; s < steps; ++s)
+    for (int l = 0; l < spec.num_layers; ++l) {
+      CAPTURE(s);
+      CAPTURE(l);
+      d.append_layer(l, batch);
+      r.make_queries(batch);
+      debug_partials dd, ds;
+      r.dense(l, batch, &dd);
+      const std::vector<float> out = r.out, lse = r.lse;
+      r.sparse(l, batch, all, &ds);
+      REQUIRE(same_bits(out, r.out));
+      REQUIRE(same_bits(lse, r.lse));
+      REQUIRE(same_bits(dd.streamed_o, ds.streamed_o));
+      REQUIRE(same_bits(dd.cpu_lse, ds.cpu_lse));
+      gathered += d.attention().engine().last_gather().gathered_chunks;
+      direct += d.attention().engine().last_gather().direct_chunks;
+      if (s % 10 == 0) {
+        const compare_result cr = r.check(l, batch);
+        INFO("rel_l2 " << cr.max_rel_l2 << ", lse excess " << cr.max_lse_err);
+        REQUIRE(cr.ok());
+      }
+      if (l + 1 == spec.num_layers) cache.flush();
+    }
+  if (!std::is_same_v<Policy, cpu_only>) CHECK(gathered + direct > 0);
+  CHECK((direct_run_bytes == 0 ? gathered : direct) == 0);
+}
+
+}  // namespace
+
+TEST_CASE("device: select_all is bit-identical to the dense step (GQA Qwen3 32/4, every policy, gathered/direct)") {
+  const G L = presets::qwen3_30b_a3b::layout();
+  const int steps = scaled(40, 12);
+  SUBCASE("gpu_only, gathered, 1 gather thread") { select_all_matches_dense(L, gpu_only{}, gqa_scale, index_t{2} << 20, 1, steps, 1); }
+  SUBCASE("gpu_only, gathered, 3 gather threads") { select_all_matches_dense(L, gpu_only{}, gqa_scale, index_t{2} << 20, 3, steps, 2); }
+  SUBCASE("gpu_only, direct") { select_all_matches_dense(L, gpu_only{}, gqa_scale, 0, 1, steps, 3); }
+  SUBCASE("fixed_ratio 0.4") { select_all_matches_dense(L, fixed_ratio(0.4), gqa_scale, index_t{2} << 20, 2, steps, 4); }
+  SUBCASE("cpu_only") { select_all_matches_dense(L, cpu_only{}, gqa_scale, index_t{2} << 20, 1, steps, 5); }
+  SUBCASE("roofline") { select_all_matches_dense(L, device_roofline(), gqa_scale, index_t{2} << 20, 2, steps, 6); }
+}
+
+TEST_CASE("device: select_all is bit-identical to the dense step (MLA DeepSeek-V2-Lite)") {
+  const M L = presets::deepseek_v2_lite::layout();
+  const double scale = presets::deepseek_v2_lite::softmax_scale();
+  const int steps = scaled(30, 10);
+  SUBCASE("gpu_only") { select_all_matches_dense(L, gpu_only{}, scale, index_t{2} << 20, 2, steps, 7); }
+  SUBCASE("fixed_ratio 0.4, direct") { select_all_matches_dense(L, fixed_ratio(0.4), scale, 0, 1, steps, 8); }
+  SUBCASE("roofline") { select_all_matches_dense(L, device_roofline(), scale, index_t{2} << 20, 1, steps, 9); }
+}
+
+namespace {
+
+template <class Layout, class Policy>
+void topk_loop(const Layout& L, Policy pol, double scale, top_k_selector sel, const std::vector<index_t>& prompts,
+               int steps, int gather_threads, std::uint64_t seed) {
+  cuda_backend be;
+  partition_spec spec = sparse_spec(2, int(prompts.size()), 300 + steps);
+  set_ping_pong_blocks(spec, L, 5);
+  device_cache<Layout, Policy> cache(be, L, spec, pol, {}, cache_options{true});
+  attention_options ao{4, true};
+  ao.sparse.gather_threads = gather_threads;
+  device_decode_driver<decltype(cache)> d(cache, ao, seed, scale);
+  std::vector<sequence_id> batch;
+  for (index_t p : prompts) batch.push_back(d.add(p));
+  dev_runner<decltype(cache)> r(d);
+  const int hq = L.num_q_heads();
+  index_t selected = 0, placed = 0, gathered_bytes = 0;
+  for (int s = 0; s < steps; ++s)
+    for (int l = 0; l < spec.num_layers; ++l) {
+      CAPTURE(s);
+      CAPTURE(l);
+      d.append_layer(l, batch);
+      r.make_queries(batch);
+      r.sparse(l, batch, sel);
+      const compare_result cr = r.check(l, batch);
+      INFO("rel_l2 " << cr.max_rel_l2 << ", lse excess " << cr.max_lse_err << ", non-finite " << cr.non_finite);
+      REQUIRE(cr.ok());
+      int problems = 0;
+      for (std::size_t i = 0; i < batch.size(); ++i)
+        problems += check_topk(cache, d.attention(), d.history(batch[i], l), batch[i], l, int(i),
+                               d.q.data() + i * std::size_t(hq) * Layout::q_dim, scale, sel);
+      REQUIRE(problems == 0);
+      selected += r.rep.selected_blocks;
+      placed += r.rep.placed_blocks;
+      gathered_bytes += r.rep.gathered_bytes;
+      CHECK(r.rep.gathered_bytes == d.attention().last_plan().gathered_blocks * cache.format().block_bytes());
+      if (l + 1 == spec.num_layers) cache.flush();
+    }
+  CHECK(selected < placed);
+  if (!std::is_same_v<Policy, cpu_only>) CHECK(gathered_bytes > 0);
+}
+
+}  // namespace
+
+TEST_CASE("device: top-k equals the fp64 reference restricted to the selection + D-window; the test's own top-k") {
+  const int steps = scaled(36, 6);
+  SUBCASE("Qwen3 32/4, keep 0.5, fixed_ratio 0.5, 2 gather threads") {
+    topk_loop(presets::qwen3_30b_a3b::layout(), fixed_ratio(0.5), gqa_scale, top_k_selector::ratio(0.5),
+              {40, 97, 200, 333}, steps, 2, 11);
+  }
+  SUBCASE("Mixtral 32/8, keep 3 blocks, gpu_only") {
+    topk_loop(presets::mixtral_8x7b::layout(), gpu_only{}, gqa_scale, top_k_selector::blocks(3), {17, 64, 150},
+              steps, 1, 12);
+  }
+  SUBCASE("Qwen3, keep 0.2, roofline") {
+    topk_loop(presets::qwen3_30b_a3b::layout(), device_roofline(), gqa_scale, top_k_selector::ratio(0.2),
+              {300, 33, 250}, steps, 1, 13);
+  }
+  SUBCASE("MLA DeepSeek-V2-Lite, keep 0.3, fixed_ratio 0.5") {
+    topk_loop(presets::deepseek_v2_lite::layout(), fixed_ratio(0.5), presets::deepseek_v2_lite::softmax_scale(),
+              top_k_selector::ratio(0.3), {50, 140, 260}, steps, 2, 14);
+  }
+}
+
+TEST_CASE("device K1: an engine (or a KV head) without selected blocks gives exactly (0, -inf)") {
+  cuda_backend be;
+  const G L = presets::qwen3_30b_a3b::layout();
+  partition_spec spec = sparse_spec(1, 3, 300);
+  set_ping_pong_blocks(spec, L, 4);
+  device_cache<G, fixed_ratio> cache(be, L, spec, fixed_ratio(0.5), {}, cache_options{true});
+  device_decode_driver<decltype(cache)> d(cache, attention_options{2, true}, 21, gqa_scale);
+  const std::vector<sequence_id> batch{d.add(128), d.add(32 * 5 + 3), d.add(31)};
+  dev_runner<decltype(cache)> r(d);
+  const int rows = 3 * 32;
+  auto empty_rows = [](const std::vector<float>& o, const std::vector<float>& lse, std::size_t row0, int n) {
+    for (int k = 0; k < n; ++k) {
+      if (!(std::isinf(lse[row0 + std::size_t(k)]) && lse[row0 + std::size_t(k)] < 0)) return false;
+      for (int e = 0; e < 128; ++e)
+        if (std::bit_cast<std::uint32_t>(o[(row0 + std::size_t(k)) * 128 + std::size_t(e)]) != 0u) return false;
+    }
+    return true;
+  };
+  for (int s = 0; s < 3; ++s) {
+    d.append_layer(0, batch);
+    r.make_queries(batch);
+    {
+      only_region cpu_blocks{placement::cpu_compute};
+      debug_partials dbg;
+      r.sparse(0, batch, cpu_blocks, &dbg);
+      CHECK(r.check(0, batch).ok());
+      CHECK(r.rep.streamed_tokens == 0);
+      CHECK(empty_rows(dbg.streamed_o, dbg.streamed_lse, 0, rows));
+    }
+    {
+      only_region pinned_blocks{placement::gpu_load};
+      debug_partials dbg;
+      r.sparse(0, batch, pinned_blocks, &dbg);
+      CHECK(r.check(0, batch).ok());
+      CHECK(r.rep.cpu_tokens == 0);
+      CHECK(empty_rows(dbg.cpu_o, dbg.cpu_lse, 0, rows));
+    }
+    {
+      select_none none;
+      debug_partials dbg;
+      r.sparse(0, batch, none, &dbg);
+      CHECK(r.check(0, batch).ok());
+      CHECK(empty_rows(dbg.cpu_o, dbg.cpu_lse, 0, rows));
+      CHECK(empty_rows(dbg.streamed_o, dbg.streamed_lse, 0, rows));
+    }
+    {
+      skip_head0 skip;
+      debug_partials dbg;
+      r.sparse(0, batch, skip, &dbg);
+      CHECK(r.check(0, batch).ok());
+      for (std::size_t i = 0; i < batch.size(); ++i) {  // query heads 0..7 read KV head 0
+        CHECK(empty_rows(dbg.cpu_o, dbg.cpu_lse, i * 32, 8));
+        CHECK(empty_rows(dbg.streamed_o, dbg.streamed_lse, i * 32, 8));
+      }
+    }
+    cache.flush();
+  }
+}
+
+TEST_CASE("device K4/C7: selected blocks past 2^32 bytes (unpinned region; pinned with WS_TEST_LARGE_PINNED=1)") {
+  const G lay(4, 1);  // 512 bytes per token
+  const index_t gib_tokens = (index_t{1} << 30) / 512;
+  const char* large = std::getenv("WS_TEST_LARGE_PINNED");
+  const bool with_pinned = large != nullptr && *large == '1';
+  std::vector<placement> regions{placement::cpu_compute};
+  if (with_pinned) regions.push_back(placement::gpu_load);
+  for (placement where : regions) {
+    const std::string region = to_string(where);
+    CAPTURE(region);
+    partition_spec s;
+    s.num_layers = 1;
+    s.block_tokens = 64;
+    s.d_window_tokens = 256;
+    s.max_sequences = 4;
+    s.cpu_capacity_tokens = where == placement::cpu_compute ? 5 * gib_tokens : 0;
+    s.pinned_capacity_tokens = where == placement::gpu_load ? 5 * gib_tokens : 0;
+    s.pinned_initial_tokens = -1;
+    s.pinned_growth_tokens = s.pinned_capacity_tokens;
+    s.gpu_split_blocks = 4;
+    s.cpu_task_blocks = 4;
+    set_ping_pong_blocks(s, lay, 8);
+    scripted_policy pol;
+    pol.fn = [where](const route_query&) { return where; };
+    cuda_backend be;
+    std::optional<device_cache<G, scripted_policy, cuda_host_register>> cache;
+    try {
+      cache.emplace(be, lay, s, pol, cuda_host_register{}, cache_options{false});
+    } catch (const resource_error& e) {
+      WARN_MESSAGE(false, "skipped: 5 GiB region refused: " << std::string(e.what()));
+      continue;
+    }
+    device_decode_driver<device_cache<G, scripted_policy, cuda_host_register>> d(*cache, attention_options{2, true}, 41,
+                                                                                 gqa_scale);
+    (void)cache->begin_sequence(2 * gib_tokens);  // never written
+    const sequence_id a = d.add(2 * 256 + 10);    // at 2 GiB
+    (void)cache->begin_sequence(2 * gib_tokens);  // to 4 GiB + a
+    const sequence_id b = d.add(6 * 256 + 5);     // past 4 GiB
+    const std::vector<sequence_id> batch{a, b};
+    const layer_views<G> v = cache->views(0);
+    const bf16* base = where == placement::cpu_compute ? v.cpu_arena.data() : v.pinned_slabs[0];
+    dev_runner<device_cache<G, scripted_policy, cuda_host_register>> r(d);
+    top_k_selector sel = top_k_selector::ratio(0.4);
+    for (int st = 0; st < 3; ++st) {
+      d.append_layer(0, batch);
+      r.make_queries(batch);
+      r.sparse(0, batch, sel);
+      const compare_result cr = r.check(0, batch);
+      REQUIRE(cr.ok());
+      const std::vector<index_t> chosen = d.attention().last_selection().blocks(1, 0);
+      REQUIRE(!chosen.empty());
+      for (index_t k : chosen) {
+        const block_ref& br = cache->sequence(b).block_table[std::size_t(k)];
+        const bf16* p = where == placement::cpu_compute ? v.cpu_block(br.id) : v.pinned_block(br.id);
+        CHECK(index_t(p - base) * index_t(sizeof(bf16)) > (index_t{1} << 32));
+      }
+      cache->flush();
+    }
+  }
+}
+
+TEST_CASE("device K10: a sequence's sparse output is bit-identical alone and in a batch, and on a rerun") {
+  const G L = presets::qwen3_30b_a3b::layout();
+  auto run = [&](bool with_mates) {
+    cuda_backend be;
+    partition_spec spec = sparse_spec(1, 4, 500);
+    set_ping_pong_blocks(spec, L, 5);
+    device_cache<G, fixed_ratio> cache(be, L, spec, fixed_ratio(0.5), {}, cache_options{true});
+    device_decode_driver<decltype(cache)> d(cache, attention_options{2, true}, 81, gqa_scale);
+    std::vector<sequence_id> batch;
+    if (with_mates) batch.push_back(d.add(150, 7));
+    const sequence_id me = d.add(330, 8);
+    batch.push_back(me);
+    if (with_mates) batch.push_back(d.add(61, 9));
+    dev_runner<decltype(cache)> r(d);
+    top_k_selector sel = top_k_selector::ratio(0.5);
+    std::vector<std::vector<float>> mine;
+    const std::size_t at = with_mates ? 1 : 0;
+    for (int s = 0; s < scaled(40, 10); ++s) {
+      d.append_layer(0, batch);
+      r.make_queries(batch);
+      r.sparse(0, batch, sel);
+      mine.emplace_back(r.out.begin() + std::ptrdiff_t(at * 32 * 128), r.out.begin() + std::ptrdiff_t((at + 1) * 32 * 128));
+      cache.flush();
+    }
+    return mine;
+  };
+  const auto alone = run(false);
+  const auto in_batch = run(true);
+  const auto again = run(true);
+  REQUIRE(alone.size() == in_batch.size());
+  for (std::size_t s = 0; s < alone.size(); ++s) {
+    CAPTURE(s);
+    CHECK(same_bits(alone[s], in_batch[s]));
+    CHECK(same_bits(in_batch[s], again[s]));
+  }
+}
+
+namespace {
+
+/// Sparse steps with many gathered chunks per step (ping-pong of 4 blocks,
+/// keep 0.5 of ~100 pinned blocks per sequence): returns how many of `steps`
+/// steps were wrong (bar or NaN). `setup(debug)` sets the switches.
+template <class Setup>
+int gather_race_run(Setup&& setup, int steps, std::uint64_t seed) {
+  cuda_backend be;
+  const G L = presets::qwen3_30b_a3b::layout();
+  partition_spec spec = sparse_spec(1, 3, 900);
+  set_ping_pong_blocks(spec, L, 4);
+  device_cache<G, gpu_only> cache(be, L, spec, gpu_only{}, {}, cache_options{true});
+  attention_options ao{2, true};
+  ao.sparse.reserve = true;
+  ao.sparse.gather_threads = 2;
+  device_decode_driver<decltype(cache)> d(cache, ao, seed, gqa_scale);
+  const std::vector<sequence_id> batch{d.add(800), d.add(600), d.add(500)};
+  dev_runner<decltype(cache)> r(d);
+  top_k_selector sel = top_k_selector::ratio(0.5);
+  setup(be.debug());
+  int wrong = 0;
+  for (int s = 0; s < steps; ++s) {
+    d.append_layer(0, batch);
+    r.make_queries(batch);
+    r.sparse(0, batch, sel);
+    REQUIRE(d.attention().last_plan().chunks.size() >= 4);
+    wrong += r.check(0, batch).ok() ? 0 : 1;
+    cache.flush();
+  }
+  be.debug() = cuda_debug_options{};
+  return wrong;
+}
+
+}  // namespace
+
+TEST_CASE("device K7: the gather pipeline's guards (RAW: copy after gather; WAR: gather after the copy) and mutations") {
+  const int steps = scaled(4, 2);
+  SUBCASE("guarded, slow gather and slow copies: right") {
+    CHECK(gather_race_run([](cuda_debug_options& o) { o.gather_delay_microseconds = 3000; }, steps, 31) == 0);
+    CHECK(gather_race_run([](cuda_debug_options& o) { o.copy_delay_cycles = 20'000'000; }, steps, 32) == 0);
+  }
+  SUBCASE("mutation skip_gather_wait (copies staging before its gather): detected") {
+    int detected = 0;
+    for (int attempt = 0; attempt < 3 && detected == 0; ++attempt)
+      detected += gather_race_run(
+          [](cuda_debug_options& o) {
+            o.skip_gather_wait = true;
+            o.gather_delay_microseconds = 5000;
+          },
+          steps, 33 + std::uint64_t(attempt));
+    CHECK(detected > 0);
+  }
+  SUBCASE("mutation skip_staging_wait (gathers over a staging buffer being copied): detected") {
+    int detected = 0;
+    for (int attempt = 0; attempt < 3 && detected == 0; ++attempt)
+      detected += gather_race_run(
+          [](cuda_debug_options& o) {
+            o.skip_staging_wait = true;
+            o.copy_delay_cycles = 50'000'000;
+          },
+          steps, 36 + std::uint64_t(attempt));
+    CHECK(detected > 0);
+  }
+}
+
+TEST_CASE("device: a sparse plan without reserve_sparse is a state_error; the first sparse step reserves") {
+  cuda_backend be;
+  const G L = presets::qwen3_30b_a3b::layout();
+  partition_spec spec = sparse_spec(1, 2, 200);
+  set_ping_pong_blocks(spec, L, 4);
+  device_cache<G, gpu_only> cache(be, L, spec, gpu_only{});
+  {
+    cuda_backend::gpu_engine<G> eng(be, L, 2);
+    stream_plan plan;
+    std::vector<sparse_block> none;
+    plan.build_sparse(
+        1, [&](int) { return std::span<const sparse_block>(none); }, [&](block_id) { return static_cast<const bf16*>(nullptr); },
+        cache.format().block_elems(), 4, 4, 2, 4, 0);
+    gpu_step_args<G, device_space> args;
+    args.format = cache.format();
+    args.batch = 0;
+    args.plan = &plan;
+    const layer_views<G> v = cache.views(0);
+    args.ping_pong = v.ping_pong;
+    CHECK_THROWS_AS(eng.launch(args), state_error);
+  }
+  device_decode_driver<decltype(cache)> d(cache, attention_options{2, true}, 91, gqa_scale);
+  const std::vector<sequence_id> batch{d.add(100), d.add(70)};
+  dev_runner<decltype(cache)> r(d);
+  CHECK(d.attention().engine().sparse_staging_bytes() == 0);
+  top_k_selector sel = top_k_selector::ratio(0.5);
+  d.append_layer(0, batch);
+  r.make_queries(batch);
+  r.sparse(0, batch, sel);
+  CHECK(r.check(0, batch).ok());
+  CHECK(d.attention().engine().sparse_staging_bytes() == 2 * 4 * cache.format().block_bytes());
+}
