@@ -12,8 +12,8 @@ using namespace wstest;
 namespace {
 
 struct no_tag_layout {  // every member of a layout, but no opt-in tag
-  static constexpr int planes = 1, key_plane = 0, value_plane = 0, row_elems = 64, q_dim = 64, v_dim = 64;
-  static constexpr bool is_mla = false;
+  [[maybe_unused]] static constexpr int planes = 1, key_plane = 0, value_plane = 0, row_elems = 64, q_dim = 64, v_dim = 64;
+  [[maybe_unused]] static constexpr bool is_mla = false;
   int num_q_heads() const { return 1; }
   int kv_heads() const { return 1; }
   int group_size() const { return 1; }
