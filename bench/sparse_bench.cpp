@@ -20,7 +20,9 @@
 //      sequence (long runs: copied straight from the pinned region, no
 //      gather), and "no-staging" replays the scattered selection with
 //      direct_run_bytes = 0 (one cudaMemcpyAsync per run of adjacent blocks,
-//      the discrete transfers staging avoids).
+//      the discrete transfers staging avoids); and the scattered selection
+//      again with each --gather-sweep thread count ("gpu g=N"): how many
+//      gather threads it takes to hide the gather under the copies.
 // Staging overhead = T(scattered, gathered) / T(contiguous) - 1 on gpu_only,
 // the step where the gather sits on the critical path; target < 5%.
 // Each step is timed host-side from step() to a synchronize of the caller
@@ -61,6 +63,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace ws = writescope;
@@ -84,7 +87,9 @@ constexpr const char* usage_text = R"(sparse_bench — sparse (block-selected) a
   --block-tokens N      tokens per block (default 64)
   --ping-pong-mib N     bytes of one ping-pong buffer (= one staging buffer) (default 64)
   --split-blocks N      blocks per GPU split (default 16)
-  --no-controls         skip the contiguous / no-staging controls
+  --gather-sweep LIST   gpu_only re-runs of the scattered selection with these gather
+                        thread counts (default 1,8; empty: none)
+  --no-controls         skip the contiguous / no-staging / gather-sweep controls
   --budget-seconds S    stop starting new (L, batch) configurations after S s (default 150)
   --json PATH           results + machine info as JSON (rewritten after every row)
   --seed N              selection seed (default 1)
@@ -104,6 +109,7 @@ struct options {
   index_t ping_pong_mib = 64;
   int split_blocks = 16;
   bool controls = true;
+  std::vector<int> gather_sweep{1, 8};
   double budget_seconds = 150;
   std::string json_path;
   std::uint64_t seed = 1;
@@ -184,6 +190,9 @@ options parse(int argc, char** argv) {
       o.ping_pong_mib = parse_int(a, value());
     } else if (a == "--split-blocks") {
       o.split_blocks = int(parse_int(a, value()));
+    } else if (a == "--gather-sweep") {
+      o.gather_sweep.clear();
+      for (const auto& x : split(value())) o.gather_sweep.push_back(int(parse_int(a, x)));
     } else if (a == "--no-controls") {
       o.controls = false;
     } else if (a == "--budget-seconds") {
@@ -302,10 +311,10 @@ double measure_h2d_gbs() {
   return best;
 }
 
-/// Scattered-block gather bandwidth: `threads` threads memcpy random blocks of
-/// `block_bytes` from a 1 GiB pageable buffer into a 64 MiB pinned buffer
-/// (what the gather threads do), best of 3.
-double measure_gather_gbs(int threads, index_t block_bytes) {
+/// Scattered-block gather bandwidth per thread count: `threads` threads memcpy
+/// random blocks of `block_bytes` from a 1 GiB pageable buffer into a 64 MiB
+/// pinned buffer (what the gather threads do), best of 3.
+std::vector<double> measure_gather_gbs(const std::vector<int>& thread_counts, index_t block_bytes) {
   const index_t src_bytes = index_t(1) << 30, dst_bytes = index_t(64) << 20;
   std::vector<std::byte> src(std::size_t(src_bytes), std::byte{1});
   void* dst = nullptr;
@@ -314,21 +323,25 @@ double measure_gather_gbs(int threads, index_t block_bytes) {
   std::vector<index_t> pick(static_cast<std::size_t>(nblk));
   std::mt19937_64 rng(7);
   for (auto& p : pick) p = index_t(rng() % std::uint64_t(srcblk));
-  double best = 0;
-  for (int rep = 0; rep < 3; ++rep) {
-    const auto t0 = clock_type::now();
-    std::vector<std::thread> ts;
-    for (int j = 0; j < threads; ++j)
-      ts.emplace_back([&, j] {
-        for (index_t b = nblk * j / threads; b < nblk * (j + 1) / threads; ++b)
-          std::memcpy(static_cast<std::byte*>(dst) + b * block_bytes, src.data() + pick[std::size_t(b)] * block_bytes,
-                      std::size_t(block_bytes));
-      });
-    for (auto& t : ts) t.join();
-    best = std::max(best, double(dst_bytes) / seconds_since(t0) * 1e-9);
+  std::vector<double> result;
+  for (const int threads : thread_counts) {
+    double best = 0;
+    for (int rep = 0; rep < 3; ++rep) {
+      const auto t0 = clock_type::now();
+      std::vector<std::thread> ts;
+      for (int j = 0; j < threads; ++j)
+        ts.emplace_back([&, j] {
+          for (index_t b = nblk * j / threads; b < nblk * (j + 1) / threads; ++b)
+            std::memcpy(static_cast<std::byte*>(dst) + b * block_bytes,
+                        src.data() + pick[std::size_t(b)] * block_bytes, std::size_t(block_bytes));
+        });
+      for (auto& t : ts) t.join();
+      best = std::max(best, double(dst_bytes) / seconds_since(t0) * 1e-9);
+    }
+    result.push_back(best);
   }
   WS_CUDA_TRY(cudaFreeHost(dst));
-  return best;
+  return result;
 }
 
 struct point {
@@ -397,6 +410,19 @@ class rig {
     return *discrete_;
   }
 
+  /// An attention object with `threads` gather threads (the gather sweep).
+  attention_type& with_gather_threads(const options& o, int threads) {
+    for (auto& [n, a] : swept_)
+      if (n == threads) return *a;
+    WS_CUDA_TRY(cudaDeviceSynchronize());
+    ws::attention_options ao;
+    ao.cpu_threads = o.threads;
+    ao.sparse.reserve = true;
+    ao.sparse.gather_threads = threads;
+    swept_.emplace_back(threads, std::make_unique<attention_type>(*cache_, ao));
+    return *swept_.back().second;
+  }
+
   [[nodiscard]] index_t placed_blocks() const { return placed_blocks_; }
   [[nodiscard]] attention_type& attention() { return *attn_; }
 
@@ -449,6 +475,7 @@ class rig {
   float* out_dev_;
   std::unique_ptr<cache_type> cache_;
   std::unique_ptr<attention_type> attn_, discrete_;
+  std::vector<std::pair<int, std::unique_ptr<attention_type>>> swept_;
   std::vector<ws::sequence_id> seqs_;
   index_t placed_blocks_ = 0;
 };
@@ -493,10 +520,17 @@ int main(int argc, char** argv) {
     }
     std::fprintf(stderr, "sparse_bench: measuring ceilings...\n");
     const double h2d = measure_h2d_gbs();
-    const double gather_ceiling = measure_gather_gbs(o.gather_threads, block_bytes);
+    std::vector<int> counts{o.gather_threads};
+    for (int n : o.gather_sweep)
+      if (n >= 1 && n != o.gather_threads) counts.push_back(n);
+    const std::vector<double> gather_gbs = measure_gather_gbs(counts, block_bytes);
+    const double gather_ceiling = gather_gbs[0];
+    json by_threads = json::object();
+    for (std::size_t k = 0; k < counts.size(); ++k) by_threads[std::to_string(counts[k])] = gather_gbs[k];
     out.doc["ceilings"] = {{"pinned_h2d_gbs", h2d},
                            {"gather_gbs", gather_ceiling},
                            {"gather_threads", o.gather_threads},
+                           {"gather_gbs_by_threads", by_threads},
                            {"gather_block_bytes", block_bytes}};
     out.doc["config"] = {{"model", "Qwen3-30B-A3B attention, GQA 32/4, d 128, 1 layer"},
                          {"block_tokens", o.block_tokens},
@@ -612,6 +646,13 @@ int main(int argc, char** argv) {
               emit(o.keeps[k], "gpu contig", c, union_of(c), nan);
               const point ns = g.run(g.no_staging(o), &sel, o.warmup, o.steps);
               emit(o.keeps[k], "gpu nostage", ns, union_of(ns), nan);
+              for (const int gt : o.gather_sweep) {
+                if (gt < 1 || gt == o.gather_threads) continue;
+                const point sw = g.run(g.with_gather_threads(o, gt), &sel, o.warmup, o.steps);
+                char mode[32];
+                std::snprintf(mode, sizeof mode, "gpu g=%d", gt);
+                emit(o.keeps[k], mode, sw, union_of(sw), c.step_ms > 0 ? sw.step_ms / c.step_ms - 1.0 : nan);
+              }
             }
             emit(o.keeps[k], "gpu_only", p, union_of(p), overhead);
           }
