@@ -20,7 +20,9 @@
 //   * step output == fp64 attention over exactly the tokens written to that
 //     layer (every token attended exactly once: a lost or doubled token, an
 //     over-read of a poisoned tail, a stale block would break the bar);
-//   * read_token returns the written bytes exactly;
+//   * read_token returns the written bytes exactly (random positions, and the
+//     first, middle and last token of every sequence and layer after every
+//     operation);
 //   * accounting: usage() used blocks == the blocks of the live sequences,
 //     each block owned by one sequence only, total_placed_tokens == the sum,
 //     block tables consistent with placed / cpu_placed tokens, D-window slots
@@ -520,9 +522,25 @@ class driver {
       cpu_blocks += index_t(st.cpu_blocks.size());
       pin_blocks += index_t(st.pinned_blocks.size());
       placed += st.placed_tokens;
-      for (int l = 0; l < layers(); ++l)
-        FUZZ_CHECK(s.hist[std::size_t(l)].tokens == (s.ready[std::size_t(l)] ? st.total_tokens(l) : 0),
+      for (int l = 0; l < layers(); ++l) {
+        const kv_history<G>& h = s.hist[std::size_t(l)];
+        FUZZ_CHECK(h.tokens == (s.ready[std::size_t(l)] ? st.total_tokens(l) : 0),
                    who + "tokens written to layer " + std::to_string(l));
+        // Every token stays where it was written: read back the first, the
+        // middle and the last token (wherever each lives now) byte for byte.
+        const index_t row = index_t(lay_.kv_heads()) * G::row_elems;
+        for (const index_t pos : {index_t{0}, h.tokens / 2, h.tokens - 1}) {
+          if (h.tokens == 0) break;
+          readback_.resize(std::size_t(2 * row));
+          cache_.read_token(l, id, pos, readback_);
+          ++stats.read_tokens;
+          for (int p = 0; p < 2; ++p)
+            FUZZ_CHECK(std::memcmp(readback_.data() + p * row, h.planes[p].data() + pos * row,
+                                   std::size_t(row) * sizeof(bf16)) == 0,
+                       who + "token " + std::to_string(pos) + " of layer " + std::to_string(l) + ", plane " +
+                           std::to_string(p) + " differs from what was written");
+        }
+      }
     }
     FUZZ_CHECK(u.cpu_used_blocks == cpu_blocks, "usage().cpu_used_blocks " + std::to_string(u.cpu_used_blocks) +
                                                     " != blocks of live sequences " + std::to_string(cpu_blocks));
@@ -539,6 +557,7 @@ class driver {
   bf16_source src_;
   int slots_ = 0;
   std::map<sequence_id, model_seq> seqs_;
+  std::vector<bf16> readback_;
 };
 
 template <class Policy>
