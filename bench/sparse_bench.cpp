@@ -331,6 +331,7 @@ std::vector<double> measure_gather_gbs(const std::vector<int>& thread_counts, in
       std::vector<std::thread> ts;
       for (int j = 0; j < threads; ++j)
         ts.emplace_back([&, j] {
+          writescope::detail::widen_thread_affinity();  // as the engine's gather threads do
           for (index_t b = nblk * j / threads; b < nblk * (j + 1) / threads; ++b)
             std::memcpy(static_cast<std::byte*>(dst) + b * block_bytes,
                         src.data() + pick[std::size_t(b)] * block_bytes, std::size_t(block_bytes));

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "backend.hpp"
+#include "detail/thread_affinity.hpp"
 #include "cpu/attention.hpp"
 #include "error.hpp"
 #include "host_memory.hpp"
@@ -115,7 +116,10 @@ class host_backend::gpu_engine {
     cpu_lse_.resize(rows);
     split_o_.resize(std::size_t(layout.group_size()) * Layout::v_dim);
     split_lse_.resize(std::size_t(layout.group_size()));
-    worker_ = std::thread([this] { worker_loop(); });
+    worker_ = std::thread([this] {
+      detail::widen_thread_affinity();
+      worker_loop();
+    });
   }
   gpu_engine(const gpu_engine&) = delete;
   gpu_engine& operator=(const gpu_engine&) = delete;

@@ -61,6 +61,7 @@
 
 #include "../backend.hpp"
 #include "../config.hpp"
+#include "../detail/thread_affinity.hpp"
 #include "../error.hpp"
 #include "../host_memory.hpp"
 #include "../layout.hpp"
@@ -1097,6 +1098,7 @@ class cuda_backend::gpu_engine {
   // buffer, from whichever runs hold them); thread 0 also writes the chunk's
   // block lists. No CUDA calls.
   static void gather_main(gather_shared* g, int j) {
+    detail::widen_thread_affinity();  // not the creator's (possibly OpenMP-bound) core
     std::uint64_t seen = 0;
     for (;;) {
       gather_job job;

@@ -55,6 +55,7 @@
 #include <vector>
 
 #include "../config.hpp"
+#include "../detail/thread_affinity.hpp"
 #include "../error.hpp"
 #include "../host_memory.hpp"
 #include "cuda_error.hpp"
@@ -378,7 +379,10 @@ struct cuda_host_register {
       for (int t = 0; t < threads; ++t) {
         const index_t first = std::min(pages, index_t(t) * per);
         const index_t last = std::min(pages, first + per);
-        pool.emplace_back(touch, first, last);
+        pool.emplace_back([touch, first, last] {
+          detail::widen_thread_affinity();
+          touch(first, last);
+        });
       }
     } catch (...) {  // could not start a thread: finish on this one
       for (auto& th : pool) th.join();
