@@ -37,6 +37,7 @@
 #include "ws_moe/gpu/device_run.hpp"
 #include "ws_moe/model_config.hpp"
 #include "ws_moe/report.hpp"
+#include "ws_moe/roofline_init.hpp"
 #include "ws_moe/run.hpp"
 
 namespace fs = std::filesystem;
@@ -65,6 +66,7 @@ struct cli {
   long long ping_pong_blocks = 0;
   double cpu_bw_gbps = 80.0, h2d_bw_gbps = 54.0, cpu_fixed_us = 0.0, gpu_fixed_us = 0.0;
   bool track_gpu_cost = false;
+  std::string calibration, calibration_preset;
   int threads = 0;
   std::string json_out, expect;
   double logit_tol = -1.0, logit_tol_bf16_kv = -1.0;
@@ -72,7 +74,7 @@ struct cli {
   std::string device = "auto", precision = "bf16";
   double vram_budget_gib = 0.0, prefill_attn_mib = 2048.0;
   long long max_gpu_experts = -1, prefill_chunk_tokens = 32768;
-  bool skip_if_no_device = false, teacher_force = false;
+  bool skip_if_no_device = false, teacher_force = false, no_warmup = false;
 };
 
 std::vector<int> parse_ids(const std::string& s, const std::string& where) {
@@ -320,14 +322,14 @@ int run(cli& a) {
 #endif
   Eigen::setNbThreads(1);  // parallelism comes from our OpenMP loops (ops.hpp), never Eigen's GEMM threads
 
-  writescope::roofline_params rp;
-  const double tb = double(kv_token_bytes(c));
-  rp.cpu_cost_per_token_seconds = tb / (a.cpu_bw_gbps * 1e9);
-  rp.gpu_cost_per_token_seconds = tb / (a.h2d_bw_gbps * 1e9);
-  rp.cpu_fixed_seconds = a.cpu_fixed_us * 1e-6;
-  rp.gpu_fixed_seconds = a.gpu_fixed_us * 1e-6;
-  rp.track_gpu_cost = a.track_gpu_cost;
-  runtime_policy policy = parse_policy(a.policy, rp);
+  // Roofline costs at init: the calibration file's entry for this model's
+  // attention geometry and batch, or the bandwidth priors (roofline_init.hpp).
+  const roofline_origin costs =
+      a.calibration.empty()
+          ? roofline_from_defaults(c, a.cpu_bw_gbps, a.h2d_bw_gbps, a.cpu_fixed_us, a.gpu_fixed_us, a.track_gpu_cost)
+          : roofline_from_calibration(writescope::load_calibration(a.calibration), a.calibration, c,
+                                      int(prompts.size()), o.threads, a.calibration_preset, a.track_gpu_cost);
+  runtime_policy policy = parse_policy(a.policy, costs.params);
 
   const bool show = !a.no_progress && (a.progress || progress_bar::stderr_is_tty());
   progress_bar bar(show);
@@ -346,14 +348,15 @@ int run(cli& a) {
   dopt.prefill_attention_bytes = writescope::index_t(a.prefill_attn_mib * double(1 << 20));
   dopt.max_host_expert_gib = a.max_host_weights_gib;
   dopt.physical_memory_gib = physical_memory_gib();
+  dopt.warmup = !a.no_warmup;
   const generation_result r = kind == device_kind::host
                                   ? run_model(c, *src, prompts, std::move(policy), o, hooks)
                                   : run_model_device(kind, c, *src, prompts, std::move(policy), o, dopt, hooks);
 
-  if (!a.quiet) print_summary(stdout, c, r, load_seconds, a.random_weights);
+  if (!a.quiet) print_summary(stdout, c, r, load_seconds, a.random_weights, &costs);
   if (!a.json_out.empty()) {
     std::ofstream out(a.json_out);
-    out << summary_json(c, r, load_seconds).dump(2) << "\n";
+    out << summary_json(c, r, load_seconds, &costs).dump(2) << "\n";
     if (!out) throw writescope::error("--json " + a.json_out + ": cannot write");
   }
   if (expected) {
@@ -412,6 +415,10 @@ int main(int argc, char** argv) {
   app.add_option("--prefill-attn-mib", a.prefill_attn_mib,
                  "CUDA path: scores + probabilities of one prefill attention block, MiB")
       ->group(g_dev)->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_flag("--no-warmup", a.no_warmup,
+               "CUDA path: skip the untimed warm-up decode step on throw-away sequences before prefill (the first "
+               "timed decode step then pays the first-call costs)")
+      ->group(g_dev);
   app.add_flag("--skip-if-no-device", a.skip_if_no_device,
                "with --device cuda: exit 77 (ctest SKIPPED) instead of failing when there is no CUDA device")
       ->group(g_dev);
@@ -440,10 +447,20 @@ int main(int argc, char** argv) {
   app.add_option("--gpu-split-blocks", a.gpu_split_blocks, "streamed blocks per GPU partial")->group(g_kv)->capture_default_str();
   app.add_option("--cpu-task-blocks", a.cpu_task_blocks, "blocks per CPU attention task")->group(g_kv)->capture_default_str();
   app.add_option("--kv-vram-budget-mib", a.kv_vram_budget_mib, "D-window + ping-pong must fit (0 = no limit)")->group(g_kv);
-  app.add_option("--cpu-bw-gbps", a.cpu_bw_gbps, "roofline A at admission: KV bytes/token / this")->group(g_kv)->capture_default_str();
-  app.add_option("--h2d-bw-gbps", a.h2d_bw_gbps, "roofline B: KV bytes/token / this")->group(g_kv)->capture_default_str();
-  app.add_option("--cpu-fixed-us", a.cpu_fixed_us, "roofline C_CPU, per step")->group(g_kv);
-  app.add_option("--gpu-fixed-us", a.gpu_fixed_us, "roofline C_GPU, per step")->group(g_kv);
+  auto* o_cal = app.add_option("--calibration", a.calibration,
+                               "roofline A, B, C_CPU, C_GPU at init from this bench/calibrate --out file: the entry of the "
+                               "preset with the model's attention geometry, nearest calibrated batch (docs/DECODERS.md)")
+                    ->group(g_kv);
+  app.add_option("--calibration-preset", a.calibration_preset,
+                 "with --calibration: use this preset's entry (qwen3 | mixtral | dsv2) even if the geometry differs; "
+                 "A and B are scaled by KV bytes per token")
+      ->group(g_kv)->needs(o_cal);
+  app.add_option("--cpu-bw-gbps", a.cpu_bw_gbps, "roofline A at admission: KV bytes/token / this (without --calibration)")
+      ->group(g_kv)->capture_default_str()->excludes(o_cal);
+  app.add_option("--h2d-bw-gbps", a.h2d_bw_gbps, "roofline B: KV bytes/token / this (without --calibration)")
+      ->group(g_kv)->capture_default_str()->excludes(o_cal);
+  app.add_option("--cpu-fixed-us", a.cpu_fixed_us, "roofline C_CPU, per step (without --calibration)")->group(g_kv)->excludes(o_cal);
+  app.add_option("--gpu-fixed-us", a.gpu_fixed_us, "roofline C_GPU, per step (without --calibration)")->group(g_kv)->excludes(o_cal);
   app.add_flag("--track-gpu-cost", a.track_gpu_cost, "re-measure B online too")->group(g_kv);
   app.add_option("--threads", a.threads,
                  "CPU threads: GEMMs use N, the CPU attention engine N-1 (0 = all cores; OpenMP waits passively "

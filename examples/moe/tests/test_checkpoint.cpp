@@ -1,6 +1,8 @@
 // Checkpoint loading: the safetensors rules H1–D3 of ws_moe/checkpoint.hpp, the
 // sharded index, config.json parsing (both spellings; the public configs), and
-// ws_decode's one-line error + non-zero exit on malformed checkpoints.
+// ws_decode's one-line error + non-zero exit on malformed checkpoints and
+// calibration files; ws_decode --calibration's entry choice; the CUDA path's
+// warm-up step changing no token (emulated).
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
@@ -106,8 +108,9 @@ struct run_result {
   std::string output;
 };
 
-run_result run_ws_decode(const std::string& args) {
-  const std::string cmd = std::string(WS_DECODE_PATH) + " " + args + " --max-new-tokens 2 --no-progress 2>&1";
+/// ws_decode with exactly `args` (stdout and stderr together).
+run_result run_ws_decode_args(const std::string& args) {
+  const std::string cmd = std::string(WS_DECODE_PATH) + " " + args + " 2>&1";
   run_result r;
   FILE* p = ::popen(cmd.c_str(), "r");
   REQUIRE(p != nullptr);
@@ -117,6 +120,8 @@ run_result run_ws_decode(const std::string& args) {
   r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
   return r;
 }
+
+run_result run_ws_decode(const std::string& args) { return run_ws_decode_args(args + " --max-new-tokens 2 --no-progress"); }
 
 int count_lines(const std::string& s) {
   int n = 0;
@@ -487,4 +492,161 @@ TEST_CASE("ws_decode: a malformed checkpoint gives a one-line error and exit sta
   }
   const run_result ok = run_ws_decode((fixtures / "qwen3_moe").string() + " --prompt 1,2,3 -q");
   CHECK(ok.status == 0);
+}
+
+TEST_CASE("ws_decode --calibration: the entry of the model's attention geometry, or a one-line error and exit status 1") {
+  temp_dir tmp;
+  constexpr auto npos = std::string::npos;
+  // A calibration file as bench/calibrate --out writes it.
+  auto entry = [](const char* preset, int batch, double a, double b) {
+    return json{{"preset", preset},
+                {"batch", batch},
+                {"cpu_threads", 15},
+                {"cpu_cost_per_token_seconds", a},
+                {"gpu_cost_per_token_seconds", b},
+                {"cpu_fixed_seconds", 5e-5},
+                {"gpu_fixed_seconds", 2e-4}};
+  };
+  auto file = [&](const json& entries) {
+    return json{{"format", "writescope-calibration"}, {"version", 1}, {"device", "NVIDIA H200"},
+                {"cpu", "Xeon"}, {"date_utc", "2026-11-29T10:47:59Z"}, {"command", "calibrate"},
+                {"entries", entries}};
+  };
+  const fs::path good = tmp.path / "cal.json";
+  write_text(good, file(json::array({entry("Qwen3-30B-A3B", 4, 3.2e-8, 5.0e-8), entry("Qwen3-30B-A3B", 16, 3.1e-8, 4.2e-8),
+                                     entry("Mixtral-8x7B", 4, 5.1e-8, 8.5e-8)}))
+                       .dump());
+  // A tiny model with Qwen3-30B-A3B's attention geometry (32 q / 4 kv heads of 128).
+  json cfg = json::parse(std::ifstream(fixtures / "qwen3_moe" / "config.json"));
+  cfg["num_attention_heads"] = 32;
+  cfg["num_key_value_heads"] = 4;
+  cfg["head_dim"] = 128;
+  cfg["num_hidden_layers"] = 1;
+  const fs::path qcfg = tmp.path / "qwen3_geometry.json";
+  write_text(qcfg, cfg.dump());
+  auto model_of_batch = [&](int batch) {
+    return "--random-weights --config " + qcfg.string() + " --device host --batch " + std::to_string(batch) +
+           " --prompt-len 4 --threads 2";
+  };
+  const std::string model = model_of_batch(3);
+
+  SUBCASE("geometry match at the nearest calibrated batch; the summary and --json say where A and B came from") {
+    const fs::path out = tmp.path / "run.json";
+    const run_result r = run_ws_decode(model + " --calibration " + good.string() + " --json " + out.string());
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    CHECK(r.output.find("costs      roofline at init from calibration " + good.string() +
+                        ": entry Qwen3-30B-A3B batch 4 (nearest to batch 3), matched by attention geometry, 15 CPU "
+                        "engine threads (this run: 1), measured on NVIDIA H200") != npos);
+    const json j = json::parse(std::ifstream(out));
+    const json& ri = j.at("roofline_init");
+    CHECK(ri.at("source") == "calibration");
+    CHECK(ri.at("file") == good.string());
+    CHECK(ri.at("preset") == "Qwen3-30B-A3B");
+    CHECK(ri.at("matched_by") == "attention geometry");
+    CHECK(ri.at("entry_batch") == 4);
+    CHECK(ri.at("run_batch") == 3);
+    CHECK(ri.at("kv_bytes_scale").get<double>() == 1.0);
+    CHECK(ri.at("cpu_cost_per_token_seconds").get<double>() == doctest::Approx(3.2e-8));
+    CHECK(ri.at("gpu_cost_per_token_seconds").get<double>() == doctest::Approx(5.0e-8));
+    CHECK(ri.at("cpu_fixed_seconds").get<double>() == doctest::Approx(5e-5));
+    CHECK(ri.at("gpu_fixed_seconds").get<double>() == doctest::Approx(2e-4));
+    CHECK(ri.at("converged_share").get<double>() == doctest::Approx(5.0 / 8.2));
+    CHECK(j.at("policy").get<std::string>().find("A=3.2e-08 s/token, B=5e-08 s/token") != npos);
+    // batch 12 is nearer to 16 than to 4 in log scale
+    const run_result r16 = run_ws_decode(model_of_batch(12) + " --calibration " + good.string() + " -q --json " + out.string());
+    REQUIRE(r16.status == 0);
+    CHECK(json::parse(std::ifstream(out)).at("roofline_init").at("entry_batch") == 16);
+  }
+  SUBCASE("without a file: the bandwidth priors, named as defaults") {
+    const fs::path out = tmp.path / "run.json";
+    const run_result r = run_ws_decode(model + " --cpu-bw-gbps 100 --json " + out.string());
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    CHECK(r.output.find("costs      roofline at init from defaults (--cpu-bw-gbps 100, --h2d-bw-gbps 54)") != npos);
+    const json ri = json::parse(std::ifstream(out)).at("roofline_init");
+    CHECK(ri.at("source") == "defaults");
+    CHECK(ri.at("cpu_cost_per_token_seconds").get<double>() == doctest::Approx(2048.0 / 100e9));
+    CHECK(ri.at("gpu_cost_per_token_seconds").get<double>() == doctest::Approx(2048.0 / 54e9));
+  }
+  SUBCASE("--calibration-preset on another geometry: A and B scaled by KV bytes per token") {
+    const fs::path out = tmp.path / "run.json";
+    const run_result r = run_ws_decode((fixtures / "qwen3_moe").string() + " --prompt 1,2,3 --calibration " +
+                                       good.string() + " --calibration-preset qwen3 -q --json " + out.string());
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    const json ri = json::parse(std::ifstream(out)).at("roofline_init");
+    CHECK(ri.at("matched_by") == "--calibration-preset");
+    CHECK(ri.at("kv_bytes_scale").get<double>() == doctest::Approx(256.0 / 2048.0));  // 1 kv head of 64 vs 4 of 128
+    CHECK(ri.at("cpu_cost_per_token_seconds").get<double>() == doctest::Approx(3.2e-8 / 8));
+    CHECK(ri.at("gpu_cost_per_token_seconds").get<double>() == doctest::Approx(5.0e-8 / 8));
+  }
+  SUBCASE("errors: one line on stderr, exit status 1") {
+    const fs::path bad_json = tmp.path / "bad.json", not_cal = tmp.path / "other.json", bad_entry = tmp.path / "entry.json",
+                   mixtral_only = tmp.path / "mixtral.json";
+    write_text(bad_json, "{\"format\": \"writescope-calibration\",");
+    write_text(not_cal, R"({"format": "something-else", "version": 1, "entries": []})");
+    write_text(bad_entry, file(json::array({entry("Qwen3-30B-A3B", 4, -1.0, 5.0e-8)})).dump());
+    write_text(mixtral_only, file(json::array({entry("Mixtral-8x7B", 4, 5.1e-8, 8.5e-8)})).dump());
+    struct cal_case {
+      std::string args;
+      const char* expect;
+    };
+    const std::string fixture = (fixtures / "qwen3_moe").string() + " --prompt 1,2,3";
+    const std::vector<cal_case> cases{
+        {model + " --calibration " + (tmp.path / "none.json").string(), "none.json': cannot open it"},
+        {model + " --calibration " + bad_json.string(), "bad.json': not valid JSON"},
+        {model + " --calibration " + not_cal.string(), "(not a writescope calibration file)"},
+        {model + " --calibration " + bad_entry.string(), "entry 0 (Qwen3-30B-A3B): per-token costs must be positive"},
+        {model + " --calibration " + mixtral_only.string(),
+         "no entry for preset 'Qwen3-30B-A3B' (calibrated: Mixtral-8x7B batch 4)"},
+        {fixture + " --calibration " + good.string(),
+         "the model's attention (GQA 4 q / 1 kv heads, head_dim 64) matches none of the calibrated presets"},
+        {fixture + " --calibration " + good.string() + " --calibration-preset llama", "--calibration-preset llama is not one of"},
+    };
+    for (const auto& c : cases) {
+      const run_result r = run_ws_decode(c.args);
+      INFO(c.args << ": status " << r.status << ", output: " << r.output);
+      CHECK(r.status == 1);
+      CHECK(count_lines(r.output) == 1);
+      CHECK(r.output.rfind("ws_decode: error: ", 0) == 0);
+      CHECK(r.output.find(c.expect) != npos);
+    }
+  }
+  SUBCASE("--calibration excludes the bandwidth priors; --calibration-preset needs --calibration (CLI errors)") {
+    const run_result r = run_ws_decode(model + " --calibration " + good.string() + " --h2d-bw-gbps 20");
+    CHECK(r.status != 0);
+    CHECK(r.output.find("--calibration excludes --h2d-bw-gbps") != npos);
+    const run_result p = run_ws_decode(model + " --calibration-preset qwen3");
+    CHECK(p.status != 0);
+    CHECK(p.output.find("--calibration-preset requires --calibration") != npos);
+  }
+}
+
+TEST_CASE("ws_decode --device emulated: the warm-up step before prefill changes no token and no eviction") {
+  // Sampled decoding over a mixed CPU/GPU cache (fixed:0.5: placement is
+  // deterministic) with experts on both sides: any state the warm-up left
+  // behind (a slot row, a placed block, the policy, the sampler) would show in
+  // the tokens, the evictions or the share trajectory.
+  temp_dir tmp;
+  const fs::path fix = fixtures / "deepseek_v2_qlora";
+  const std::string args = fix.string() +
+                           " --device emulated --precision fp32 --batch 3 --prompt-len 5:20 --max-new-tokens 16 "
+                           "--temperature 0.8 --top-p 0.9 --seed 7 --policy fixed:0.5 --max-gpu-experts 3 "
+                           "--block-tokens 4 --d-window 8 --ping-pong-blocks 4 --gpu-split-blocks 2 --cpu-task-blocks 2 "
+                           "--threads 2 --poison --no-progress -q";
+  const fs::path with = tmp.path / "with.json", without = tmp.path / "without.json";
+  const run_result a = run_ws_decode_args(args + " --json " + with.string());
+  const run_result b = run_ws_decode_args(args + " --no-warmup --json " + without.string());
+  INFO(a.output << b.output);
+  REQUIRE(a.status == 0);
+  REQUIRE(b.status == 0);
+  const json ja = json::parse(std::ifstream(with)), jb = json::parse(std::ifstream(without));
+  CHECK(ja.at("warmup").at("sequences") == 3);
+  CHECK(jb.at("warmup").at("sequences") == 0);
+  CHECK(ja.at("tokens") == jb.at("tokens"));
+  CHECK(ja.at("decode_evictions") == jb.at("decode_evictions"));
+  CHECK(ja.at("sequences") == jb.at("sequences"));
+  CHECK(ja.at("share_trajectory") == jb.at("share_trajectory"));
+  CHECK(ja.at("tpot_steady_steps") == 14);
 }

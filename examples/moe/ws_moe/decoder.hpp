@@ -120,6 +120,8 @@ struct generation_result {
   index_t prefill_tokens = 0;
   double prefill_seconds = 0.0;
   std::vector<double> step_seconds;                    ///< wall time of each decode step (TPOT)
+  int warmup_sequences = 0;                            ///< CUDA path: throw-away sequences of the warm-up step (0: none)
+  double warmup_seconds = 0.0;                         ///< its wall time (before prefill; in no other figure)
   double attention_seconds = 0.0, cpu_engine_seconds = 0.0, gpu_engine_seconds = 0.0;
   index_t cpu_tokens = 0, streamed_tokens = 0, window_tokens = 0;
   int cpu_batches = 0, gpu_batches = 0;                ///< eviction batches routed during decode

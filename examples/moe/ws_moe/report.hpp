@@ -17,6 +17,7 @@
 
 #include "decoder.hpp"
 #include "model_config.hpp"
+#include "roofline_init.hpp"
 
 namespace ws_moe {
 
@@ -59,9 +60,20 @@ inline double percentile(std::vector<double> v, double q) {
   return v[lo] + (v[hi] - v[lo]) * (pos - double(lo));
 }
 
+/// TPOT figures. All decode steps (tpot_p50/p99, decode tok/s), and the
+/// steady state: every decode step but the first (which follows prefill and
+/// can pay one-time costs; it is reported on its own). With one step only, the
+/// steady state is empty (zeros).
 struct summary_numbers {
   double prefill_tok_s = 0, tpot_p50_ms = 0, tpot_p99_ms = 0, decode_tok_s = 0, cpu_share = 0;
+  double tpot_first_step_ms = 0, tpot_steady_p50_ms = 0, tpot_steady_p99_ms = 0, decode_steady_tok_s = 0;
   index_t decode_tokens = 0;
+  int steady_steps = 0;
+
+  [[nodiscard]] double p99_over_p50() const noexcept { return tpot_p50_ms > 0 ? tpot_p99_ms / tpot_p50_ms : 0.0; }
+  [[nodiscard]] double steady_p99_over_p50() const noexcept {
+    return tpot_steady_p50_ms > 0 ? tpot_steady_p99_ms / tpot_steady_p50_ms : 0.0;
+  }
 };
 
 inline summary_numbers summarize(const generation_result& r) {
@@ -73,6 +85,16 @@ inline summary_numbers summarize(const generation_result& r) {
   for (double x : r.step_seconds) t += x;
   s.decode_tokens = index_t(r.step_seconds.size()) * index_t(r.tokens.size());
   s.decode_tok_s = t > 0 ? double(s.decode_tokens) / t : 0.0;
+  if (!r.step_seconds.empty()) {
+    s.tpot_first_step_ms = r.step_seconds.front() * 1e3;
+    const std::vector<double> steady(r.step_seconds.begin() + 1, r.step_seconds.end());
+    s.steady_steps = int(steady.size());
+    s.tpot_steady_p50_ms = percentile(steady, 50) * 1e3;
+    s.tpot_steady_p99_ms = percentile(steady, 99) * 1e3;
+    double ts = 0;
+    for (double x : steady) ts += x;
+    s.decode_steady_tok_s = ts > 0 ? double(steady.size()) * double(r.tokens.size()) / ts : 0.0;
+  }
   index_t placed = 0, cpu = 0;
   for (const auto& q : r.sequences) {
     placed += q.placed_tokens;
@@ -138,8 +160,9 @@ inline void print_device(std::FILE* f, const generation_result& r) {
                static_cast<long long>(d.prefill_block_rows));
 }
 
+/// `costs`: where the roofline policy's costs came from (may be null).
 inline void print_summary(std::FILE* f, const model_config& c, const generation_result& r, double load_seconds,
-                          bool random_weights) {
+                          bool random_weights, const roofline_origin* costs = nullptr) {
   const summary_numbers s = summarize(r);
   const auto& u = r.usage;
   const int L = r.spec.num_layers;
@@ -154,11 +177,20 @@ inline void print_summary(std::FILE* f, const model_config& c, const generation_
                r.backend.c_str());
   std::fprintf(f, "policy     %s%s%s\n", r.policy.c_str(), r.policy_final != r.policy ? "; at the end: " : "",
                r.policy_final != r.policy ? r.policy_final.c_str() : "");
+  if (costs) std::fprintf(f, "costs      roofline at init from %s\n", costs->describe().c_str());
+  if (r.warmup_sequences > 0)
+    std::fprintf(f, "warm-up    one untimed decode step on %d throw-away sequences before prefill: %.3f s "
+                    "(in neither prefill nor TPOT)\n",
+                 r.warmup_sequences, r.warmup_seconds);
   std::fprintf(f, "prefill    %lld tokens (%zu sequences) in %.3f s = %.1f tok/s\n", static_cast<long long>(r.prefill_tokens),
                r.tokens.size(), r.prefill_seconds, s.prefill_tok_s);
   std::fprintf(f, "decode     %zu steps x %zu sequences: TPOT P50 %.3f ms, P99 %.3f ms (P99/P50 %.2f), %.1f tok/s\n",
-               r.step_seconds.size(), r.tokens.size(), s.tpot_p50_ms, s.tpot_p99_ms,
-               s.tpot_p50_ms > 0 ? s.tpot_p99_ms / s.tpot_p50_ms : 0.0, s.decode_tok_s);
+               r.step_seconds.size(), r.tokens.size(), s.tpot_p50_ms, s.tpot_p99_ms, s.p99_over_p50(), s.decode_tok_s);
+  if (s.steady_steps > 0)
+    std::fprintf(f, "           first step %.3f ms; steady state (steps 2-%zu): TPOT P50 %.3f ms, P99 %.3f ms "
+                    "(P99/P50 %.2f), %.1f tok/s\n",
+                 s.tpot_first_step_ms, r.step_seconds.size(), s.tpot_steady_p50_ms, s.tpot_steady_p99_ms,
+                 s.steady_p99_over_p50(), s.decode_steady_tok_s);
   std::fprintf(f, "attention  %.3f s in hybrid steps (CPU engine %.3f s, GPU side %.3f s); KV tokens attended: CPU %lld, streamed %lld, D-window %lld\n",
                r.attention_seconds, r.cpu_engine_seconds, r.gpu_engine_seconds, static_cast<long long>(r.cpu_tokens),
                static_cast<long long>(r.streamed_tokens), static_cast<long long>(r.window_tokens));
@@ -201,7 +233,8 @@ inline void print_summary(std::FILE* f, const model_config& c, const generation_
   }
 }
 
-inline nlohmann::json summary_json(const model_config& c, const generation_result& r, double load_seconds) {
+inline nlohmann::json summary_json(const model_config& c, const generation_result& r, double load_seconds,
+                                   const roofline_origin* costs = nullptr) {
   const summary_numbers s = summarize(r);
   nlohmann::json j;
   j["arch"] = to_string(c.kind);
@@ -216,7 +249,17 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
   j["prefill_tok_s"] = s.prefill_tok_s;
   j["tpot_p50_ms"] = s.tpot_p50_ms;
   j["tpot_p99_ms"] = s.tpot_p99_ms;
+  j["tpot_p99_over_p50"] = s.p99_over_p50();
   j["decode_tok_s"] = s.decode_tok_s;
+  // steady state: every decode step but the first (step_seconds[1:])
+  j["tpot_first_step_ms"] = s.tpot_first_step_ms;
+  j["tpot_steady_steps"] = s.steady_steps;
+  j["tpot_steady_p50_ms"] = s.tpot_steady_p50_ms;
+  j["tpot_steady_p99_ms"] = s.tpot_steady_p99_ms;
+  j["tpot_steady_p99_over_p50"] = s.steady_p99_over_p50();
+  j["decode_steady_tok_s"] = s.decode_steady_tok_s;
+  j["warmup"] = {{"sequences", r.warmup_sequences}, {"seconds", r.warmup_seconds}};
+  if (costs) j["roofline_init"] = costs->to_json();
   j["step_seconds"] = r.step_seconds;
   j["cpu_share"] = s.cpu_share;
   j["decode_evictions"] = {{"cpu", r.cpu_batches}, {"gpu", r.gpu_batches}};

@@ -79,6 +79,7 @@ struct device_options {
   index_t prefill_attention_bytes = index_t{2} << 30;  ///< scores + probabilities of one prefill block
   double max_host_expert_gib = 0.0;         ///< refuse more host-resident expert bytes (0 = 80% of RAM)
   double physical_memory_gib = 0.0;         ///< host RAM (for the default above)
+  bool warmup = true;                       ///< one untimed decode step on throw-away sequences before prefill
 };
 
 template <class Layout, class Exec>
@@ -164,6 +165,13 @@ class device_decoder {
     res.device.used_bytes = device_used();
     res.device.prefill_waves = int(waves_.size());
     res.device.prefill_block_rows = rows_blk_;
+
+    if (d_.warmup) {
+      const auto t_warm = std::chrono::steady_clock::now();
+      warm_up(B);
+      res.warmup_sequences = B;
+      res.warmup_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_warm).count();
+    }
 
     res.tokens.assign(std::size_t(B), {});
     if (o.record_logits) res.logits.assign(std::size_t(B), {});
@@ -482,6 +490,42 @@ class device_decoder {
     rep.experts_host = int(total - placed);
     rep.experts_gpu_bytes = ld.bytes();
     any_host_experts_ = placed < total;
+  }
+
+  /// One decode step of the whole model (embedding, every layer with its
+  /// cache append and hybrid attention step, MoE, LM head) on `n` throw-away
+  /// sequences, before the real ones are admitted: the first launch of every
+  /// decode kernel (CUDA loads modules lazily), the first cuBLAS call of every
+  /// decode GEMM shape (n rows; the experts see the row counts their routing
+  /// gives), the GPU engine's first launch and the CPU engine's first OpenMP
+  /// team of its thread count happen here instead of in the first timed step.
+  /// Nothing of it reaches the run: the sequences have no prompt, so nothing is
+  /// placed and the policy routes nothing; their step has no CPU or streamed
+  /// tokens, so the policy's online A (and B) see no sample; they are ended
+  /// without flush, which returns their D-window slots and sequence ids, and the
+  /// real sequences then get the same ids and slots as without the warm-up
+  /// (their prefill and decode appends overwrite the slot rows before any read;
+  /// attention reads only the rows written since). The logits are discarded;
+  /// the sampler does not exist yet. CPU-expert statistics are reset.
+  void warm_up(int n) {
+    using namespace writescope;
+    std::vector<sequence_id> seqs(static_cast<std::size_t>(n));
+    for (int i = 0; i < n; ++i) seqs[std::size_t(i)] = cache_->begin_sequence(0);
+    std::vector<int> ids(static_cast<std::size_t>(n));
+    for (int i = 0; i < n; ++i)  // distinct tokens, so the routers spread the rows over several experts
+      ids[std::size_t(i)] = int((std::uint64_t(i) * 7919u + 1u) % std::uint64_t(c_.vocab_size));
+    const std::vector<index_t> pos(static_cast<std::size_t>(n), 0);
+    x_.h2d(ids_, ids.data(), index_t(n) * 4);
+    x_.h2d(pos_, pos.data(), index_t(n) * 8);
+    embed(n);
+    generation_result scratch;
+    for (int l = 0; l < c_.num_layers; ++l) layer_decode(l, seqs, scratch);
+    std::vector<float> logits(static_cast<std::size_t>(n) * static_cast<std::size_t>(c_.vocab_size));
+    head(x_buf_, n, logits.data());
+    x_.sync();
+    for (sequence_id id : seqs) cache_->end_sequence(id);
+    cpu_expert_seconds_ = 0.0;
+    cpu_expert_rows_ = 0;
   }
 
   // ---------------------------------------------------------------------------
