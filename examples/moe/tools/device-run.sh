@@ -12,8 +12,14 @@
 #
 # Environment: OUT (default ./device-out), TOTAL_BUDGET seconds (default 470),
 # BUILD_DIR (default build-device), JOBS (default nproc), SKIP_SCALE=1,
-# CTEST_REGEX (default ^ws_decode_cuda), and device-scale.sh's variables.
-# Output ($OUT, 7 files): env.txt build.log ctest.log scale.log scale.txt
+# SKIP_TESTS=1, CTEST_REGEX (default ^ws_decode_cuda), CALIBRATE=1 (also build
+# bench/calibrate and, before the scale runs, measure A, B, C_CPU, C_GPU of the
+# three presets at batch CAL_BATCH (default 16) with nproc-1 CPU engine
+# threads — ws_decode's default — in at most CAL_BUDGET seconds (default 40);
+# the scale runs then get CALIBRATION=$OUT/calibration.json), and
+# device-scale.sh's variables (PEER=1, RUNS, NEW_TOKENS, ...).
+# Output ($OUT, 7 files; with CALIBRATE 3 more: calibrate.log calibrate.json
+# calibration.json): env.txt build.log ctest.log scale.log scale.txt
 # scale.json summary.txt. Exit status 0 when the build and every test passed.
 set -uo pipefail
 
@@ -60,11 +66,17 @@ else
   b=$(( $(left) - 150 ))
   (( b > 300 )) && b=300
   (( b < 60 )) && b=60
+  bench=OFF
+  targets=ws_decode
+  if [ -n "${CALIBRATE:-}" ]; then
+    bench=ON
+    targets="ws_decode calibrate"
+  fi
   timeout --kill-after=10 "$b" bash -c '
     set -o pipefail
     cmake -S . -B "$0" "${@}" -DCMAKE_PREFIX_PATH="$PWD/.deps/usr" -DWRITESCOPE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-      -DCMAKE_BUILD_TYPE=Release -DWRITESCOPE_BUILD_BENCH=OFF &&
-    cmake --build "$0" -j'"$JOBS"' --target ws_decode
+      -DCMAKE_BUILD_TYPE=Release -DWRITESCOPE_BUILD_BENCH='"$bench"' &&
+    cmake --build "$0" -j'"$JOBS"' --target '"$targets"'
   ' "$BUILD_DIR" "${gen[@]}" >"$OUT/build.log" 2>&1
   rc=$?
   w=$(grep -c 'warning' "$OUT/build.log")
@@ -74,7 +86,9 @@ else
 fi
 
 # --- gpu tests --------------------------------------------------------------------
-if ((failed == 0)); then
+if [ -n "${SKIP_TESTS:-}" ]; then
+  echo "device-run: SKIP_TESTS set, no tests" >"$OUT/ctest.log"
+elif ((failed == 0)); then
   s=$(date +%s)
   b=$(( $(left) - 100 ))
   (( b > 200 )) && b=200
@@ -88,6 +102,27 @@ if ((failed == 0)); then
   grep -E '^check|Failed|\*\*\*' "$OUT/ctest.log" | head -40
 else
   echo "device-run: build failed, no tests" >"$OUT/ctest.log"
+fi
+
+# --- calibration (CALIBRATE=1) ---------------------------------------------------------
+if [ -n "${CALIBRATE:-}" ] && [ -x "$BUILD_DIR/bench/calibrate" ]; then
+  s=$(date +%s)
+  cb=${CAL_BUDGET:-40}
+  timeout --kill-after=5 $(( cb + 30 )) "$BUILD_DIR/bench/calibrate" --presets qwen3,mixtral,dsv2 --batch "${CAL_BATCH:-16}" \
+    --lengths 2K,4K,8K,16K --threads $(( $(nproc) - 1 )) --min-time 0.1 --out "$OUT/calibration.json" \
+    --json "$OUT/calibrate.json" --budget-seconds "$cb" >"$OUT/calibrate.log" 2>&1
+  rc=$?
+  grep -v '^\[' "$OUT/calibrate.log" || true
+  if [ -s "$OUT/calibration.json" ]; then
+    export CALIBRATION="$OUT/calibration.json"
+    summary+=("calibrate ok  $(( $(date +%s) - s )) s, rc $rc: $(grep -c '"preset"' "$OUT/calibration.json") entries (calibration.json)")
+  else
+    summary+=("calibrate FAILED  $(( $(date +%s) - s )) s, rc $rc: no calibration.json; scale runs use the defaults")
+    failed=1
+  fi
+elif [ -n "${CALIBRATE:-}" ]; then
+  summary+=("calibrate FAILED  not built (build.log)")
+  failed=1
 fi
 
 # --- scale runs -------------------------------------------------------------------------
