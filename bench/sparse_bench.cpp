@@ -333,8 +333,10 @@ std::vector<double> measure_gather_gbs(const std::vector<int>& thread_counts, in
         ts.emplace_back([&, j] {
           writescope::detail::widen_thread_affinity();  // as the engine's gather threads do
           for (index_t b = nblk * j / threads; b < nblk * (j + 1) / threads; ++b)
-            std::memcpy(static_cast<std::byte*>(dst) + b * block_bytes,
-                        src.data() + pick[std::size_t(b)] * block_bytes, std::size_t(block_bytes));
+            writescope::detail::stream_copy(static_cast<std::byte*>(dst) + b * block_bytes,
+                                            src.data() + pick[std::size_t(b)] * block_bytes,
+                                            std::size_t(block_bytes));
+          writescope::detail::stream_copy_fence();
         });
       for (auto& t : ts) t.join();
       best = std::max(best, double(dst_bytes) / seconds_since(t0) * 1e-9);

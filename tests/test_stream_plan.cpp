@@ -9,6 +9,7 @@
 #include <random>
 
 #include "support/harness.hpp"
+#include <writescope/detail/stream_copy.hpp>
 
 using namespace wstest;
 
@@ -238,4 +239,24 @@ TEST_CASE("the step's plan over a real cache coalesces the pinned blocks of an o
   CHECK(d.last_report.copies == 2);
   CHECK(d.last_report.chunks == 2);
   CHECK(d.last_report.streamed_tokens == 128);
+}
+
+TEST_CASE("stream_copy (the sparse gather's non-temporal copy) copies exactly the bytes asked, any alignment") {
+  std::vector<unsigned char> src(1 << 16), dst(1 << 16);
+  for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<unsigned char>(i * 131u + 7u);
+  for (const std::size_t off : {std::size_t(0), std::size_t(16), std::size_t(3)})
+    for (const std::size_t len : {std::size_t(0), std::size_t(17), std::size_t(255), std::size_t(256),
+                                  std::size_t(4096 + 48), std::size_t(32768 + 5)}) {
+      CAPTURE(off);
+      CAPTURE(len);
+      std::fill(dst.begin(), dst.end(), static_cast<unsigned char>(0xA5));  // poison
+      writescope::detail::stream_copy(dst.data() + off, src.data() + off, len);
+      writescope::detail::stream_copy_fence();
+      std::size_t bad = 0;
+      for (std::size_t i = 0; i < dst.size(); ++i) {
+        const bool inside = i >= off && i < off + len;
+        bad += dst[i] != (inside ? src[i] : 0xA5);
+      }
+      CHECK(bad == 0);
+    }
 }

@@ -61,6 +61,7 @@
 
 #include "../backend.hpp"
 #include "../config.hpp"
+#include "../detail/stream_copy.hpp"
 #include "../detail/thread_affinity.hpp"
 #include "../error.hpp"
 #include "../host_memory.hpp"
@@ -1130,11 +1131,12 @@ class cuda_backend::gpu_engine {
             const stream_run& run = plan.runs[std::size_t(r)];
             if (run.dst_block >= hi) break;  // runs are in destination order
             const index_t b0 = std::max(lo, run.dst_block), b1 = std::min(hi, run.dst_block + run.num_blocks);
-            if (b0 < b1)
-              std::memcpy(job.staging[slot] + b0 * job.block_bytes,
-                          reinterpret_cast<const std::byte*>(run.src) + (b0 - run.dst_block) * job.block_bytes,
-                          static_cast<std::size_t>((b1 - b0) * job.block_bytes));
+            if (b0 < b1)  // non-temporal: only the DMA engine reads staging next
+              detail::stream_copy(job.staging[slot] + b0 * job.block_bytes,
+                                  reinterpret_cast<const std::byte*>(run.src) + (b0 - run.dst_block) * job.block_bytes,
+                                  static_cast<std::size_t>((b1 - b0) * job.block_bytes));
           }
+          detail::stream_copy_fence();  // before progress[j] publishes the chunk
           if (t_first < 0.0) t_first = t0;
           t_last = now_seconds();
         }
