@@ -142,7 +142,10 @@ void select_all_matches_dense(const Layout& L, Policy pol, double scale, index_t
       }
       if (l + 1 == spec.num_layers) cache.flush();
     }
-  if (!std::is_same_v<Policy, cpu_only>) CHECK(gathered + direct > 0);
+  // Under compute-sanitizer (WS_TEST_QUICK) the GPU is ~100x slower, the
+  // roofline policy measures that and may route every block to the CPU: the
+  // streamed-chunk count is asserted in normal runs only.
+  if (!std::is_same_v<Policy, cpu_only> && !quick()) CHECK(gathered + direct > 0);
   CHECK((direct_run_bytes == 0 ? gathered : direct) == 0);
 }
 
@@ -207,7 +210,7 @@ void topk_loop(const Layout& L, Policy pol, double scale, top_k_selector sel, co
       if (l + 1 == spec.num_layers) cache.flush();
     }
   CHECK(selected < placed);
-  if (!std::is_same_v<Policy, cpu_only>) CHECK(gathered_bytes > 0);
+  if (!std::is_same_v<Policy, cpu_only> && !quick()) CHECK(gathered_bytes > 0);  // see above
 }
 
 }  // namespace
