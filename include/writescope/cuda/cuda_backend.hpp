@@ -44,6 +44,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -96,7 +97,7 @@ struct cuda_debug_options {
   /// each chunk's copies (slow copies: the RAW guard's mutation test).
   long long copy_delay_cycles = 0;
   /// Sparse steps (docs/SPARSE.md), RAW: copy a staging buffer into ping-pong
-  /// without waiting for the host gather of its chunk.
+  /// without the wait kernel on the host gather of its chunk.
   bool skip_gather_wait = false;
   /// Sparse steps, WAR: gather into a staging buffer without waiting for the
   /// copy that last read it (two chunks earlier).
@@ -530,13 +531,13 @@ class cuda_backend {
 /// after reserve_sparse(): gather threads (host) copy the selected blocks of
 /// chunk n into pinned staging buffer n % 2 while the copy engine moves chunk
 /// n-1; per chunk, on the copy stream:
-///   host function: "chunk n-1 copied" (it runs after that copy: releases
-///   staging buffer (n-1) % 2 to the gather of chunk n+1, WAR), then wait
-///   until every gather thread has finished chunk n (RAW);
+///   a one-thread wait kernel until every gather thread's page-locked
+///   progress counter says chunk n is gathered (RAW; no host callback);
 ///   wait consumed[b]; ONE copy staging[n % 2] -> ping-pong[b] (a gathered
 ///   chunk; a direct one copies its long runs straight from the pinned region);
 ///   copy the chunk's block lists (pinned) -> the buffer's device lists;
-///   record filled[b]
+///   record filled[b] and copy_done[n % ring] (the gather threads of chunk n+2
+///   synchronize on it before overwriting staging buffer n % 2: WAR)
 /// and on the compute stream the listed attention kernel per split and KV head.
 /// launch() still enqueues only (it hands the chunks to the gather threads and
 /// returns); finish() additionally waits until the gather threads are done
@@ -626,9 +627,17 @@ class cuda_backend::gpu_engine {
       g->progress.assign(std::size_t(n), 0);
       g->t_first.assign(std::size_t(n), -1.0);
       g->t_last.assign(std::size_t(n), -1.0);
+      host_allocation hp = be_->allocate_staging(index_t(n) * index_t(sizeof(std::uint64_t)));
+      std::memset(hp.data(), 0, std::size_t(n) * sizeof(std::uint64_t));
+      void* dev = nullptr;
+      WS_CUDA_TRY(cudaHostGetDevicePointer(&dev, hp.data(), 0));
+      g->host_progress = reinterpret_cast<volatile std::uint64_t*>(hp.data());
+      host_progress_ = std::move(hp);
+      dev_progress_ = static_cast<const unsigned long long*>(dev);
       gs_ = std::move(g);
       try {
-        for (int j = 0; j < n; ++j) gather_threads_.emplace_back(&gpu_engine::gather_main, gs_.get(), j);
+        for (int j = 0; j < n; ++j)
+          gather_threads_.emplace_back(&gpu_engine::gather_main, gs_.get(), j, be_->device_);
       } catch (...) {
         stop_gather_threads();
         gs_.reset();
@@ -1041,15 +1050,18 @@ class cuda_backend::gpu_engine {
     long long delay_us = 0;
   };
 
-  /// State shared by the launching thread, the gather threads and the host
-  /// functions on the copy stream (one mutex; counters only grow). Chunks of
+  /// State shared by the launching thread and the gather threads (one mutex;
+  /// counters only grow), plus the progress mirror the wait kernel reads. Chunks of
   /// sparse launches are numbered by one serial over the engine's lifetime;
   /// chunk n uses staging buffer n % 2.
   struct gather_shared {
     std::mutex mu;
     std::condition_variable cv;
-    std::uint64_t copied = 0;  ///< chunks whose copies are known complete (published by the host functions)
-    std::uint64_t waited = 0;  ///< host functions run so far (= serial of the chunk the next one guards)
+    std::uint64_t recorded = 0;    ///< serials whose copy_done event is recorded (serial + 1 of the last)
+    std::uint64_t done_floor = 0;  ///< serials below it are known copied (the copy stream was synchronized)
+    const cudaEvent_t* copy_done = nullptr;  ///< ring of events: serial s's copies completed at copy_done[s % ring]
+    std::uint64_t ring = 1;
+    volatile std::uint64_t* host_progress = nullptr;  ///< page-locked mirror of progress, read by the wait kernel
     std::vector<std::uint64_t> progress;  ///< per gather thread: serial + 1 of its last finished chunk
     std::vector<double> t_first, t_last;  ///< per gather thread: its first / last gather memcpy of the job (s)
     std::uint64_t job_id = 0;
@@ -1067,39 +1079,29 @@ class cuda_backend::gpu_engine {
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
   }
 
-  // Copy-stream host function before chunk n's copy (n = the number of such
-  // calls before it: they run in stream order). It runs after chunk n-1's
-  // copies, so it first publishes "n chunks copied" (WAR release of staging
-  // buffer (n-1) % 2 for the gather of chunk n+1), then waits until every
-  // gather thread finished chunk n (RAW). No CUDA calls; it depends only on
-  // gathers, which depend only on earlier calls of it (stream order), so
-  // serialized host functions cannot deadlock.
-  static void CUDART_CB host_wait_gathered(void* data) {
-    auto* g = static_cast<gather_shared*>(data);
-    std::unique_lock lk(g->mu);
-    const std::uint64_t need = ++g->waited;  // guards chunk need - 1
-    g->copied = need - 1;
-    g->cv.notify_all();
-    g->cv.wait(lk, [&] { return g->abort || g->min_progress() >= need; });
+  // Publishes thread j's progress to the wait kernel: after the fence, every
+  // earlier store of this thread (the NT gather stores are fenced already,
+  // stream_copy_fence) is visible before the counter.
+  static void publish_progress(gather_shared* g, int j, std::uint64_t v) noexcept {
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (g->host_progress != nullptr) g->host_progress[j] = v;
   }
-  // The mutation (cuda_debug_options::skip_gather_wait): publishes, does not wait.
-  static void CUDART_CB host_skip_wait(void* data) {
-    auto* g = static_cast<gather_shared*>(data);
-    {
-      std::lock_guard lk(g->mu);
-      g->copied = g->waited;
-      ++g->waited;
-    }
-    g->cv.notify_all();
+  // Raises every progress mirror to the maximum, so wait kernels already
+  // enqueued let their streams go on (an aborted pipeline). Under g->mu.
+  static void release_wait_kernels(gather_shared* g) noexcept {
+    if (g->host_progress == nullptr) return;
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    for (std::size_t j = 0; j < g->progress.size(); ++j) g->host_progress[j] = ~std::uint64_t{0};
   }
 
   // Gather thread j of nt: for each chunk of a job, in order, wait until the
-  // copy that last read its staging buffer (chunk n-2) completed, then copy
-  // its share of the chunk (blocks [j*nb/nt, (j+1)*nb/nt) of the staging
-  // buffer, from whichever runs hold them); thread 0 also writes the chunk's
-  // block lists. No CUDA calls.
-  static void gather_main(gather_shared* g, int j) {
+  // copies that last read its staging buffer (chunk n-2) completed (their
+  // copy_done event), then copy its share of the chunk (blocks
+  // [j*nb/nt, (j+1)*nb/nt) of the staging buffer, from whichever runs hold
+  // them); thread 0 also writes the chunk's block lists; then publish n + 1.
+  static void gather_main(gather_shared* g, int j, int device) {
     detail::widen_thread_affinity();  // not the creator's (possibly OpenMP-bound) core
+    (void)cudaSetDevice(device);      // the events it synchronizes on live there
     std::uint64_t seen = 0;
     for (;;) {
       gather_job job;
@@ -1117,8 +1119,20 @@ class cuda_backend::gpu_engine {
         const std::uint64_t n = job.first + k;
         {
           std::unique_lock lk(g->mu);
-          if (!job.skip_staging_wait && n >= 2)
-            g->cv.wait(lk, [&] { return g->abort || g->stop || g->copied + 1 >= n; });  // copy n-2 done (WAR)
+          if (!job.skip_staging_wait && n >= 2 && n - 2 >= g->done_floor) {  // WAR: copies of chunk n-2 done
+            g->cv.wait(lk, [&] { return g->abort || g->stop || g->recorded >= n - 1; });  // ... were enqueued
+            if (!(g->abort || g->stop)) {
+              const cudaEvent_t ev = g->copy_done[(n - 2) % g->ring];
+              lk.unlock();
+              const cudaError_t e = cudaEventSynchronize(ev);
+              lk.lock();
+              if (e != cudaSuccess) {  // a sticky error: wait_gathers() reports it
+                g->abort = true;
+                release_wait_kernels(g);
+                g->cv.notify_all();
+              }
+            }
+          }
           if (g->abort || g->stop) break;
         }
         if (job.delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(job.delay_us));
@@ -1147,12 +1161,14 @@ class cuda_backend::gpu_engine {
         {
           std::lock_guard lk(g->mu);
           g->progress[std::size_t(j)] = n + 1;
+          if (!g->abort) publish_progress(g, j, n + 1);
         }
         g->cv.notify_all();
       }
       {
         std::lock_guard lk(g->mu);
         g->progress[std::size_t(j)] = job.first + plan.chunks.size();  // done (also after an abort)
+        if (!g->abort) publish_progress(g, j, job.first + plan.chunks.size());
         g->t_first[std::size_t(j)] = t_first;
         g->t_last[std::size_t(j)] = t_last;
       }
@@ -1161,8 +1177,8 @@ class cuda_backend::gpu_engine {
   }
 
   // Waits until the gather threads finished the last posted job. Polls the copy
-  // stream for a sticky CUDA error (host functions never run after one, so the
-  // counters would stop): then aborts the pipeline and throws cuda_error.
+  // stream for a sticky CUDA error (the copy_done events would never complete,
+  // so the gathers would stop): then aborts the pipeline and throws cuda_error.
   void wait_gathers() {
     if (!gs_) return;
     gather_shared& g = *gs_;
@@ -1185,6 +1201,7 @@ class cuda_backend::gpu_engine {
     {
       std::lock_guard lk(gs_->mu);
       gs_->abort = true;
+      release_wait_kernels(gs_.get());
     }
     gs_->cv.notify_all();
     sparse_failed_ = true;
@@ -1204,7 +1221,7 @@ class cuda_backend::gpu_engine {
   }
 
   // The sparse launch: launch() with the chunks gathered into staging by the
-  // gather threads, the copy stream gated by host functions, block lists
+  // gather threads, the copy stream gated by wait kernels on their progress, block lists
   // uploaded per chunk, and the listed attention kernel.
   void launch_sparse(const args_type& a, const cuda_debug_options& dbg) {
     const stream_plan& plan = *a.plan;
@@ -1218,9 +1235,20 @@ class cuda_backend::gpu_engine {
     wait_gathers();  // the previous sparse step's (finish() did already, unless it was skipped)
     if (sparse_failed_) throw state_error("gpu_engine::launch: the sparse pipeline stopped after a failed launch");
 
-    // Hand the chunks to the gather threads now: chunk n gathers once the copy
-    // of chunk n-2 is known done (published by chunk n-1's host function).
+    // Hand the chunks to the gather threads now: chunk n gathers once the
+    // copies of chunk n-2 are done (its copy_done event, recorded below).
     const std::uint64_t first = next_serial_;
+    if (copy_done_raw_.size() < plan.chunks.size() + 2) {  // the WAR ring: one event per chunk in flight
+      WS_CUDA_TRY(cudaStreamSynchronize(h2d));  // earlier chunks' copies are done: no waits for them
+      while (copy_done_raw_.size() < plan.chunks.size() + 2) {
+        copy_done_.push_back(cuda_detail::unique_event::create());
+        copy_done_raw_.push_back(copy_done_.back().get());
+      }
+      std::lock_guard lk(g.mu);
+      g.copy_done = copy_done_raw_.data();
+      g.ring = copy_done_raw_.size();
+      g.done_floor = first;
+    }
     job_stats_ = {};
     for (const stream_chunk& c : plan.chunks) {
       if (c.gathered) {
@@ -1296,7 +1324,8 @@ class cuda_backend::gpu_engine {
         const auto b = std::size_t(c.buffer);
         bf16* buf = a.ping_pong[b];
         std::int32_t* dev_lists = lists_dev_.as<std::int32_t>() + index_t(b) * list_cap_;
-        WS_CUDA_TRY(cudaLaunchHostFunc(h2d, dbg.skip_gather_wait ? &host_skip_wait : &host_wait_gathered, &g));
+        if (!dbg.skip_gather_wait)  // RAW: every gather thread finished chunk n (its blocks and lists)
+          gpu::launch_wait_host_counters(dev_progress_, int(g.progress.size()), n + 1, h2d);
         if (!dbg.skip_consumed_wait) cuda_detail::wait(h2d, consumed_[b]);  // WAR on ping-pong[b] and its lists
         if (dbg.copy_delay_cycles > 0) gpu::launch_spin(dbg.copy_delay_cycles, h2d);
         if (c.gathered) {
@@ -1313,6 +1342,12 @@ class cuda_backend::gpu_engine {
                                       static_cast<std::size_t>(list_ints) * sizeof(std::int32_t),
                                       cudaMemcpyHostToDevice, h2d));
         cuda_detail::record(filled_[b], h2d);
+        WS_CUDA_TRY(cudaEventRecord(copy_done_raw_[std::size_t(n % copy_done_raw_.size())], h2d));
+        {
+          std::lock_guard lk(g.mu);
+          g.recorded = n + 1;  // the gather of chunk n+2 may now wait for these copies (WAR)
+        }
+        g.cv.notify_all();
         if (!dbg.skip_filled_wait) cuda_detail::wait(comp, filled_[b]);  // RAW
         ap.block_lists = dev_lists;
         for (index_t s0 = c.split_begin; s0 < c.split_end; s0 += gpu::max_attend_items) {
@@ -1366,8 +1401,8 @@ class cuda_backend::gpu_engine {
       last_slot_ = tslot;
       timing_slot_ = tslot ^ 1;
     } catch (...) {
-      // Host functions already enqueued must not wait for chunks that will
-      // never be gathered or copied: stop the pipeline (later sparse launches
+      // Wait kernels already enqueued must not wait for chunks that will never
+      // be gathered: release them and stop the pipeline (later sparse launches
       // throw state_error; dense launches are unaffected).
       abort_gathers();
       throw;
@@ -1400,6 +1435,10 @@ class cuda_backend::gpu_engine {
   // Sparse pipeline
   std::unique_ptr<gather_shared> gs_;
   std::vector<std::thread> gather_threads_;
+  host_allocation host_progress_;                     // gather threads' progress, page-locked (wait kernel reads it)
+  const unsigned long long* dev_progress_ = nullptr;  // its device-side address
+  std::vector<cuda_detail::unique_event> copy_done_;  // WAR ring (launch_sparse)
+  std::vector<cudaEvent_t> copy_done_raw_;
   host_allocation staging_[2];     // pinned, staging_bytes_ each
   host_allocation lists_host_[2];  // pinned, list_cap_ entries each
   device_buffer lists_dev_;        // list_buffers_ × list_cap_ entries

@@ -427,6 +427,16 @@ __global__ void spin_kernel(long long cycles) {
   }
 }
 
+template <class = void>
+__global__ void wait_host_counters_kernel(const unsigned long long* counters, int n, unsigned long long need) {
+  if (threadIdx.x == 0) {
+    for (int j = 0; j < n; ++j) {
+      const volatile unsigned long long* c = counters + j;
+      while (*c < need) __nanosleep(200);
+    }
+  }
+}
+
 inline unsigned grid_for(index_t n, int threads) {
   const index_t blocks = (n + threads - 1) / threads;
   return unsigned(blocks < 1 ? 1 : (blocks > 65535 ? 65535 : blocks));
@@ -509,6 +519,14 @@ void launch_spin(long long cycles, cudaStream_t stream) {
   WS_CUDA_CHECK_LAST();
 }
 
+template <class>
+void launch_wait_host_counters(const unsigned long long* counters, int n, unsigned long long need,
+                               cudaStream_t stream) {
+  if (n <= 0) return;
+  detail::wait_host_counters_kernel<><<<1, 32, 0, stream>>>(counters, n, need);
+  WS_CUDA_CHECK_LAST();
+}
+
 }  // namespace writescope::gpu
 
 /// Explicitly instantiates every layout-dependent launcher for the layout
@@ -526,4 +544,6 @@ void launch_spin(long long cycles, cudaStream_t stream) {
 #define WS_CUDA_INSTANTIATE_COMMON()                                                                      \
   template void writescope::gpu::launch_fill_u16<void>(std::uint16_t*, writescope::index_t, std::uint16_t, \
                                                        cudaStream_t);                                      \
-  template void writescope::gpu::launch_spin<void>(long long, cudaStream_t);
+  template void writescope::gpu::launch_spin<void>(long long, cudaStream_t);                              \
+  template void writescope::gpu::launch_wait_host_counters<void>(const unsigned long long*, int,           \
+                                                                 unsigned long long, cudaStream_t);

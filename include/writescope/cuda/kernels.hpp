@@ -191,4 +191,16 @@ void launch_fill_u16(std::uint16_t* dst, index_t count, std::uint16_t value, cud
 template <class = void>
 void launch_spin(long long cycles, cudaStream_t stream);
 
+/// A stream-ordered gate on host progress: one thread waits until each of
+/// `counters[0..n)` (page-locked, mapped host memory written by host threads;
+/// a device-accessible pointer) is >= `need`, polling with __nanosleep. Work
+/// enqueued after it on `stream` starts only then. Unlike a host function
+/// (cudaLaunchHostFunc) no driver callback thread takes part: on the H200 VM
+/// a host-function gate per chunk put sparse steps on multiples of 4 ms
+/// (docs/SPARSE.md). The host must eventually raise every counter (on an
+/// abort: to the maximum), or the stream never proceeds.
+template <class = void>
+void launch_wait_host_counters(const unsigned long long* counters, int n, unsigned long long need,
+                               cudaStream_t stream);
+
 }  // namespace writescope::gpu
