@@ -268,6 +268,7 @@ class rig {
     const unbound_affinity wide;  // pinning's pre-touch threads inherit this thread's mask
     release();
     if (prompt > cfg_.max_prompt) throw std::logic_error("rig: prompt longer than max_prompt");
+    cache_.announce_admission(prompt * cfg_.batch);  // route against the whole batch's L (eq. 2)
     for (int i = 0; i < cfg_.batch; ++i) {
       const ws::sequence_id id = cache_.begin_sequence(prompt);
       seqs_.push_back(id);

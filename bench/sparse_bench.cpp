@@ -390,6 +390,7 @@ class rig {
     ws::kv_tokens<G, ws::device_space> kv;
     kv.planes = {kv_dev, kv_dev + prompt * L.kv_heads() * 128};
     kv.num_tokens = prompt;
+    cache_->announce_admission(prompt * batch);  // route against the whole batch's L (eq. 2)
     for (int i = 0; i < batch; ++i) {
       const ws::sequence_id id = cache_->begin_sequence(prompt);
       cache_->append_prefill(0, id, kv);

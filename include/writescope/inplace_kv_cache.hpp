@@ -194,6 +194,26 @@ class inplace_kv_cache {
   // Sequences
   // ---------------------------------------------------------------------------
 
+  /// Announces that the next begin_sequence() calls admit prompts of
+  /// `prompt_tokens` tokens in total (an engine admitting a batch of prompts
+  /// knows it). Until they are admitted, each prompt batch is routed against
+  /// the placed length the step will attend once all of them are in
+  /// (eq. 2's L, paper §5.2) rather than against the tokens placed so far:
+  /// otherwise, with Δ > 0, the first prompts of a batch see a small L and go
+  /// mostly to the CPU (measured on the H200, 2026-11-29: 32 DeepSeek-V2-Lite
+  /// prompts admitted one by one ended at CPU shares 0.79 for the first and
+  /// 0.44 for the last, 0.474 in all against r = 0.43; docs/DECISIONS.md).
+  /// Each begin_sequence() consumes its prompt's tokens from the announcement;
+  /// announce_admission(0) withdraws what is left. A hint: routing only,
+  /// never capacity. Throws shape_error for a negative count.
+  void announce_admission(index_t prompt_tokens) {
+    if (prompt_tokens < 0)
+      throw shape_error("announce_admission: prompt_tokens " + std::to_string(prompt_tokens) + " < 0");
+    announced_tokens_ = prompt_tokens;
+  }
+  /// Prompt tokens announced and not yet admitted (announce_admission()).
+  [[nodiscard]] index_t announced_tokens() const noexcept { return announced_tokens_; }
+
   /// Admits a sequence whose prompt has `prompt_tokens` tokens: routes its
   /// floor(P/D) whole eviction batches by the policy (write-time routing),
   /// allocates their blocks in every layer and reserves a D-window slot for
@@ -220,8 +240,12 @@ class inplace_kv_cache {
 
     const sequence_id id = free_sequence_id();
     const index_t batches = prompt_tokens / spec_.d_window_tokens;
+    // Tokens of announced prompts still to come after this one (routing only).
+    const index_t announced_after = std::max<index_t>(0, announced_tokens_ - prompt_tokens);
     try {
-      for (index_t k = 0; k < batches; ++k) place_batch(id, st, total_placed_tokens_, live_count_ + 1);
+      for (index_t k = 0; k < batches; ++k)
+        place_batch(id, st, total_placed_tokens_, live_count_ + 1,
+                    announced_after + (batches - 1 - k) * spec_.d_window_tokens);
       // The last step that can throw (std::bad_alloc): before the slot is marked.
       if (std::size_t(id) == seqs_.size()) seqs_.emplace_back();
     } catch (...) {
@@ -231,6 +255,7 @@ class inplace_kv_cache {
     // Commit: nothing below throws.
     slot_used_[std::size_t(slot)] = 1;
     total_placed_tokens_ += st.placed_tokens;
+    announced_tokens_ = announced_after;
     seqs_[std::size_t(id)] = std::move(st);
     ++live_count_;
     return id;
@@ -557,8 +582,10 @@ class inplace_kv_cache {
 
  private:
   // Routes one eviction batch of `st` and allocates its blocks (all layers share them).
-  // `total_placed`: placed tokens of every other live sequence (st's own are added here).
-  void place_batch(sequence_id id, sequence_state& st, index_t total_placed, int live) {
+  // `total_placed`: placed tokens of every other live sequence (st's own are added here);
+  // `coming_tokens`: tokens about to be placed after this batch (this prompt's
+  // later batches and announced prompts), counted into L for the routing only.
+  void place_batch(sequence_id id, sequence_state& st, index_t total_placed, int live, index_t coming_tokens = 0) {
     const int wb = spec_.window_blocks();
     route_query q;
     q.seq = id;
@@ -566,6 +593,7 @@ class inplace_kv_cache {
     q.cpu_placed_tokens = st.cpu_placed_tokens;
     q.batch_tokens = spec_.d_window_tokens;
     q.total_placed_tokens = total_placed + st.placed_tokens;
+    q.coming_tokens = coming_tokens;
     q.live_sequences = live;
     const route_decision d = policy_.route(q);
     tmp_ids_.clear();
@@ -665,6 +693,7 @@ class inplace_kv_cache {
   std::vector<std::uint8_t> slot_used_;
   int live_count_ = 0;
   index_t total_placed_tokens_ = 0;
+  index_t announced_tokens_ = 0;  // announce_admission(): prompt tokens still to be admitted
   std::uint64_t generations_ = 0;  // sequences begun so far (sequence_state::generation)
 
   std::vector<block_write> writes_;

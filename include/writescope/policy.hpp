@@ -58,6 +58,10 @@ struct route_query {
   index_t cpu_placed_tokens = 0;    ///< of which in the unpinned compute region
   index_t batch_tokens = 0;         ///< tokens in this batch (D)
   index_t total_placed_tokens = 0;  ///< placed tokens summed over all live sequences, before this batch
+  /// Tokens known to be placed right after this batch, before the next step:
+  /// the later whole batches of the prompt being admitted and the prompts
+  /// announced with inplace_kv_cache::announce_admission(). 0 during decode.
+  index_t coming_tokens = 0;
   int live_sequences = 0;
 };
 
@@ -157,7 +161,9 @@ struct roofline_params {
 ///
 ///     r(L) = clamp( B/(A+B) + Δ/((A+B)·L), 0, 1 )
 ///
-/// with L the placed tokens of all live sequences after the batch. Each batch is
+/// with L the placed tokens of all live sequences after the batch and the
+/// admissions in progress (route_query::coming_tokens: the length the next
+/// step attends). Each batch is
 /// routed by marginal share toward r(L); A is re-estimated online from measured
 /// CPU time per attended token (sliding ratio-of-sums over the last
 /// `cost_window_samples` steps, fixed cost C_CPU removed), B likewise when
@@ -196,7 +202,7 @@ class roofline_policy {
   [[nodiscard]] double converged_share() const noexcept { return b_ / (a_ + b_); }
 
   [[nodiscard]] route_decision route(const route_query& q) const noexcept {
-    const double r = target_share(q.total_placed_tokens + q.batch_tokens);
+    const double r = target_share(q.total_placed_tokens + q.batch_tokens + q.coming_tokens);
     return {route_toward(r, q), {r, 1.0 - r}};
   }
 

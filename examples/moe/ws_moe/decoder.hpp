@@ -284,6 +284,9 @@ class decoder {
     const auto t_prefill = std::chrono::steady_clock::now();
     std::vector<sequence_id> seqs(static_cast<std::size_t>(B));
     std::vector<index_t> offset(static_cast<std::size_t>(B) + 1, 0);
+    index_t announced = 0;  // eq. 2's L is the whole admitted batch, not the prompts placed so far
+    for (int i = 0; i < B; ++i) announced += index_t(prompts[std::size_t(i)].size());
+    cache.announce_admission(announced);
     for (int i = 0; i < B; ++i) {
       seqs[std::size_t(i)] = cache.begin_sequence(index_t(prompts[std::size_t(i)].size()));
       offset[std::size_t(i) + 1] = offset[std::size_t(i)] + index_t(prompts[std::size_t(i)].size());

@@ -182,6 +182,9 @@ class device_decoder {
     // ---- admission + prefill ---------------------------------------------------------
     const auto t_prefill = std::chrono::steady_clock::now();
     std::vector<sequence_id> seqs(static_cast<std::size_t>(B));
+    index_t announced = 0;  // eq. 2's L is the whole admitted batch, not the prompts placed so far
+    for (int i = 0; i < B; ++i) announced += index_t(prompts[std::size_t(i)].size());
+    cache_->announce_admission(announced);
     for (int i = 0; i < B; ++i) seqs[std::size_t(i)] = cache_->begin_sequence(index_t(prompts[std::size_t(i)].size()));
     for (std::size_t w = 0; w < waves_.size(); ++w) {
       const wave& wv = waves_[w];
