@@ -242,6 +242,16 @@ class driver {
   void op_begin() {
     index_t p = in_.ConsumeIntegralInRange<index_t>(0, 3 * D() + 2);
     if (in_.ConsumeIntegralInRange<int>(0, 31) == 0) p = -1 - in_.ConsumeIntegralInRange<index_t>(0, 3);
+    if (in_.ConsumeIntegralInRange<int>(0, 3) == 0) {  // an engine announcing a batch of admissions
+      index_t a = in_.ConsumeIntegralInRange<index_t>(0, 8 * D());
+      if (in_.ConsumeIntegralInRange<int>(0, 15) == 0) a = -1 - a;
+      const index_t prev = cache_.announced_tokens();
+      std::string amsg;
+      const err ag = classify([&] { cache_.announce_admission(a); }, &amsg);
+      expect(ag, a < 0 ? err::shape : err::none, "announce_admission(" + std::to_string(a) + ")", amsg);
+      FUZZ_CHECK(cache_.announced_tokens() == (a < 0 ? prev : a), "announce_admission: wrong announcement after the call");
+    }
+    const index_t announced = cache_.announced_tokens();
     const auto ids = live_ids();
     const cache_snapshot before = snapshot(cache_, ids);
     sequence_id id = -1;
@@ -252,10 +262,13 @@ class driver {
       if (want == err::none && got == err::capacity) FUZZ_CHECK(p >= D(), "capacity_error for a prompt with no whole batch");
       expect(got, want == err::none ? err::capacity : want, "begin_sequence(" + std::to_string(p) + ")", msg);
       FUZZ_CHECK(snapshot(cache_, ids) == before, "begin_sequence refused but changed the cache");
+      FUZZ_CHECK(cache_.announced_tokens() == announced, "begin_sequence refused but changed the announcement");
       return;
     }
     expect(got, err::none, "begin_sequence(" + std::to_string(p) + ")", msg);
     FUZZ_CHECK(!live(id), "begin_sequence returned a live id");
+    FUZZ_CHECK(cache_.announced_tokens() == std::max<index_t>(0, announced - p),
+               "begin_sequence did not consume its prompt from the announcement");
     model_seq s;
     s.prompt = p;
     s.placed = p / D() * D();
