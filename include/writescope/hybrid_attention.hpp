@@ -104,76 +104,20 @@ class hybrid_attention {
   step_report step(int layer, std::span<const sequence_id> seqs, mem_span<const float, activation_space> q,
                    float scale, const step_outputs<activation_space>& out) {
     const auto t_start = std::chrono::steady_clock::now();
-    const layout_type& L = cache_->layout();
     const int batch = int(seqs.size());
-    const int hq = L.num_q_heads();
     validate(layer, seqs, q, scale, out);
 
     const layer_views<layout_type> v = cache_->views(layer);
     const partition_spec& spec = cache_->spec();
     const index_t block_elems = v.format.block_elems();
 
-    // 1. stream plan + D-window refs
+    // 1. stream plan; 2-5. D-window, GPU launch, CPU side, merge, feedback
     plan_.build(
         batch, [&](int i) { return std::span<const block_id>(v.sequences[std::size_t(seqs[std::size_t(i)])].pinned_blocks); },
         [&](block_id id) { return v.pinned_block(id); }, block_elems, v.ping_pong_blocks, spec.gpu_split_blocks,
         int(v.ping_pong.size()));
-    windows_.resize(std::size_t(batch));
     step_report rep;
-    for (int i = 0; i < batch; ++i) {
-      const sequence_state& st = v.sequences[std::size_t(seqs[std::size_t(i)])];
-      windows_[std::size_t(i)] = {v.window_slot(st.window_slot), st.window_tokens[std::size_t(layer)]};
-      rep.window_tokens += st.window_tokens[std::size_t(layer)];
-    }
-
-    // 2. GPU side, asynchronous
-    gpu_step_args<layout_type, activation_space> args;
-    args.format = v.format;
-    args.softmax_scale = scale;
-    args.batch = batch;
-    args.q = q;
-    args.plan = &plan_;
-    args.windows = windows_;
-    args.ping_pong = v.ping_pong;
-    args.poison_workspaces = options_.poison_workspaces;
-    engine_.launch(args);
-
-    // 3. CPU side, concurrently. The wait for the step's queries is not CPU
-    // work (an asynchronous engine copies them after the caller's earlier work,
-    // i.e. after the previous step's merge): the clock starts after it, or A
-    // would absorb the GPU side's time whenever the GPU is the slower engine
-    // and the share would drift further toward the GPU.
-    const float* host_q = engine_.host_queries();
-    const auto t_cpu = std::chrono::steady_clock::now();
-    build_cpu_tasks(v, seqs, rep);
-    run_cpu_side(v, batch, host_q, scale);
-    rep.cpu_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_cpu).count();
-
-    // 4. merge
-    rep.gpu_seconds = engine_.finish(out);
-    rep.streamed_tokens = plan_.streamed_blocks * spec.block_tokens;
-    rep.copies = index_t(plan_.runs.size());
-    rep.chunks = index_t(plan_.chunks.size());
-    rep.cpu_tasks = int(tasks_.size());
-
-    // 5. online feedback
-    cost_sample s;
-    s.cpu_seconds = rep.cpu_seconds;
-    s.cpu_tokens = rep.cpu_tokens;
-    s.gpu_seconds = rep.gpu_seconds;
-    s.gpu_streamed_tokens = rep.streamed_tokens;
-    if constexpr (requires(engine_type& e) { e.take_completed_gpu_cost(); }) {
-      // An asynchronous engine (cuda_backend) times an earlier launch: pair
-      // those seconds with that launch's streamed tokens, and send no GPU
-      // sample when no launch completed since the last step (B unchanged).
-      const auto c = engine_.take_completed_gpu_cost();
-      s.gpu_seconds = c.seconds;
-      s.gpu_streamed_tokens = c.streamed_tokens;
-    }
-    s.batch_size = batch;
-    cache_->policy().observe(s);
-    rep.total_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-    (void)hq;
+    launch_cpu_merge(v, layer, seqs, q, scale, out, t_start, rep, [&] { build_cpu_tasks(v, seqs, rep); });
     return rep;
   }
 
@@ -275,55 +219,10 @@ class hybrid_attention {
         },
         [&](block_id id) { return v.pinned_block(id); }, block_elems, v.ping_pong_blocks, spec.gpu_split_blocks,
         int(v.ping_pong.size()), hkv, direct_blocks);
-    windows_.resize(std::size_t(batch));
-    for (int i = 0; i < batch; ++i) {
-      const sequence_state& st = v.sequences[std::size_t(seqs[std::size_t(i)])];
-      windows_[std::size_t(i)] = {v.window_slot(st.window_slot), st.window_tokens[std::size_t(layer)]};
-      rep.window_tokens += st.window_tokens[std::size_t(layer)];
-    }
-
-    // GPU side, asynchronous
-    gpu_step_args<layout_type, activation_space> args;
-    args.format = v.format;
-    args.softmax_scale = scale;
-    args.batch = batch;
-    args.q = q;
-    args.plan = &plan_;
-    args.windows = windows_;
-    args.ping_pong = v.ping_pong;
-    args.poison_workspaces = options_.poison_workspaces;
-    engine_.launch(args);
-
-    // 5. CPU side, concurrently (clock after the wait for q, as in step())
-    const float* host_q = engine_.host_queries();
-    const auto t_cpu = std::chrono::steady_clock::now();
-    build_sparse_cpu_tasks(v, seqs, rep);
-    run_cpu_side(v, batch, host_q, scale);
-    rep.cpu_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_cpu).count();
-
-    // 6. merge
-    rep.gpu_seconds = engine_.finish(out);
-    rep.streamed_tokens = plan_.streamed_blocks * bt;
-    rep.copies = index_t(plan_.runs.size());
-    rep.chunks = index_t(plan_.chunks.size());
-    rep.cpu_tasks = int(tasks_.size());
-    rep.gather_seconds = engine_.last_gather().seconds;
-    rep.gathered_bytes = engine_.last_gather().bytes;
-
-    // 7. online feedback on the selected volumes (A and B stay per attended token)
-    cost_sample s;
-    s.cpu_seconds = rep.cpu_seconds;
-    s.cpu_tokens = rep.cpu_tokens;
-    s.gpu_seconds = rep.gpu_seconds;
-    s.gpu_streamed_tokens = rep.streamed_tokens;
-    if constexpr (requires(engine_type& e) { e.take_completed_gpu_cost(); }) {
-      const auto c = engine_.take_completed_gpu_cost();  // see step()
-      s.gpu_seconds = c.seconds;
-      s.gpu_streamed_tokens = c.streamed_tokens;
-    }
-    s.batch_size = batch;
-    cache_->policy().observe(s);
-    rep.total_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    // 4-7. D-window, GPU launch, CPU side over the selected unpinned blocks,
+    // merge, and the policy observes the selected volumes (A and B stay per
+    // attended token)
+    launch_cpu_merge(v, layer, seqs, q, scale, out, t_start, rep, [&] { build_sparse_cpu_tasks(v, seqs, rep); });
     return rep;
   }
 
@@ -357,6 +256,68 @@ class hybrid_attention {
   [[nodiscard]] engine_type& engine() noexcept { return engine_; }
 
  private:
+  // The common part of both steps once plan_ holds the stream plan: the
+  // D-window references, the GPU launch (asynchronous), the CPU side
+  // concurrently (build_tasks() fills tasks_; the clock starts after the wait
+  // for the step's queries: an asynchronous engine copies them after the
+  // caller's earlier work, and A must not absorb the GPU side's time), the
+  // merge, and the policy's cost sample. Adds to `rep`.
+  template <class BuildTasks>
+  void launch_cpu_merge(const layer_views<layout_type>& v, int layer, std::span<const sequence_id> seqs,
+                        mem_span<const float, activation_space> q, float scale,
+                        const step_outputs<activation_space>& out, std::chrono::steady_clock::time_point t_start,
+                        step_report& rep, BuildTasks&& build_tasks) {
+    const int batch = int(seqs.size());
+    windows_.resize(std::size_t(batch));
+    for (int i = 0; i < batch; ++i) {
+      const sequence_state& st = v.sequences[std::size_t(seqs[std::size_t(i)])];
+      windows_[std::size_t(i)] = {v.window_slot(st.window_slot), st.window_tokens[std::size_t(layer)]};
+      rep.window_tokens += st.window_tokens[std::size_t(layer)];
+    }
+
+    gpu_step_args<layout_type, activation_space> args;
+    args.format = v.format;
+    args.softmax_scale = scale;
+    args.batch = batch;
+    args.q = q;
+    args.plan = &plan_;
+    args.windows = windows_;
+    args.ping_pong = v.ping_pong;
+    args.poison_workspaces = options_.poison_workspaces;
+    engine_.launch(args);
+
+    const float* host_q = engine_.host_queries();
+    const auto t_cpu = std::chrono::steady_clock::now();
+    build_tasks();
+    run_cpu_side(v, batch, host_q, scale);
+    rep.cpu_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_cpu).count();
+
+    rep.gpu_seconds = engine_.finish(out);
+    rep.streamed_tokens = plan_.streamed_blocks * cache_->spec().block_tokens;
+    rep.copies = index_t(plan_.runs.size());
+    rep.chunks = index_t(plan_.chunks.size());
+    rep.cpu_tasks = int(tasks_.size());
+    rep.gather_seconds = engine_.last_gather().seconds;  // zeros after a dense step
+    rep.gathered_bytes = engine_.last_gather().bytes;
+
+    cost_sample s;
+    s.cpu_seconds = rep.cpu_seconds;
+    s.cpu_tokens = rep.cpu_tokens;
+    s.gpu_seconds = rep.gpu_seconds;
+    s.gpu_streamed_tokens = rep.streamed_tokens;
+    if constexpr (requires(engine_type& e) { e.take_completed_gpu_cost(); }) {
+      // An asynchronous engine (cuda_backend) times an earlier launch: pair
+      // those seconds with that launch's streamed tokens, and send no GPU
+      // sample when no launch completed since the last step (B unchanged).
+      const auto c = engine_.take_completed_gpu_cost();
+      s.gpu_seconds = c.seconds;
+      s.gpu_streamed_tokens = c.streamed_tokens;
+    }
+    s.batch_size = batch;
+    cache_->policy().observe(s);
+    rep.total_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  }
+
   struct cpu_task {
     int batch_index;
     int kv_head;
