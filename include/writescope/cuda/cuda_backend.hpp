@@ -667,47 +667,16 @@ class cuda_backend::gpu_engine {
     last_sparse_ = false;
     const cuda_ablation_options abl = be_->ablation_;
     const stream_plan& plan = *a.plan;
-    const index_t rows = index_t(a.batch) * hq_;
     const index_t block_elems = a.format.block_elems();
     const index_t block_bytes = a.format.block_bytes();
-    cudaStream_t caller = be_->caller_;
     cudaStream_t h2d = be_->h2d_.get();
     cudaStream_t comp = compute_.get();
     if (abl.per_step_allocation) allocate_step_buffers(plan, a.ping_pong.size(), block_bytes);  // ablation only
     batch_ = a.batch;
     launched_ = true;
 
-    // 0. The caller stream has written the appended KV and q up to here.
-    cuda_detail::record(launch_ev_, caller);
-
-    // 1. q -> pinned staging for the CPU engine.
-    if (!dbg.skip_caller_event) cuda_detail::wait(qstream_.get(), launch_ev_);
-    if (rows > 0)
-      WS_CUDA_TRY(cudaMemcpyAsync(q_host_.data(), a.q.data(), static_cast<std::size_t>(rows * Q * 4),
-                                  cudaMemcpyDeviceToHost, qstream_.get()));
-    cuda_detail::record(q_done_, qstream_.get());
-
-    // 2. Compute stream after the caller; copy stream after pending D2H writes.
-    if (!dbg.skip_caller_event) cuda_detail::wait(comp, launch_ev_);
-    if (!dbg.skip_landing_wait) cuda_detail::wait(h2d, be_->d2h_done_);
-    const int slot = timing_slot_;
-    cuda_detail::record(t_start_[std::size_t(slot)], h2d);
-    if (a.poison_workspaces) {
-      WS_CUDA_TRY(cudaMemsetAsync(split_o_.data(), 0xff, static_cast<std::size_t>(split_o_.size_bytes()), comp));
-      WS_CUDA_TRY(cudaMemsetAsync(split_lse_.data(), 0xff, static_cast<std::size_t>(split_lse_.size_bytes()), comp));
-      WS_CUDA_TRY(cudaMemsetAsync(window_o_.data(), 0xff, static_cast<std::size_t>(rows * V * 4), comp));
-      WS_CUDA_TRY(cudaMemsetAsync(window_lse_.data(), 0xff, static_cast<std::size_t>(rows * 4), comp));
-    }
-    gpu::launch_init_state<Layout>(streamed_o_.as<float>(), streamed_lse_.as<float>(), rows, comp);
-
-    gpu::attend_params& ap = attend_;
-    ap.q = a.q.data();
-    ap.block_elems = block_elems;
-    ap.scale = a.softmax_scale;
-    ap.hq = hq_;
-    ap.hkv = layout_.kv_heads();
-    ap.group = layout_.group_size();
-    ap.block_tokens = a.format.block_tokens;
+    // 0-2. Caller event, q to the CPU engine, stream ordering, workspaces.
+    const int slot = begin_step(a, dbg);
 
     // 3. Stream the chunks through ping-pong; attend and fold each.
     for (const stream_chunk& c : plan.chunks) {
@@ -729,55 +698,11 @@ class cuda_backend::gpu_engine {
       }
       cuda_detail::record(filled_[b], h2d);
       if (!dbg.skip_filled_wait) cuda_detail::wait(comp, filled_[b]);  // RAW
-      for (index_t s0 = c.split_begin; s0 < c.split_end; s0 += gpu::max_attend_items) {
-        const index_t s1 = std::min<index_t>(c.split_end, s0 + gpu::max_attend_items);
-        ap.out_o = split_o_.as<float>();
-        ap.out_lse = split_lse_.as<float>();
-        ap.delay_cycles = dbg.consumer_delay_cycles;
-        ap.num_items = int(s1 - s0);
-        gpu::fold_params& fp = fold_;
-        fp.state_o = streamed_o_.as<float>();
-        fp.state_lse = streamed_lse_.as<float>();
-        fp.split_o = split_o_.as<float>();
-        fp.split_lse = split_lse_.as<float>();
-        fp.hq = hq_;
-        fp.num_segments = 0;
-        for (index_t s = s0; s < s1; ++s) {
-          const stream_split& sp = plan.splits[std::size_t(s)];
-          const int local = int(s - s0);
-          ap.items[local] = {buf + sp.first_block * block_elems, sp.num_blocks * a.format.block_tokens,
-                             sp.batch_index, local, 0};
-          if (fp.num_segments > 0 && fp.segments[fp.num_segments - 1].batch_index == sp.batch_index)
-            fp.segments[fp.num_segments - 1].split_end = local + 1;
-          else
-            fp.segments[fp.num_segments++] = {sp.batch_index, local, local + 1};
-        }
-        gpu::launch_attend<Layout>(ap, comp);
-        if (s1 == c.split_end) cuda_detail::record(consumed_[b], comp);  // last reader of buffer b
-        gpu::launch_fold<Layout>(fp, comp);
-      }
+      attend_chunk(a, c, buf, b, nullptr, dbg);
     }
-    cuda_detail::record(be_->h2d_done_, h2d);  // C9: D2H into host blocks waits for this
 
-    // 4. D-window attention.
-    ap.out_o = window_o_.as<float>();
-    ap.out_lse = window_lse_.as<float>();
-    ap.delay_cycles = 0;
-    for (int i0 = 0; i0 < a.batch; i0 += gpu::max_attend_items) {
-      const int i1 = std::min(a.batch, i0 + gpu::max_attend_items);
-      ap.num_items = i1 - i0;
-      for (int i = i0; i < i1; ++i) {
-        const window_ref& w = a.windows[std::size_t(i)];
-        ap.items[i - i0] = {w.slot, w.tokens, i, i, 0};
-      }
-      gpu::launch_attend<Layout>(ap, comp);
-    }
-    cuda_detail::record(t_end_[std::size_t(slot)], comp);
-    cuda_detail::record(compute_done_, comp);
-    timing_pending_[std::size_t(slot)] = true;
-    slot_tokens_[std::size_t(slot)] = plan.streamed_blocks * a.format.block_tokens;
-    last_slot_ = slot;
-    timing_slot_ = slot ^ 1;
+    // 4. D-window attention; timing.
+    end_step(a, slot);
   }
 
   /// Host-readable queries of the launched step ([batch][Hq][q_dim], pinned
@@ -1220,15 +1145,124 @@ class cuda_backend::gpu_engine {
     gather_threads_.clear();
   }
 
+  // Steps 0-2 of a launch, dense or sparse: the caller's work so far recorded;
+  // q copied D2H for the CPU engine after it; the compute stream after the
+  // caller, the copy stream after pending D2H writes into host blocks (C9);
+  // the step's start timed on the copy stream; workspaces poisoned on request;
+  // the streamed state initialized; the attention parameters of the step set.
+  // Returns the timing slot of the step.
+  int begin_step(const args_type& a, const cuda_debug_options& dbg) {
+    const index_t rows = index_t(a.batch) * hq_;
+    cudaStream_t h2d = be_->h2d_.get();
+    cudaStream_t comp = compute_.get();
+    cuda_detail::record(launch_ev_, be_->caller_);
+    if (!dbg.skip_caller_event) cuda_detail::wait(qstream_.get(), launch_ev_);
+    if (rows > 0)
+      WS_CUDA_TRY(cudaMemcpyAsync(q_host_.data(), a.q.data(), static_cast<std::size_t>(rows * Q * 4),
+                                  cudaMemcpyDeviceToHost, qstream_.get()));
+    cuda_detail::record(q_done_, qstream_.get());
+    if (!dbg.skip_caller_event) cuda_detail::wait(comp, launch_ev_);
+    if (!dbg.skip_landing_wait) cuda_detail::wait(h2d, be_->d2h_done_);
+    const int slot = timing_slot_;
+    cuda_detail::record(t_start_[std::size_t(slot)], h2d);
+    if (a.poison_workspaces) {
+      WS_CUDA_TRY(cudaMemsetAsync(split_o_.data(), 0xff, static_cast<std::size_t>(split_o_.size_bytes()), comp));
+      WS_CUDA_TRY(cudaMemsetAsync(split_lse_.data(), 0xff, static_cast<std::size_t>(split_lse_.size_bytes()), comp));
+      WS_CUDA_TRY(cudaMemsetAsync(window_o_.data(), 0xff, static_cast<std::size_t>(rows * V * 4), comp));
+      WS_CUDA_TRY(cudaMemsetAsync(window_lse_.data(), 0xff, static_cast<std::size_t>(rows * 4), comp));
+    }
+    gpu::launch_init_state<Layout>(streamed_o_.as<float>(), streamed_lse_.as<float>(), rows, comp);
+    gpu::attend_params& ap = attend_;
+    ap.q = a.q.data();
+    ap.block_elems = a.format.block_elems();
+    ap.scale = a.softmax_scale;
+    ap.hq = hq_;
+    ap.hkv = layout_.kv_heads();
+    ap.group = layout_.group_size();
+    ap.block_tokens = a.format.block_tokens;
+    return slot;
+  }
+
+  // Step 3's compute side for one chunk in ping-pong buffer `b` (at `buf`),
+  // on the compute stream after its filled event: the chunk's splits attended
+  // (max_attend_items per launch; with `lists`, the listed kernel over each
+  // split's block lists, else the dense one), each launch folded in order into
+  // the streamed state; consumed[b] recorded after the last reader of the
+  // buffer (and of its lists).
+  void attend_chunk(const args_type& a, const stream_chunk& c, bf16* buf, std::size_t b, const std::int32_t* lists,
+                    const cuda_debug_options& dbg) {
+    const stream_plan& plan = *a.plan;
+    const index_t block_elems = a.format.block_elems();
+    cudaStream_t comp = compute_.get();
+    gpu::attend_params& ap = attend_;
+    ap.block_lists = lists;
+    for (index_t s0 = c.split_begin; s0 < c.split_end; s0 += gpu::max_attend_items) {
+      const index_t s1 = std::min<index_t>(c.split_end, s0 + gpu::max_attend_items);
+      ap.out_o = split_o_.as<float>();
+      ap.out_lse = split_lse_.as<float>();
+      ap.delay_cycles = dbg.consumer_delay_cycles;
+      ap.num_items = int(s1 - s0);
+      gpu::fold_params& fp = fold_;
+      fp.state_o = streamed_o_.as<float>();
+      fp.state_lse = streamed_lse_.as<float>();
+      fp.split_o = split_o_.as<float>();
+      fp.split_lse = split_lse_.as<float>();
+      fp.hq = hq_;
+      fp.num_segments = 0;
+      for (index_t s = s0; s < s1; ++s) {
+        const stream_split& sp = plan.splits[std::size_t(s)];
+        const int local = int(s - s0);
+        ap.items[local] = {buf + sp.first_block * block_elems, sp.num_blocks * a.format.block_tokens,
+                           sp.batch_index, local, lists != nullptr ? int(sp.list_offset) : 0};
+        if (fp.num_segments > 0 && fp.segments[fp.num_segments - 1].batch_index == sp.batch_index)
+          fp.segments[fp.num_segments - 1].split_end = local + 1;
+        else
+          fp.segments[fp.num_segments++] = {sp.batch_index, local, local + 1};
+      }
+      if (lists != nullptr)
+        gpu::launch_attend_listed<Layout>(ap, comp);
+      else
+        gpu::launch_attend<Layout>(ap, comp);
+      if (s1 == c.split_end) cuda_detail::record(consumed_[b], comp);  // last reader of buffer b (and its lists)
+      gpu::launch_fold<Layout>(fp, comp);
+    }
+  }
+
+  // Step 4 of a launch: the copy stream's end recorded for later D2H writes
+  // (C9); the D-window attended with the dense kernel; the step's end and the
+  // compute-done event recorded; the timing slot handed over.
+  void end_step(const args_type& a, int slot) {
+    cudaStream_t comp = compute_.get();
+    cuda_detail::record(be_->h2d_done_, be_->h2d_.get());  // C9: D2H into host blocks waits for this
+    gpu::attend_params& ap = attend_;
+    ap.block_lists = nullptr;
+    ap.out_o = window_o_.as<float>();
+    ap.out_lse = window_lse_.as<float>();
+    ap.delay_cycles = 0;
+    for (int i0 = 0; i0 < a.batch; i0 += gpu::max_attend_items) {
+      const int i1 = std::min(a.batch, i0 + gpu::max_attend_items);
+      ap.num_items = i1 - i0;
+      for (int i = i0; i < i1; ++i) {
+        const window_ref& w = a.windows[std::size_t(i)];
+        ap.items[i - i0] = {w.slot, w.tokens, i, i, 0};
+      }
+      gpu::launch_attend<Layout>(ap, comp);
+    }
+    cuda_detail::record(t_end_[std::size_t(slot)], comp);
+    cuda_detail::record(compute_done_, comp);
+    timing_pending_[std::size_t(slot)] = true;
+    slot_tokens_[std::size_t(slot)] = a.plan->streamed_blocks * a.format.block_tokens;
+    last_slot_ = slot;
+    timing_slot_ = slot ^ 1;
+  }
+
   // The sparse launch: launch() with the chunks gathered into staging by the
   // gather threads, the copy stream gated by wait kernels on their progress, block lists
   // uploaded per chunk, and the listed attention kernel.
   void launch_sparse(const args_type& a, const cuda_debug_options& dbg) {
     const stream_plan& plan = *a.plan;
-    const index_t rows = index_t(a.batch) * hq_;
     const index_t block_elems = a.format.block_elems();
     const index_t block_bytes = a.format.block_bytes();
-    cudaStream_t caller = be_->caller_;
     cudaStream_t h2d = be_->h2d_.get();
     cudaStream_t comp = compute_.get();
     gather_shared& g = *gs_;
@@ -1284,36 +1318,10 @@ class cuda_backend::gpu_engine {
     last_sparse_ = true;
 
     try {
-      // 0-2. As launch(): caller event, q copy, compute after the caller, copy
-      // stream after pending D2H writes (direct chunks read the region itself;
-      // gathered blocks landed before the step: hybrid_attention's summary
-      // update waited for every host write of newly placed blocks).
-      cuda_detail::record(launch_ev_, caller);
-      if (!dbg.skip_caller_event) cuda_detail::wait(qstream_.get(), launch_ev_);
-      if (rows > 0)
-        WS_CUDA_TRY(cudaMemcpyAsync(q_host_.data(), a.q.data(), static_cast<std::size_t>(rows * Q * 4),
-                                    cudaMemcpyDeviceToHost, qstream_.get()));
-      cuda_detail::record(q_done_, qstream_.get());
-      if (!dbg.skip_caller_event) cuda_detail::wait(comp, launch_ev_);
-      if (!dbg.skip_landing_wait) cuda_detail::wait(h2d, be_->d2h_done_);
-      const int tslot = timing_slot_;
-      cuda_detail::record(t_start_[std::size_t(tslot)], h2d);
-      if (a.poison_workspaces) {
-        WS_CUDA_TRY(cudaMemsetAsync(split_o_.data(), 0xff, static_cast<std::size_t>(split_o_.size_bytes()), comp));
-        WS_CUDA_TRY(cudaMemsetAsync(split_lse_.data(), 0xff, static_cast<std::size_t>(split_lse_.size_bytes()), comp));
-        WS_CUDA_TRY(cudaMemsetAsync(window_o_.data(), 0xff, static_cast<std::size_t>(rows * V * 4), comp));
-        WS_CUDA_TRY(cudaMemsetAsync(window_lse_.data(), 0xff, static_cast<std::size_t>(rows * 4), comp));
-      }
-      gpu::launch_init_state<Layout>(streamed_o_.as<float>(), streamed_lse_.as<float>(), rows, comp);
-
-      gpu::attend_params& ap = attend_;
-      ap.q = a.q.data();
-      ap.block_elems = block_elems;
-      ap.scale = a.softmax_scale;
-      ap.hq = hq_;
-      ap.hkv = layout_.kv_heads();
-      ap.group = layout_.group_size();
-      ap.block_tokens = a.format.block_tokens;
+      // 0-2. As launch() (direct chunks read the region itself; gathered
+      // blocks landed before the step: hybrid_attention's summary update
+      // waited for every host write of newly placed blocks).
+      const int tslot = begin_step(a, dbg);
 
       // 3. Per chunk: gated copy of its staging buffer (or direct runs) and its
       // lists, then the listed attention of its splits and the in-order fold.
@@ -1349,57 +1357,11 @@ class cuda_backend::gpu_engine {
         }
         g.cv.notify_all();
         if (!dbg.skip_filled_wait) cuda_detail::wait(comp, filled_[b]);  // RAW
-        ap.block_lists = dev_lists;
-        for (index_t s0 = c.split_begin; s0 < c.split_end; s0 += gpu::max_attend_items) {
-          const index_t s1 = std::min<index_t>(c.split_end, s0 + gpu::max_attend_items);
-          ap.out_o = split_o_.as<float>();
-          ap.out_lse = split_lse_.as<float>();
-          ap.delay_cycles = dbg.consumer_delay_cycles;
-          ap.num_items = int(s1 - s0);
-          gpu::fold_params& fp = fold_;
-          fp.state_o = streamed_o_.as<float>();
-          fp.state_lse = streamed_lse_.as<float>();
-          fp.split_o = split_o_.as<float>();
-          fp.split_lse = split_lse_.as<float>();
-          fp.hq = hq_;
-          fp.num_segments = 0;
-          for (index_t s = s0; s < s1; ++s) {
-            const stream_split& sp = plan.splits[std::size_t(s)];
-            const int local = int(s - s0);
-            ap.items[local] = {buf + sp.first_block * block_elems, sp.num_blocks * a.format.block_tokens,
-                               sp.batch_index, local, int(sp.list_offset)};
-            if (fp.num_segments > 0 && fp.segments[fp.num_segments - 1].batch_index == sp.batch_index)
-              fp.segments[fp.num_segments - 1].split_end = local + 1;
-            else
-              fp.segments[fp.num_segments++] = {sp.batch_index, local, local + 1};
-          }
-          gpu::launch_attend_listed<Layout>(ap, comp);
-          if (s1 == c.split_end) cuda_detail::record(consumed_[b], comp);  // last reader of buffer b and its lists
-          gpu::launch_fold<Layout>(fp, comp);
-        }
+        attend_chunk(a, c, buf, b, dev_lists, dbg);  // the listed kernel, over the chunk's block lists
       }
-      cuda_detail::record(be_->h2d_done_, h2d);  // C9: D2H into host blocks waits for this
 
-      // 4. D-window attention (the dense kernel).
-      ap.block_lists = nullptr;
-      ap.out_o = window_o_.as<float>();
-      ap.out_lse = window_lse_.as<float>();
-      ap.delay_cycles = 0;
-      for (int i0 = 0; i0 < a.batch; i0 += gpu::max_attend_items) {
-        const int i1 = std::min(a.batch, i0 + gpu::max_attend_items);
-        ap.num_items = i1 - i0;
-        for (int i = i0; i < i1; ++i) {
-          const window_ref& w = a.windows[std::size_t(i)];
-          ap.items[i - i0] = {w.slot, w.tokens, i, i, 0};
-        }
-        gpu::launch_attend<Layout>(ap, comp);
-      }
-      cuda_detail::record(t_end_[std::size_t(tslot)], comp);
-      cuda_detail::record(compute_done_, comp);
-      timing_pending_[std::size_t(tslot)] = true;
-      slot_tokens_[std::size_t(tslot)] = plan.streamed_blocks * a.format.block_tokens;
-      last_slot_ = tslot;
-      timing_slot_ = tslot ^ 1;
+      // 4. D-window attention (the dense kernel); timing.
+      end_step(a, tslot);
     } catch (...) {
       // Wait kernels already enqueued must not wait for chunks that will never
       // be gathered: release them and stop the pipeline (later sparse launches
