@@ -265,7 +265,6 @@ class rig {
   /// `prompt` tokens: each prompt's whole eviction batches are routed at write
   /// time by the policy; every layer's KV is written; pins one window ahead.
   void admit(index_t prompt) {
-    const unbound_affinity wide;  // pinning's pre-touch threads inherit this thread's mask
     release();
     if (prompt > cfg_.max_prompt) throw std::logic_error("rig: prompt longer than max_prompt");
     cache_.announce_admission(prompt * cfg_.batch);  // route against the whole batch's L (eq. 2)
@@ -455,7 +454,6 @@ class ceilings {
   /// `cpu_bytes` for the read buffer (> 4x L3), `h2d_bytes` of pinned source.
   ceilings(index_t cpu_bytes, index_t h2d_bytes) : reader_(cpu_bytes) {
 #if WS_BENCH_CUDA
-    const unbound_affinity wide;  // the allocator's pre-touch threads inherit this thread's mask
     src_ = ws::cuda_host_register{}.allocate(std::max<index_t>(h2d_bytes, chunk_bytes));
     std::memset(src_.data(), 1, std::size_t(src_.size_bytes()));
     WS_CUDA_TRY(cudaMalloc(&dst_, std::size_t(2 * chunk_bytes)));

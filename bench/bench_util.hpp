@@ -413,30 +413,4 @@ inline bool pin_current_thread(int first, int count) {
   return ::pthread_setaffinity_np(::pthread_self(), sizeof set, &set) == 0;
 }
 
-/// Widens the calling thread's CPU affinity to every CPU for its lifetime,
-/// then restores it. Admission pins memory (cuda_host_register pre-touches
-/// pages with std::threads, which inherit the caller's mask): under
-/// OMP_PROC_BIND the calling thread is bound to one core, and so would they be.
-class unbound_affinity {
- public:
-  unbound_affinity() {
-    have_ = ::pthread_getaffinity_np(::pthread_self(), sizeof saved_, &saved_) == 0;
-    if (!have_) return;
-    cpu_set_t all;
-    CPU_ZERO(&all);
-    const long n = ::sysconf(_SC_NPROCESSORS_CONF);
-    for (long c = 0; c < n && c < CPU_SETSIZE; ++c) CPU_SET(int(c), &all);
-    ::pthread_setaffinity_np(::pthread_self(), sizeof all, &all);
-  }
-  unbound_affinity(const unbound_affinity&) = delete;
-  unbound_affinity& operator=(const unbound_affinity&) = delete;
-  ~unbound_affinity() {
-    if (have_) ::pthread_setaffinity_np(::pthread_self(), sizeof saved_, &saved_);
-  }
-
- private:
-  cpu_set_t saved_{};
-  bool have_ = false;
-};
-
 }  // namespace wsb

@@ -25,6 +25,8 @@
 // threads so that a core stays free for the GPU-driving thread (FAULT-KINDS K9).
 #include <writescope/writescope.hpp>
 
+#include "bench_util.hpp"
+
 #include <omp.h>
 #include <sched.h>
 #include <unistd.h>
@@ -53,6 +55,8 @@ using json = nlohmann::json;
 using ws::index_t;
 
 namespace {
+
+using namespace wsb;  // bench_util.hpp: number and list parsing, presets, machine facts, statistics, RNG
 
 constexpr const char* usage_text = R"(cpu_attention_bench — CPU decode-attention bandwidth vs a streaming-read ceiling
 
@@ -83,10 +87,6 @@ Example (16-core GPU machine, about 3 minutes):
       --budget-seconds 170 --json bench.json
 )";
 
-struct usage_error : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
 struct options {
   std::vector<std::string> presets{"qwen3", "mixtral", "dsv2"};
   std::vector<int> batch{1, 4, 8, 16};
@@ -110,57 +110,6 @@ struct options {
 // Command line (hand-written: the GPU machine stages only xsimd, Eigen,
 // doctest and nlohmann-json, so no CLI library)
 // ---------------------------------------------------------------------------
-
-template <class T>
-T parse_number(std::string_view flag, std::string text) {
-  index_t mult = 1;
-  if constexpr (std::is_integral_v<T>) {
-    if (!text.empty() && (text.back() == 'K' || text.back() == 'k')) {
-      mult = 1024;
-      text.pop_back();
-    } else if (!text.empty() && (text.back() == 'M' || text.back() == 'm')) {
-      mult = 1024 * 1024;
-      text.pop_back();
-    }
-  }
-  try {
-    std::size_t used = 0;
-    T v{};
-    if constexpr (std::is_floating_point_v<T>)
-      v = static_cast<T>(std::stod(text, &used));
-    else if constexpr (std::is_same_v<T, std::uint64_t>)
-      v = std::stoull(text, &used);
-    else
-      v = static_cast<T>(std::stoll(text, &used) * mult);
-    if (used != text.size() || text.empty()) throw std::invalid_argument(text);
-    return v;
-  } catch (const std::logic_error&) {
-    throw usage_error(std::string(flag) + ": '" + text + "' is not a number");
-  }
-}
-
-std::vector<std::string> split_list(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, ',');)
-    if (!item.empty()) out.push_back(item);
-  return out;
-}
-
-template <class T>
-std::vector<T> parse_list(std::string_view flag, const std::string& s) {
-  std::vector<T> out;
-  for (const auto& item : split_list(s)) out.push_back(parse_number<T>(flag, item));
-  if (out.empty()) throw usage_error(std::string(flag) + " needs at least one value");
-  return out;
-}
-
-std::string canonical_preset(const std::string& name) {
-  if (name == "qwen3" || name == "qwen3-30b-a3b") return "qwen3";
-  if (name == "mixtral" || name == "mixtral-8x7b") return "mixtral";
-  if (name == "dsv2" || name == "deepseek-v2-lite" || name == "dsv2-lite") return "dsv2";
-  throw usage_error("--presets: unknown preset '" + name + "' (qwen3, mixtral, dsv2)");
-}
 
 options parse(int argc, char** argv) {
   options o;
@@ -248,164 +197,17 @@ options parse(int argc, char** argv) {
 // Machine facts
 // ---------------------------------------------------------------------------
 
-std::string read_first_line_with(const char* path, const char* key) {
-  std::ifstream in(path);
-  for (std::string line; std::getline(in, line);)
-    if (line.rfind(key, 0) == 0) {
-      const auto colon = line.find(':');
-      std::string v = colon == std::string::npos ? line : line.substr(colon + 1);
-      v.erase(0, v.find_first_not_of(" \t"));
-      return v;
-    }
-  return "unknown";
+/// wsb::machine_info plus what this benchmark's figures depend on.
+json bench_machine_info(int argc, char** argv) {
+  json m = wsb::machine_info(argc, argv);
+  m["bf16_dot_native"] = ws::cpu::has_native_bf16_dot<ws::cpu::default_arch>;
+  m["omp_max_threads"] = omp_get_max_threads();
+  return m;
 }
-
-std::string read_file_trimmed(const char* path) {
-  std::ifstream in(path);
-  std::string s;
-  std::getline(in, s);
-  return s.empty() ? "unknown" : s;
-}
-
-std::string utc_now() {
-  const std::time_t t = std::time(nullptr);
-  char buf[64];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
-  return buf;
-}
-
-const char* env_or(const char* name, const char* fallback) {
-  const char* v = std::getenv(name);
-  return v ? v : fallback;
-}
-
-json machine_info(int argc, char** argv) {
-  std::string cmd;
-  for (int i = 0; i < argc; ++i) {
-    if (i) cmd += ' ';
-    cmd += argv[i];
-  }
-  char host[256] = "unknown";
-  ::gethostname(host, sizeof host - 1);
-  return json{{"cpu_model", read_first_line_with("/proc/cpuinfo", "model name")},
-              {"logical_cpus", std::thread::hardware_concurrency()},
-              {"l3_cache", read_file_trimmed("/sys/devices/system/cpu/cpu0/cache/index3/size")},
-              {"transparent_hugepage", read_file_trimmed("/sys/kernel/mm/transparent_hugepage/enabled")},
-              {"hostname", host},
-              {"date_utc", utc_now()},
-              {"command", cmd},
-              {"simd_arch", ws::cpu::default_arch::name()},
-              {"bf16_dot_native", ws::cpu::has_native_bf16_dot<ws::cpu::default_arch>},
-              {"compiler", __VERSION__},
-              {"omp_proc_bind", env_or("OMP_PROC_BIND", "")},
-              {"omp_places", env_or("OMP_PLACES", "")},
-              {"omp_max_threads", omp_get_max_threads()},
-              {"loadavg_at_start", read_file_trimmed("/proc/loadavg")}};
-}
-
-/// 1-minute load average (other work on the machine shows here).
-double loadavg_1m() {
-  std::ifstream in("/proc/loadavg");
-  double v = -1;
-  in >> v;
-  return v;
-}
-
-/// Runs f() with the calling thread's CPU affinity widened to every CPU, then
-/// restores it. The host backend's emulated GPU worker is a std::thread that
-/// the hybrid_attention constructor creates; it inherits its creator's
-/// affinity, and under OMP_PROC_BIND the creator (OpenMP thread 0) is bound to
-/// one core, which the worker would then share with it.
-template <class F>
-decltype(auto) with_unbound_affinity(F&& f) {
-  cpu_set_t saved;
-  const bool have = ::sched_getaffinity(0, sizeof saved, &saved) == 0;
-  if (have) {
-    cpu_set_t all;
-    CPU_ZERO(&all);
-    const long n = ::sysconf(_SC_NPROCESSORS_CONF);
-    for (long c = 0; c < n && c < CPU_SETSIZE; ++c) CPU_SET(int(c), &all);
-    ::sched_setaffinity(0, sizeof all, &all);
-  }
-  struct restore {
-    bool have;
-    cpu_set_t* saved;
-    ~restore() {
-      if (have) ::sched_setaffinity(0, sizeof *saved, saved);
-    }
-  } r{have, &saved};
-  return std::forward<F>(f)();
-}
-
-// ---------------------------------------------------------------------------
-// Streaming-read ceiling
-// ---------------------------------------------------------------------------
-
-class read_ceiling {
- public:
-  explicit read_ceiling(index_t bytes)
-      : words_(std::size_t(bytes / 8 / 64 * 64)),
-        mem_(static_cast<std::uint64_t*>(std::aligned_alloc(64, words_ * 8)), &std::free) {
-    if (!mem_) throw std::runtime_error("cannot allocate the " + ws::format_bytes(index_t(words_ * 8)) + " ceiling buffer");
-    std::uint64_t* p = mem_.get();  // first touch by the reading threads' static split
-#pragma omp parallel for schedule(static)
-    for (std::size_t i = 0; i < words_; ++i) p[i] = i * 0x9e3779b97f4a7c15ull;
-  }
-
-  [[nodiscard]] index_t bytes() const noexcept { return index_t(words_ * 8); }
-
-  /// Best GB/s of `reps` reads with `threads` threads (static split, 4 SIMD
-  /// accumulators per thread, the sum kept so the reads cannot be elided).
-  double measure(int threads, int reps) {
-    using batch = xsimd::batch<std::uint64_t>;
-    constexpr std::size_t step = 4 * batch::size;
-    const std::uint64_t* p = mem_.get();
-    const std::size_t n = words_ / step * step;
-    double best = 0.0;
-    for (int r = 0; r < reps; ++r) {
-      std::uint64_t total = 0;
-      const auto t0 = std::chrono::steady_clock::now();
-#pragma omp parallel num_threads(threads) reduction(+ : total)
-      {
-        batch a0(std::uint64_t(0)), a1(std::uint64_t(0)), a2(std::uint64_t(0)), a3(std::uint64_t(0));
-#pragma omp for schedule(static)
-        for (std::size_t i = 0; i < n; i += step) {
-          a0 += batch::load_unaligned(p + i);
-          a1 += batch::load_unaligned(p + i + batch::size);
-          a2 += batch::load_unaligned(p + i + 2 * batch::size);
-          a3 += batch::load_unaligned(p + i + 3 * batch::size);
-        }
-        total += xsimd::hadd((a0 + a1) + (a2 + a3));
-      }
-      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      sink_ += total;
-      best = std::max(best, double(n * 8) / s / 1e9);
-    }
-    return best;
-  }
-  [[nodiscard]] std::uint64_t sink() const noexcept { return sink_; }
-
- private:
-  std::size_t words_;
-  std::unique_ptr<std::uint64_t, void (*)(void*)> mem_;
-  std::uint64_t sink_ = 0;
-};
 
 // ---------------------------------------------------------------------------
 // Random data
 // ---------------------------------------------------------------------------
-
-struct splitmix64 {
-  std::uint64_t s;
-  std::uint64_t next() noexcept {
-    std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  /// Uniform in [-2, 2).
-  float uniform() noexcept { return float(double(next() >> 11) * 0x1.0p-53 * 4.0 - 2.0); }
-};
 
 /// A pool of random bf16 rows the prefill copies from (at varying offsets):
 /// generating every layer's KV anew would dominate the run time.
@@ -416,7 +218,7 @@ struct kv_pool {
     {
       splitmix64 rng{seed * 0x2545f4914f6cdd1dull + std::uint64_t(omp_get_thread_num()) * 0x9e3779b97f4a7c15ull};
 #pragma omp for schedule(static)
-      for (index_t i = 0; i < elems; ++i) values[std::size_t(i)] = ws::bf16::from_float(rng.uniform());
+      for (index_t i = 0; i < elems; ++i) values[std::size_t(i)] = ws::bf16::from_float(rng.uniform(-2.0f, 2.0f));
     }
   }
 };
@@ -446,12 +248,6 @@ struct row {
   double ns_per_token_head_thread = 0;
   double loadavg_1m = 0;
 };
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::nth_element(v.begin(), v.begin() + std::ptrdiff_t(v.size() / 2), v.end());
-  return v[v.size() / 2];
-}
 
 template <class Preset, class Precision>
 class bench_case {
@@ -484,7 +280,7 @@ class bench_case {
     }
     const int hq = layout_.num_q_heads();
     q_.resize(std::size_t(c.batch) * std::size_t(hq) * Q);
-    for (auto& x : q_) x = rng.uniform();
+    for (auto& x : q_) x = rng.uniform(-2.0f, 2.0f);
     out_.resize(std::size_t(c.batch) * std::size_t(hq) * V);
     lse_.resize(std::size_t(c.batch) * std::size_t(hq));
     if (cache_.usage().cpu_used_blocks * o.block_tokens != index_t(c.batch) * c.tokens)
@@ -497,7 +293,7 @@ class bench_case {
     const float scale = float(Preset::softmax_scale());
     ws::attention_options ao;
     ao.cpu_threads = threads;
-    auto attn_ptr = with_unbound_affinity([&] { return std::make_unique<attention_type>(cache_, ao); });
+    auto attn_ptr = std::make_unique<attention_type>(cache_, ao);  // its worker thread widens its own affinity
     attention_type& attn = *attn_ptr;
     ws::step_outputs<ws::pageable_host_space> so{ws::host_span<float>(out_.data(), index_t(out_.size())),
                                                  ws::host_span<float>(lse_.data(), index_t(lse_.size())), nullptr};
@@ -705,13 +501,6 @@ void write_json(const sweep_state& st) {
     throw std::runtime_error("cannot rename " + tmp + " to " + st.opt->json_path);
 }
 
-template <class Preset>
-std::string preset_key() {
-  if constexpr (std::is_same_v<Preset, ws::presets::qwen3_30b_a3b>) return "qwen3";
-  else if constexpr (std::is_same_v<Preset, ws::presets::mixtral_8x7b>) return "mixtral";
-  else return "dsv2";
-}
-
 template <class Preset, class Precision>
 void run_preset(sweep_state& st, const std::string& precision) {
   const options& o = *st.opt;
@@ -778,7 +567,7 @@ int main(int argc, char** argv) {
     st.opt = &o;
     st.start = std::chrono::steady_clock::now();
     st.total = int(o.presets.size() * o.precision.size() * o.batch.size() * o.lengths.size() * o.threads.size());
-    st.doc["machine"] = machine_info(argc, argv);
+    st.doc["machine"] = bench_machine_info(argc, argv);
     st.doc["options"] = json{{"presets", o.presets},        {"batch", o.batch},
                              {"lengths", o.lengths},        {"threads", o.threads},
                              {"precision", o.precision},    {"min_kv_mib", o.min_kv_mib},
