@@ -191,7 +191,8 @@ void launch_fill_u16(std::uint16_t* dst, index_t count, std::uint16_t value, cud
 template <class = void>
 void launch_spin(long long cycles, cudaStream_t stream);
 
-/// A stream-ordered gate on host progress: one thread waits until each of
+/// A stream-ordered gate on host progress (the sparse gather pipeline, paper
+/// §4.4 and Fig. 6; docs/SPARSE.md §4): one thread waits until each of
 /// `counters[0..n)` (page-locked, mapped host memory written by host threads;
 /// a device-accessible pointer) is >= `need`, polling with __nanosleep. Work
 /// enqueued after it on `stream` starts only then. Unlike a host function
