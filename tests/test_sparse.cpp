@@ -628,7 +628,9 @@ TEST_CASE("stream_plan::build_sparse: all-ones masks give the dense plan; lists,
   block_id next = 0;
   for (auto& v : ids)
     for (int k = 0, n = int(rng() % 23); k < n; ++k) v.push_back(rng() % 4 == 0 ? block_id(150 + rng() % 50) : next++);
-  for (int hkv : {1, 3}) {
+  for (int hkv : {1, 3})
+  for (index_t ramp : {0, 3}) {  // without and with the chunk ramp (partition_spec::first_chunk_bytes)
+    CAPTURE(ramp);
     const std::uint64_t all = (std::uint64_t{1} << hkv) - 1;
     std::vector<std::vector<sparse_block>> full(ids.size()), part(ids.size());
     for (std::size_t i = 0; i < ids.size(); ++i)
@@ -639,10 +641,10 @@ TEST_CASE("stream_plan::build_sparse: all-ones masks give the dense plan; lists,
       }
     stream_plan dense, sp;
     dense.build(
-        int(ids.size()), [&](int i) { return std::span<const block_id>(ids[std::size_t(i)]); }, ptr, be, 7, 3, 2);
+        int(ids.size()), [&](int i) { return std::span<const block_id>(ids[std::size_t(i)]); }, ptr, be, 7, 3, 2, ramp);
     sp.build_sparse(
         int(ids.size()), [&](int i) { return std::span<const sparse_block>(full[std::size_t(i)]); }, ptr, be, 7, 3, 2,
-        hkv, 1000);
+        hkv, 1000, ramp);
     REQUIRE(sp.sparse);
     REQUIRE(sp.chunks.size() == dense.chunks.size());
     REQUIRE(sp.runs.size() == dense.runs.size());
@@ -666,7 +668,7 @@ TEST_CASE("stream_plan::build_sparse: all-ones masks give the dense plan; lists,
     for (index_t direct : {index_t{0}, index_t{2}, index_t{1000}}) {
       sp.build_sparse(
           int(ids.size()), [&](int i) { return std::span<const sparse_block>(part[std::size_t(i)]); }, ptr, be, 7, 3, 2,
-          hkv, direct);
+          hkv, direct, ramp);
       std::vector<std::vector<std::pair<const bf16*, std::uint64_t>>> seen(ids.size());
       for (const stream_chunk& c : sp.chunks) {
         std::vector<const bf16*> buf(std::size_t(c.num_blocks), nullptr);

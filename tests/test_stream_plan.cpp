@@ -7,6 +7,7 @@
 
 #include <map>
 #include <random>
+#include <tuple>
 
 #include "support/harness.hpp"
 #include <writescope/detail/stream_copy.hpp>
@@ -159,6 +160,43 @@ TEST_CASE("a sequence's split boundaries do not depend on its batchmates (K10)")
   }
 }
 
+TEST_CASE("the ramp: chunk k holds at most first * 2^k blocks, up to a buffer; splits and batch invariance unchanged") {
+  arena a(4096);
+  std::vector<std::vector<block_id>> seqs{{}};
+  for (block_id b = 0; b < 300; ++b) seqs[0].push_back(b);
+  const auto ramped = [&](index_t chunk, int split, index_t first) {
+    stream_plan p;
+    p.build(
+        int(seqs.size()), [&](int i) { return std::span<const block_id>(seqs[std::size_t(i)]); },
+        [&](block_id id) { return a.ptr(id); }, block_elems, chunk, split, 2, first);
+    return p;
+  };
+  // Chunks of 64 blocks, splits of 4, ramp from 8: 8, 16, 32, 64, 64, 64, 52.
+  const stream_plan p = ramped(64, 4, 8);
+  const auto sizes = check_plan(a, p, seqs, 64, 4, 2);
+  std::vector<index_t> got;
+  for (const stream_chunk& c : p.chunks) got.push_back(c.num_blocks);
+  CHECK(got == std::vector<index_t>{8, 16, 32, 64, 64, 64, 52});
+  for (std::size_t k = 0; k < p.chunks.size(); ++k)
+    CHECK(p.chunks[k].num_blocks <= stream_plan::chunk_capacity(k, 64, 4, 8));
+  // The split cut is the sequence's own, whatever the ramp.
+  const stream_plan flat = ramped(64, 4, 0);
+  CHECK(check_plan(a, flat, seqs, 64, 4, 2) == sizes);
+  CHECK(flat.chunks.size() == 5);  // 64 x 4 + 44
+  // A ramp start below the split size starts at one split; above the buffer, no ramp.
+  CHECK(stream_plan::chunk_capacity(0, 64, 4, 1) == 4);
+  CHECK(stream_plan::chunk_capacity(1, 64, 4, 1) == 8);
+  CHECK(stream_plan::chunk_capacity(0, 64, 4, 100) == 64);
+  CHECK(stream_plan::chunk_capacity(40, 64, 4, 8) == 64);  // no overflow for late chunks
+  const stream_plan odd = ramped(60, 3, 5);  // capacities 5, 10, 20, 40, 60: splits of 3 fill 3, 9, 18, 39, 60
+  check_plan(a, odd, seqs, 60, 3, 2);
+  CHECK(odd.chunks[0].num_blocks == 3);
+  CHECK(odd.chunks[1].num_blocks == 9);
+  CHECK(odd.chunks[2].num_blocks == 18);
+  CHECK(odd.chunks[3].num_blocks == 39);
+  CHECK(odd.chunks[4].num_blocks == 60);
+}
+
 TEST_CASE("ping-pong buffers are used round-robin, for any buffer count") {
   arena a(512);
   std::vector<std::vector<block_id>> seqs(5);
@@ -226,19 +264,25 @@ TEST_CASE("the step's plan over a real cache coalesces the pinned blocks of an o
   spec.pinned_growth_tokens = spec.pinned_capacity_tokens;
   spec.gpu_split_blocks = 2;
   set_ping_pong_blocks(spec, lay, 6);
-  host_cache<L, gpu_only> cache(be, lay, spec, gpu_only{}, {}, cache_options{true});
-  decode_driver<decltype(cache)> d(cache, {1, true}, 5, 0.125);
-  const sequence_id s = d.add(4 * 32 + 3);  // 4 eviction batches = 8 blocks, ids 0..7
-  const std::vector<sequence_id> batch{s};
-  REQUIRE(d.step(batch).ok());
-  const stream_plan& p = d.attention().last_plan();
-  CHECK(p.streamed_blocks == 8);
-  CHECK(p.chunks.size() == 2);          // 6 + 2 blocks
-  CHECK(p.runs.size() == 2);            // one copy per chunk
-  CHECK(p.max_run_blocks == 6);
-  CHECK(d.last_report.copies == 2);
-  CHECK(d.last_report.chunks == 2);
-  CHECK(d.last_report.streamed_tokens == 128);
+  // ramp 0: chunks of 6 + 2 blocks; the harness's ramp from one split (2): chunks of 2 + 4 + 2.
+  for (const auto& [first_chunk_bytes, chunks, longest] :
+       {std::tuple<index_t, std::size_t, index_t>{0, 2, 6}, std::tuple<index_t, std::size_t, index_t>{1, 3, 4}}) {
+    CAPTURE(first_chunk_bytes);
+    spec.first_chunk_bytes = first_chunk_bytes;
+    host_cache<L, gpu_only> cache(be, lay, spec, gpu_only{}, {}, cache_options{true});
+    decode_driver<decltype(cache)> d(cache, {1, true}, 5, 0.125);
+    const sequence_id s = d.add(4 * 32 + 3);  // 4 eviction batches = 8 blocks, ids 0..7
+    const std::vector<sequence_id> batch{s};
+    REQUIRE(d.step(batch).ok());
+    const stream_plan& p = d.attention().last_plan();
+    CHECK(p.streamed_blocks == 8);
+    CHECK(p.chunks.size() == chunks);
+    CHECK(p.runs.size() == chunks);  // one copy per chunk
+    CHECK(p.max_run_blocks == longest);
+    CHECK(d.last_report.copies == index_t(chunks));
+    CHECK(d.last_report.chunks == index_t(chunks));
+    CHECK(d.last_report.streamed_tokens == 128);
+  }
 }
 
 TEST_CASE("stream_copy (the sparse gather's non-temporal copy) copies exactly the bytes asked, any alignment") {

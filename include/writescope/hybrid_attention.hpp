@@ -115,7 +115,7 @@ class hybrid_attention {
     plan_.build(
         batch, [&](int i) { return std::span<const block_id>(v.sequences[std::size_t(seqs[std::size_t(i)])].pinned_blocks); },
         [&](block_id id) { return v.pinned_block(id); }, block_elems, v.ping_pong_blocks, spec.gpu_split_blocks,
-        int(v.ping_pong.size()));
+        int(v.ping_pong.size()), v.first_chunk_blocks);
     step_report rep;
     launch_cpu_merge(v, layer, seqs, q, scale, out, t_start, rep, [&] { build_cpu_tasks(v, seqs, rep); });
     return rep;
@@ -218,7 +218,7 @@ class hybrid_attention {
                                                std::size_t(sel_pinned_begin_[std::size_t(i) + 1] - b0));
         },
         [&](block_id id) { return v.pinned_block(id); }, block_elems, v.ping_pong_blocks, spec.gpu_split_blocks,
-        int(v.ping_pong.size()), hkv, direct_blocks);
+        int(v.ping_pong.size()), hkv, direct_blocks, v.first_chunk_blocks);
     // 4-7. D-window, GPU launch, CPU side over the selected unpinned blocks,
     // merge, and the policy observes the selected volumes (A and B stay per
     // attended token)

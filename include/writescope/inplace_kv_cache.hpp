@@ -104,6 +104,7 @@ struct layer_views {
   bf16* window_base = nullptr;                          ///< device: this layer's D-window slots
   std::span<bf16* const> ping_pong;                     ///< device buffers
   index_t ping_pong_blocks = 0;                         ///< blocks per ping-pong buffer
+  index_t first_chunk_blocks = 0;                       ///< ramp start (partition_spec::first_chunk_bytes; 0: none)
 
   [[nodiscard]] const bf16* cpu_block(block_id id) const noexcept {
     return cpu_arena.data() + index_t(id) * format.block_elems();
@@ -438,6 +439,7 @@ class inplace_kv_cache {
                     index_t(layer) * spec_.max_sequences * spec_.window_blocks() * format_.block_elems();
     v.ping_pong = std::span<bf16* const>(ping_pong_);
     v.ping_pong_blocks = pp_blocks_;
+    v.first_chunk_blocks = spec_.first_chunk_blocks(layout_);
     return v;
   }
 

@@ -8,6 +8,7 @@
 // have none.
 #pragma once
 
+#include <algorithm>
 #include <string>
 
 #include "config.hpp"
@@ -27,6 +28,13 @@ struct partition_spec {
   index_t pinned_growth_tokens = 0;    ///< tokens added per growth of the pinned region (0 = one D·max_sequences)
   index_t ping_pong_bytes = index_t{64} << 20;  ///< bytes of one ping-pong buffer (rounded down to whole blocks)
   int ping_pong_buffers = 2;           ///< ping-pong buffers (>= 2)
+  /// Ramp of a step's chunks (stream_plan): the first ping-pong fill of a step
+  /// holds about this many bytes (rounded down to whole blocks, at least
+  /// gpu_split_blocks), each next fill twice the one before, up to
+  /// ping_pong_bytes. The GPU attends its first chunk after a 2 MiB copy
+  /// (≈ 40 µs at 55 GB/s) instead of a whole buffer (≈ 1.2 ms for 64 MiB),
+  /// which was most of the GPU side's fixed cost per layer. 0: no ramp.
+  index_t first_chunk_bytes = index_t{2} << 20;
   int gpu_split_blocks = 16;           ///< streamed blocks per GPU partial (split-K unit; batch-invariant)
   int cpu_task_blocks = 16;            ///< blocks per CPU task (the unit of CPU parallelism; batch-invariant)
 
@@ -59,6 +67,7 @@ struct partition_spec {
     if (pinned_growth_tokens < 0) fail("pinned_growth_tokens must be >= 0");
     if (ping_pong_buffers < 2) fail("ping_pong_buffers " + std::to_string(ping_pong_buffers) + " must be >= 2");
     if (gpu_split_blocks < 1) fail("gpu_split_blocks must be >= 1");
+    if (first_chunk_bytes < 0) fail("first_chunk_bytes " + std::to_string(first_chunk_bytes) + " must be >= 0");
     if (cpu_task_blocks < 1) fail("cpu_task_blocks must be >= 1");
     const index_t block_bytes = block_format<Layout>{layout, block_tokens}.block_bytes();
     if (ping_pong_bytes / block_bytes < gpu_split_blocks)
@@ -70,6 +79,13 @@ struct partition_spec {
   template <kv_layout Layout>
   [[nodiscard]] index_t ping_pong_blocks(const Layout& layout) const noexcept {
     return ping_pong_bytes / block_format<Layout>{layout, block_tokens}.block_bytes();
+  }
+  /// Blocks of the first chunk of a step's ramp (0: no ramp); see first_chunk_bytes.
+  template <kv_layout Layout>
+  [[nodiscard]] index_t first_chunk_blocks(const Layout& layout) const noexcept {
+    if (first_chunk_bytes <= 0) return 0;
+    const index_t b = first_chunk_bytes / block_format<Layout>{layout, block_tokens}.block_bytes();
+    return std::max<index_t>(b, gpu_split_blocks);
   }
 };
 

@@ -4,7 +4,12 @@
 // The plan cuts every sequence's pinned blocks (logical order) into splits of
 // at most `split_blocks` blocks — the unit of one GPU partial state — and packs
 // whole splits into chunks of at most `chunk_blocks` blocks, one chunk per
-// ping-pong fill, buffers used round-robin. Split boundaries depend only on the
+// ping-pong fill, buffers used round-robin. With a ramp (`first_chunk_blocks`,
+// partition_spec::first_chunk_bytes) the first chunk of a step holds only that
+// many blocks and each next one twice as many as the one before, up to
+// `chunk_blocks`: the GPU starts attending after one small copy instead of a
+// whole buffer (the pipeline fill, which is the step's fixed overhead on the
+// GPU side), and the chunks that follow are still large copies. Split boundaries depend only on the
 // sequence itself, so a sequence's partials (and their merge order) are the
 // same whatever its batchmates are (batch invariance, fault kind K10).
 // Physically adjacent blocks that land adjacently in a chunk are coalesced into
@@ -90,13 +95,27 @@ class stream_plan {
   index_t max_chunk_list_ints = 0;        ///< largest list_end - list_begin of a chunk
   index_t gathered_blocks = 0;            ///< blocks of chunks with gathered == true
 
+  /// Most blocks chunk `k` of a step may hold: `chunk_blocks`, or with a ramp
+  /// (first_chunk_blocks > 0) max(first_chunk_blocks, split_blocks) * 2^k,
+  /// whichever is smaller. Never below split_blocks (a split never straddles).
+  [[nodiscard]] static index_t chunk_capacity(std::size_t k, index_t chunk_blocks, int split_blocks,
+                                              index_t first_chunk_blocks) noexcept {
+    if (first_chunk_blocks <= 0) return chunk_blocks;
+    index_t cap = std::max<index_t>(first_chunk_blocks, split_blocks);
+    for (std::size_t j = 0; j < k && cap < chunk_blocks; ++j) cap *= 2;
+    return std::min(cap, chunk_blocks);
+  }
+
   /// Builds the plan for `batch` sequences. `blocks_of(i)` returns sequence i's
   /// pinned block ids (std::span<const block_id>, logical order);
   /// `block_ptr(id)` the block's address in the pinned region. Requires
-  /// 1 <= split_blocks <= chunk_blocks and buffers >= 1.
+  /// 1 <= split_blocks <= chunk_blocks and buffers >= 1. `first_chunk_blocks`
+  /// > 0 ramps the chunk sizes: chunk k holds at most
+  /// min(chunk_blocks, max(first_chunk_blocks, split_blocks) * 2^k) blocks
+  /// (0: every chunk may fill a whole buffer).
   template <class BlocksOf, class BlockPtr>
   void build(int batch, BlocksOf&& blocks_of, BlockPtr&& block_ptr, index_t block_elems, index_t chunk_blocks,
-             int split_blocks, int buffers) {
+             int split_blocks, int buffers, index_t first_chunk_blocks = 0) {
     runs.clear();
     splits.clear();
     chunks.clear();
@@ -124,7 +143,8 @@ class stream_plan {
       const index_t n = index_t(ids.size());
       for (index_t b0 = 0; b0 < n; b0 += split_blocks) {
         const int nb = int(std::min<index_t>(split_blocks, n - b0));
-        if (cur.num_blocks + nb > chunk_blocks) close_chunk();
+        if (cur.num_blocks + nb > chunk_capacity(chunks.size(), chunk_blocks, split_blocks, first_chunk_blocks))
+          close_chunk();
         splits.push_back({i, cur.num_blocks, nb});
         for (int k = 0; k < nb; ++k) {
           const bf16* src = block_ptr(ids[std::size_t(b0 + k)]);
@@ -150,10 +170,12 @@ class stream_plan {
   /// pinned region when each of its runs holds at least `direct_run_blocks`
   /// blocks (0: always), else gathered. Requires 1 <= split_blocks <=
   /// chunk_blocks, buffers >= 1, 1 <= kv_heads <= 64. A chunk's lists hold at
-  /// most 2 * kv_heads * chunk_blocks entries.
+  /// most 2 * kv_heads * chunk_blocks entries. `first_chunk_blocks` ramps the
+  /// chunk sizes as in build().
   template <class SelectedOf, class BlockPtr>
   void build_sparse(int batch, SelectedOf&& selected_of, BlockPtr&& block_ptr, index_t block_elems,
-                    index_t chunk_blocks, int split_blocks, int buffers, int kv_heads, index_t direct_run_blocks) {
+                    index_t chunk_blocks, int split_blocks, int buffers, int kv_heads, index_t direct_run_blocks,
+                    index_t first_chunk_blocks = 0) {
     runs.clear();
     splits.clear();
     chunks.clear();
@@ -188,7 +210,8 @@ class stream_plan {
       const index_t n = index_t(sel.size());
       for (index_t b0 = 0; b0 < n; b0 += split_blocks) {
         const int nb = int(std::min<index_t>(split_blocks, n - b0));
-        if (cur.num_blocks + nb > chunk_blocks) close_chunk();
+        if (cur.num_blocks + nb > chunk_capacity(chunks.size(), chunk_blocks, split_blocks, first_chunk_blocks))
+          close_chunk();
         splits.push_back({i, cur.num_blocks, nb, index_t(block_lists.size()) - cur.list_begin});
         for (int h = 0; h < kv_heads; ++h) {  // [count, indices..., padding] per KV head
           const std::size_t at = block_lists.size();

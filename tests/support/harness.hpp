@@ -293,6 +293,7 @@ inline partition_spec small_spec(int layers = 1, int max_seqs = 4, int block_tok
   s.gpu_split_blocks = 4;
   s.cpu_task_blocks = 3;
   s.ping_pong_bytes = 0;  // set by caller via set_ping_pong_blocks
+  s.first_chunk_bytes = 1;  // the ramp from one split (chunks of split, 2 x split, ... blocks): every test streams through it
   return s;
 }
 
