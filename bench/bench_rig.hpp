@@ -202,6 +202,7 @@ struct rig_config {
   int cpu_threads = 0;           ///< CPU engine threads (0: cores - 1)
   int block_tokens = 64;
   int d_window = 256;
+  index_t first_chunk_bytes = index_t{2} << 20;  ///< partition_spec::first_chunk_bytes (0: no ramp)
   std::uint64_t seed = 1;
 };
 
@@ -365,6 +366,7 @@ class rig {
     s.pinned_initial_tokens = 0;  // page-locked as admissions place blocks there, in large slabs
     const index_t slab = std::max<index_t>(index_t(c.batch) * c.d_window, index_t(c.batch) * per_seq / 8);
     s.pinned_growth_tokens = (slab + c.block_tokens - 1) / c.block_tokens * c.block_tokens;
+    s.first_chunk_bytes = c.first_chunk_bytes;
     (void)lay;
     return s;
   }

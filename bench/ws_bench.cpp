@@ -70,6 +70,9 @@ constexpr const char* usage_text = R"(ws_bench — writescope attention benchmar
   --warmup N            untimed decode steps first (default 2)
   --window N            roofline sliding window, cost samples (default 64)
   --rotation-mib N      KV read per decode step at least, by adding layers (default 640)
+  --layers N            at least N attention layers per decode step (e.g. 48: a whole
+                        Qwen3-30B-A3B step; default 1)
+  --first-chunk-mib N   first ping-pong fill of a step (the ramp; 0: none; default 2)
   --ceiling-mib N       CPU read-ceiling buffer (default 1280)
   --calibration FILE    roofline costs (bench/calibrate --out); without it (or without
                         an entry for a preset) the costs are measured first
@@ -100,6 +103,8 @@ struct options {
   int warmup = 2;
   int window = 64;
   double rotation_mib = 640;
+  int min_layers = 1;
+  double first_chunk_mib = 2;
   double ceiling_mib = 1280;
   std::string calibration;
   double budget_seconds = 0;
@@ -178,6 +183,12 @@ options parse(int argc, char** argv) {
       o.window = parse_number<int>(f, a.value());
     } else if (f == "--rotation-mib") {
       o.rotation_mib = parse_number<double>(f, a.value());
+    } else if (f == "--layers") {
+      o.min_layers = parse_number<int>(f, a.value());
+      if (o.min_layers < 1 || o.min_layers > 256) throw usage_error("--layers must be in [1, 256]");
+    } else if (f == "--first-chunk-mib") {
+      o.first_chunk_mib = parse_number<double>(f, a.value());
+      if (!(o.first_chunk_mib >= 0)) throw usage_error("--first-chunk-mib must be >= 0");
     } else if (f == "--ceiling-mib") {
       o.ceiling_mib = parse_number<double>(f, a.value());
     } else if (f == "--calibration") {
@@ -241,7 +252,9 @@ rig_config make_rig_config(const options& o, int batch, index_t L, int threads, 
   rc.max_decode_steps = o.warmup + o.steps + 64;
   rc.cpu_threads = threads;
   rc.seed = o.seed * 1000003 + salt;
-  rc.layers = rotation_layers(index_t(batch) * L * Preset::layout().token_bytes(), o.rotation_mib * 1048576.0);
+  rc.layers = std::max(o.min_layers, rotation_layers(index_t(batch) * L * Preset::layout().token_bytes(),
+                                                     o.rotation_mib * 1048576.0));
+  rc.first_chunk_bytes = index_t(o.first_chunk_mib * 1048576.0);
   return rc;
 }
 

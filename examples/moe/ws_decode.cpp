@@ -62,7 +62,7 @@ struct cli {
   std::uint64_t seed = 0;
   std::string policy = "roofline";
   int block_tokens = 64, d_window = 256, ping_pong_buffers = 2, gpu_split_blocks = 16, cpu_task_blocks = 16;
-  double ping_pong_mib = 64.0, kv_vram_budget_mib = 0.0;
+  double ping_pong_mib = 64.0, kv_vram_budget_mib = 0.0, first_chunk_mib = 2.0;
   long long ping_pong_blocks = 0;
   double cpu_bw_gbps = 80.0, h2d_bw_gbps = 54.0, cpu_fixed_us = 0.0, gpu_fixed_us = 0.0;
   bool track_gpu_cost = false;
@@ -305,6 +305,7 @@ int run(cli& a) {
   o.kv.d_window_tokens = a.d_window;
   o.kv.ping_pong_bytes = writescope::index_t(a.ping_pong_mib * double(1 << 20));
   o.kv.ping_pong_blocks = a.ping_pong_blocks;
+  o.kv.first_chunk_bytes = writescope::index_t(a.first_chunk_mib * double(1 << 20));
   o.kv.ping_pong_buffers = a.ping_pong_buffers;
   o.kv.gpu_split_blocks = a.gpu_split_blocks;
   o.kv.cpu_task_blocks = a.cpu_task_blocks;
@@ -442,6 +443,11 @@ int main(int argc, char** argv) {
   app.add_option("--d-window", a.d_window, "D: GPU window and eviction batch, a multiple of the block size")
       ->group(g_kv)->capture_default_str();
   app.add_option("--ping-pong-mib", a.ping_pong_mib, "bytes of one ping-pong buffer, MiB")->group(g_kv)->capture_default_str();
+  app.add_option("--first-chunk-mib", a.first_chunk_mib,
+                 "first ping-pong fill of a step, MiB; each next fill doubles up to a buffer (0: no ramp)")
+      ->group(g_kv)
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--ping-pong-blocks", a.ping_pong_blocks, "blocks per ping-pong buffer (overrides --ping-pong-mib)")->group(g_kv);
   app.add_option("--ping-pong-buffers", a.ping_pong_buffers, "ping-pong buffers (>= 2)")->group(g_kv)->capture_default_str();
   app.add_option("--gpu-split-blocks", a.gpu_split_blocks, "streamed blocks per GPU partial")->group(g_kv)->capture_default_str();

@@ -54,6 +54,7 @@ struct kv_options {
   int d_window_tokens = 256;
   index_t ping_pong_bytes = index_t{64} << 20;
   index_t ping_pong_blocks = 0;  ///< > 0: overrides ping_pong_bytes
+  index_t first_chunk_bytes = index_t{2} << 20;  ///< ramp start of a step's chunks (0: none; partition_spec)
   int ping_pong_buffers = 2;
   int gpu_split_blocks = 16;
   int cpu_task_blocks = 16;
@@ -179,6 +180,7 @@ writescope::partition_spec make_partition_spec(const Layout& layout, int num_lay
   s.cpu_task_blocks = k.cpu_task_blocks;
   const index_t block_bytes = writescope::block_format<Layout>{layout, std::max(1, k.block_tokens)}.block_bytes();
   s.ping_pong_bytes = k.ping_pong_blocks > 0 ? k.ping_pong_blocks * block_bytes : k.ping_pong_bytes;
+  s.first_chunk_bytes = k.first_chunk_bytes;
   s.validate(layout);
   if (k.kv_vram_budget_bytes > 0) {
     const index_t window = index_t(s.max_sequences) * s.d_window_tokens * layout.token_bytes() * s.num_layers;

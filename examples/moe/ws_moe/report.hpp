@@ -285,6 +285,7 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
                        {"ping_pong", u.ping_pong_bytes}};
   j["spec"] = {{"block_tokens", r.spec.block_tokens},       {"d_window_tokens", r.spec.d_window_tokens},
                {"ping_pong_bytes", r.spec.ping_pong_bytes}, {"ping_pong_buffers", r.spec.ping_pong_buffers},
+               {"first_chunk_bytes", r.spec.first_chunk_bytes},
                {"gpu_split_blocks", r.spec.gpu_split_blocks}, {"cpu_task_blocks", r.spec.cpu_task_blocks}};
   j["backend"] = r.backend;
   if (r.device.used) {
