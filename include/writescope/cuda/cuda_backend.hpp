@@ -900,6 +900,7 @@ class cuda_backend::gpu_engine {
       throw state_error("gpu_engine::launch: the sparse pipeline stopped after a failed launch (CUDA error); "
                         "create a new engine");
     const index_t block_bytes = a.format.block_bytes();
+    std::pair<std::uintptr_t, std::uintptr_t> span{0, 0};  // the last registered span a pulled run was found in
     for (const stream_chunk& c : a.plan->chunks) {
       if (c.gathered && device_pull_) {
         if (c.num_blocks > index_t(pull_src_.capacity()))
@@ -908,9 +909,13 @@ class cuda_backend::gpu_engine {
                             "; reserve_sparse() for the cache's ping-pong geometry");
         // The pull kernel dereferences these host addresses on the device:
         // only memory page-locked (and mapped) by this library's allocators.
+        // The registry is asked once per registered span, not once per run.
         for (index_t k = c.run_begin; k < c.run_end; ++k) {
           const stream_run& r = a.plan->runs[std::size_t(k)];
-          if (!cuda_detail::pinned_registry::instance().covers(r.src, r.num_blocks * block_bytes)) {
+          const auto lo = reinterpret_cast<std::uintptr_t>(r.src);
+          const auto hi = lo + static_cast<std::uintptr_t>(r.num_blocks * block_bytes);
+          if (lo < span.first || hi > span.second) span = cuda_detail::pinned_registry::instance().covering_span(r.src);
+          if (lo < span.first || hi > span.second) {
             char addr[32];
             std::snprintf(addr, sizeof addr, "%p", static_cast<const void*>(r.src));
             throw pinned_memory_error(

@@ -66,6 +66,7 @@
 #include <shared_mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "../config.hpp"
@@ -156,22 +157,32 @@ class pinned_registry {
     std::shared_lock lk(mu_);
     return ranges_.size();
   }
-  /// True when every byte of [p, p + bytes) lies in some registered range
-  /// (possibly several adjacent ones: a run of blocks across two cudaHostRegister
-  /// chunks). bytes <= 0: true.
+  /// The largest span [first, second) of back-to-back registered ranges that
+  /// holds address p (several when p's range ends where the next one starts: a
+  /// cudaHostRegister region of several chunks); {0, 0} when p is in none.
+  [[nodiscard]] std::pair<std::uintptr_t, std::uintptr_t> covering_span(const void* p) const {
+    std::shared_lock lk(mu_);
+    const auto a = reinterpret_cast<std::uintptr_t>(p);
+    auto it = ranges_.upper_bound(a);  // first range starting after a
+    if (it == ranges_.begin()) return {0, 0};
+    --it;  // the last range starting at or before a
+    if (a >= it->second) return {0, 0};
+    std::uintptr_t lo = it->first, hi = it->second;
+    for (auto next = std::next(it); next != ranges_.end() && next->first == hi; ++next) hi = next->second;
+    for (auto prev = it; prev != ranges_.begin();) {
+      --prev;
+      if (prev->second != lo) break;
+      lo = prev->first;
+    }
+    return {lo, hi};
+  }
+  /// True when every byte of [p, p + bytes) lies in registered ranges
+  /// (possibly several back-to-back ones: a run of blocks across two
+  /// cudaHostRegister chunks). bytes <= 0: true.
   [[nodiscard]] bool covers(const void* p, index_t bytes) const {
     if (bytes <= 0) return true;
-    std::shared_lock lk(mu_);
-    std::uintptr_t a = reinterpret_cast<std::uintptr_t>(p);
-    const std::uintptr_t end = a + static_cast<std::uintptr_t>(bytes);
-    while (a < end) {
-      auto it = ranges_.upper_bound(a);  // first range starting after a
-      if (it == ranges_.begin()) return false;
-      --it;  // the last range starting at or before a
-      if (a >= it->second) return false;
-      a = it->second;
-    }
-    return true;
+    const auto span = covering_span(p);
+    return reinterpret_cast<std::uintptr_t>(p) + static_cast<std::uintptr_t>(bytes) <= span.second;
   }
   /// True when [p, p + bytes) lies inside one registered range.
   [[nodiscard]] bool contains(const void* p, index_t bytes) const {
