@@ -20,17 +20,24 @@
 //      sequence (long runs: copied straight from the pinned region, no
 //      gather), and "no-staging" replays the scattered selection with
 //      direct_run_bytes = 0 (one cudaMemcpyAsync per run of adjacent blocks,
-//      the discrete transfers staging avoids); and the scattered selection
+//      the discrete transfers staging avoids); the scattered selection
 //      again with each --gather-sweep thread count ("gpu g=N"): how many
-//      gather threads it takes to hide the gather under the copies.
+//      gather threads it takes to hide the gather under the copies; and the
+//      scattered selection in the other transfer mode (sparse_transfer): "gpu
+//      pull" (device_pull: a copy kernel reads the blocks out of the pinned
+//      region, no host gather, --pull-ctas CTAs) when the main rows use
+//      host_gather, "gpu gather" (host_gather) when --transfer device_pull.
 // Staging overhead = T(scattered, gathered) / T(contiguous) - 1 on gpu_only,
-// the step where the gather sits on the critical path; target < 5%.
+// the step where the gather sits on the critical path; target < 5%. The same
+// column is given for the g=N, pull and gather control rows.
 // Each step is timed host-side from step() to a synchronize of the caller
 // stream (the whole step: selection replay, launch, CPU side, merge); the
 // GPU side (copy-stream start to the last kernel, CUDA events) and the gather
 // (first to last gather memcpy) are reported next to it. Ceilings measured in
-// the same run: pinned H2D bandwidth (64 MiB copies) and the scattered-block
-// gather bandwidth of --gather-threads threads.
+// the same run: pinned H2D bandwidth (64 MiB copies), the scattered-block
+// gather bandwidth of --gather-threads threads, and the scattered-block pull
+// kernel's bandwidth (random blocks of a 1 GiB page-locked buffer) for a few
+// CTA counts.
 //
 // Output: a table on stdout, progress on stderr, JSON (--json) rewritten
 // after every row. --budget-seconds stops starting new configurations.
@@ -89,7 +96,10 @@ constexpr const char* usage_text = R"(sparse_bench — sparse (block-selected) a
   --split-blocks N      blocks per GPU split (default 16)
   --gather-sweep LIST   gpu_only re-runs of the scattered selection with these gather
                         thread counts (default 1,8; empty: none)
-  --no-controls         skip the contiguous / no-staging / gather-sweep controls
+  --transfer MODE       how gathered chunks move in the main rows: host_gather (staging,
+                        default) or device_pull (a copy kernel reads the pinned blocks)
+  --pull-ctas N         CTAs of one pull-kernel launch (default 64)
+  --no-controls         skip the contiguous / no-staging / gather-sweep / pull (gather) controls
   --budget-seconds S    stop starting new (L, batch) configurations after S s (default 150)
   --json PATH           results + machine info as JSON (rewritten after every row)
   --seed N              selection seed (default 1)
@@ -110,6 +120,8 @@ struct options {
   int split_blocks = 16;
   bool controls = true;
   std::vector<int> gather_sweep{1, 8};
+  ws::sparse_transfer transfer = ws::sparse_transfer::host_gather;
+  int pull_ctas = 64;
   double budget_seconds = 150;
   std::string json_path;
   std::uint64_t seed = 1;
@@ -193,6 +205,17 @@ options parse(int argc, char** argv) {
     } else if (a == "--gather-sweep") {
       o.gather_sweep.clear();
       for (const auto& x : split(value())) o.gather_sweep.push_back(int(parse_int(a, x)));
+    } else if (a == "--transfer") {
+      const std::string m = value();
+      if (m == "host_gather") {
+        o.transfer = ws::sparse_transfer::host_gather;
+      } else if (m == "device_pull") {
+        o.transfer = ws::sparse_transfer::device_pull;
+      } else {
+        throw std::invalid_argument("--transfer: '" + m + "' is neither host_gather nor device_pull");
+      }
+    } else if (a == "--pull-ctas") {
+      o.pull_ctas = int(parse_int(a, value()));
     } else if (a == "--no-controls") {
       o.controls = false;
     } else if (a == "--budget-seconds") {
@@ -207,8 +230,9 @@ options parse(int argc, char** argv) {
   }
   for (double k : o.keeps)
     if (!(k > 0.0 && k <= 1.0)) throw std::invalid_argument("--keep: ratios must be in (0, 1]");
-  if (o.steps < 1 || o.warmup < 0 || o.gather_threads < 1 || o.block_tokens < 1 || o.split_blocks < 1)
-    throw std::invalid_argument("--steps, --gather-threads, --block-tokens, --split-blocks must be >= 1");
+  if (o.steps < 1 || o.warmup < 0 || o.gather_threads < 1 || o.block_tokens < 1 || o.split_blocks < 1 ||
+      o.pull_ctas < 1)
+    throw std::invalid_argument("--steps, --gather-threads, --block-tokens, --split-blocks, --pull-ctas must be >= 1");
   if (o.threads <= 0) o.threads = std::max(1, int(std::thread::hardware_concurrency()) - 1 - o.gather_threads);
   return o;
 }
@@ -347,9 +371,52 @@ std::vector<double> measure_gather_gbs(const std::vector<int>& thread_counts, in
   return result;
 }
 
+/// Scattered-block pull bandwidth per CTA cap: gpu::launch_pull_blocks of
+/// 64 MiB of random `block_bytes` blocks out of a 1 GiB page-locked buffer
+/// into device memory (what a pulled chunk does), timed with CUDA events,
+/// best of 3 after a warm-up.
+std::vector<double> measure_pull_gbs(const std::vector<int>& cta_counts, index_t block_bytes) {
+  const index_t src_bytes = index_t(1) << 30, dst_bytes = index_t(64) << 20;
+  void* src = nullptr;
+  void* dst = nullptr;
+  WS_CUDA_TRY(cudaHostAlloc(&src, std::size_t(src_bytes), cudaHostAllocDefault));
+  std::memset(src, 1, std::size_t(src_bytes));
+  WS_CUDA_TRY(cudaMalloc(&dst, std::size_t(dst_bytes)));
+  const index_t nblk = dst_bytes / block_bytes, srcblk = src_bytes / block_bytes;
+  std::vector<const void*> blocks(static_cast<std::size_t>(nblk));
+  std::mt19937_64 rng(7);
+  for (auto& b : blocks) b = static_cast<const std::byte*>(src) + index_t(rng() % std::uint64_t(srcblk)) * block_bytes;
+  cudaStream_t s = nullptr;
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  WS_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  WS_CUDA_TRY(cudaEventCreate(&e0));
+  WS_CUDA_TRY(cudaEventCreate(&e1));
+  std::vector<double> result;
+  for (const int ctas : cta_counts) {
+    double best = 0;
+    for (int rep = 0; rep < 4; ++rep) {
+      WS_CUDA_TRY(cudaEventRecord(e0, s));
+      ws::gpu::launch_pull_blocks(blocks.data(), nblk, dst, block_bytes, ctas, s);
+      WS_CUDA_TRY(cudaEventRecord(e1, s));
+      WS_CUDA_TRY(cudaEventSynchronize(e1));
+      float ms = 0;
+      WS_CUDA_TRY(cudaEventElapsedTime(&ms, e0, e1));
+      if (rep > 0 && ms > 0) best = std::max(best, double(nblk * block_bytes) / (double(ms) * 1e-3) * 1e-9);
+    }
+    result.push_back(best);
+  }
+  WS_CUDA_TRY(cudaEventDestroy(e0));
+  WS_CUDA_TRY(cudaEventDestroy(e1));
+  WS_CUDA_TRY(cudaStreamDestroy(s));
+  WS_CUDA_TRY(cudaFree(dst));
+  WS_CUDA_TRY(cudaFreeHost(src));
+  return result;
+}
+
 struct point {
   double step_ms = 0, cpu_ms = 0, gpu_ms = 0, gather_ms = 0, select_ms = 0;
-  index_t gathered_bytes = 0, streamed_tokens = 0, cpu_tokens = 0, selected_blocks = 0, placed_blocks = 0;
+  index_t gathered_bytes = 0, pulled_bytes = 0, streamed_tokens = 0, cpu_tokens = 0, selected_blocks = 0,
+          placed_blocks = 0;
   index_t copies = 0, chunks = 0;
 };
 
@@ -385,6 +452,8 @@ class rig {
     ao.cpu_threads = o.threads;
     ao.sparse.reserve = true;
     ao.sparse.gather_threads = o.gather_threads;
+    ao.sparse.transfer = o.transfer;
+    ao.sparse.pull_ctas = o.pull_ctas;
     attn_ = std::make_unique<attention_type>(*cache_, ao);
     const index_t prompt = length + s.d_window_tokens / 2;
     ws::kv_tokens<G, ws::device_space> kv;
@@ -414,7 +483,25 @@ class rig {
     return *discrete_;
   }
 
-  /// An attention object with `threads` gather threads (the gather sweep).
+  /// An attention object in the other transfer mode than the main rows' (the
+  /// "gpu pull" / "gpu gather" control): device_pull with --pull-ctas CTAs, or
+  /// host_gather with --gather-threads threads.
+  attention_type& other_transfer(const options& o) {
+    if (!other_) {
+      WS_CUDA_TRY(cudaDeviceSynchronize());
+      ws::attention_options ao;
+      ao.cpu_threads = o.threads;
+      ao.sparse.reserve = true;
+      ao.sparse.gather_threads = o.gather_threads;
+      ao.sparse.transfer = o.transfer == ws::sparse_transfer::device_pull ? ws::sparse_transfer::host_gather
+                                                                          : ws::sparse_transfer::device_pull;
+      ao.sparse.pull_ctas = o.pull_ctas;
+      other_ = std::make_unique<attention_type>(*cache_, ao);
+    }
+    return *other_;
+  }
+
+  /// An attention object with `threads` gather threads (the gather sweep, host_gather).
   attention_type& with_gather_threads(const options& o, int threads) {
     for (auto& [n, a] : swept_)
       if (n == threads) return *a;
@@ -457,6 +544,7 @@ class rig {
       gather.push_back(r.gather_seconds);
       select.push_back(r.select_seconds);
       p.gathered_bytes = r.gathered_bytes;
+      p.pulled_bytes = r.pulled_bytes;
       p.streamed_tokens = r.streamed_tokens;
       p.cpu_tokens = r.cpu_tokens;
       p.selected_blocks = sel ? r.selected_blocks : r.placed_blocks;
@@ -478,7 +566,7 @@ class rig {
   const float* q_dev_;
   float* out_dev_;
   std::unique_ptr<cache_type> cache_;
-  std::unique_ptr<attention_type> attn_, discrete_;
+  std::unique_ptr<attention_type> attn_, discrete_, other_;
   std::vector<std::pair<int, std::unique_ptr<attention_type>>> swept_;
   std::vector<ws::sequence_id> seqs_;
   index_t placed_blocks_ = 0;
@@ -531,11 +619,20 @@ int main(int argc, char** argv) {
     const double gather_ceiling = gather_gbs[0];
     json by_threads = json::object();
     for (std::size_t k = 0; k < counts.size(); ++k) by_threads[std::to_string(counts[k])] = gather_gbs[k];
+    std::vector<int> cta_counts{o.pull_ctas};
+    for (int n : {16, 32, 64, 132, 264})
+      if (n != o.pull_ctas) cta_counts.push_back(n);
+    const std::vector<double> pull_gbs = measure_pull_gbs(cta_counts, block_bytes);
+    json by_ctas = json::object();
+    for (std::size_t k = 0; k < cta_counts.size(); ++k) by_ctas[std::to_string(cta_counts[k])] = pull_gbs[k];
     out.doc["ceilings"] = {{"pinned_h2d_gbs", h2d},
                            {"gather_gbs", gather_ceiling},
                            {"gather_threads", o.gather_threads},
                            {"gather_gbs_by_threads", by_threads},
-                           {"gather_block_bytes", block_bytes}};
+                           {"gather_block_bytes", block_bytes},
+                           {"pull_gbs", pull_gbs[0]},
+                           {"pull_ctas", o.pull_ctas},
+                           {"pull_gbs_by_ctas", by_ctas}};
     out.doc["config"] = {{"model", "Qwen3-30B-A3B attention, GQA 32/4, d 128, 1 layer"},
                          {"block_tokens", o.block_tokens},
                          {"d_window_tokens", 256},
@@ -543,15 +640,18 @@ int main(int argc, char** argv) {
                          {"split_blocks", o.split_blocks},
                          {"cpu_threads", o.threads},
                          {"gather_threads", o.gather_threads},
+                         {"transfer", ws::to_string(o.transfer)},
+                         {"pull_ctas", o.pull_ctas},
                          {"per_head", o.per_head},
                          {"steps", o.steps},
                          {"warmup", o.warmup}};
     out.doc["rows"] = json::array();
     out.flush();
-    std::printf("# %s, %s, %d cores; pinned H2D %.1f GB/s, gather (%d threads, %lld-byte blocks) %.1f GB/s\n",
+    std::printf("# %s, %s, %d cores; pinned H2D %.1f GB/s, gather (%d threads, %lld-byte blocks) %.1f GB/s, "
+                "pull (%d CTAs) %.1f GB/s; main rows: %s\n",
                 prop.name, out.doc["machine"]["cpu_model"].get<std::string>().c_str(),
                 int(std::thread::hardware_concurrency()), h2d, o.gather_threads, static_cast<long long>(block_bytes),
-                gather_ceiling);
+                gather_ceiling, o.pull_ctas, pull_gbs[0], ws::to_string(o.transfer));
     std::printf("%6s %5s %5s %-12s %9s %8s %8s %8s %9s %7s %8s %9s\n", "L", "batch", "keep", "mode", "step ms",
                 "cpu ms", "gpu ms", "gather", "gather GB/s", "union", "stream GB", "overhead");
 
@@ -590,7 +690,9 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "sparse_bench: L %lld batch %d (%.0f s so far)\n", static_cast<long long>(len), batch,
                      seconds_since(t_start));
         ws::cuda_backend be;
-        auto emit = [&](double keep, const char* mode, const point& p, double union_frac, double overhead) {
+        // transfer: the sparse_transfer of the row's attention object ("none": a dense step).
+        auto emit = [&](double keep, const char* mode, const point& p, double union_frac, double overhead,
+                        const char* transfer) {
           const double gather_gbs = p.gather_ms > 0 ? double(p.gathered_bytes) / (p.gather_ms * 1e-3) * 1e-9 : 0.0;
           const double stream_gb = double(p.streamed_tokens) * 2048.0 * 1e-9;
           char ov[32] = "";
@@ -610,6 +712,8 @@ int main(int argc, char** argv) {
                       {"select_ms", p.select_ms},
                       {"gather_gbs", gather_gbs},
                       {"gathered_bytes", p.gathered_bytes},
+                      {"pulled_bytes", p.pulled_bytes},
+                      {"transfer", transfer},
                       {"streamed_tokens", p.streamed_tokens},
                       {"cpu_tokens", p.cpu_tokens},
                       {"selected_blocks", p.selected_blocks},
@@ -622,6 +726,7 @@ int main(int argc, char** argv) {
           out.flush();
         };
         const double nan = std::nan("");
+        const char* main_transfer = ws::to_string(o.transfer);
         auto union_of = [](const point& p) {
           return p.placed_blocks > 0 ? double(p.selected_blocks) / double(p.placed_blocks) : 0.0;
         };
@@ -637,7 +742,7 @@ int main(int argc, char** argv) {
             selections.push_back(make_selection(batch, L.kv_heads(), n, keep, 0, o.per_head, o.seed));
           const point d = g.run(g.attention(), nullptr, o.warmup, o.steps);
           t_gpu = d.step_ms;
-          emit(1.0, "gpu dense", d, 1.0, nan);
+          emit(1.0, "gpu dense", d, 1.0, nan, "none");
           for (std::size_t k = 0; k < o.keeps.size(); ++k) {
             replay_selector sel{&selections[k]};
             const point p = g.run(g.attention(), &sel, o.warmup, o.steps);
@@ -647,29 +752,35 @@ int main(int argc, char** argv) {
               replay_selector csel{&contiguous};
               const point c = g.run(g.attention(), &csel, o.warmup, o.steps);
               overhead = c.step_ms > 0 ? p.step_ms / c.step_ms - 1.0 : nan;
-              emit(o.keeps[k], "gpu contig", c, union_of(c), nan);
+              emit(o.keeps[k], "gpu contig", c, union_of(c), nan, main_transfer);
               const point ns = g.run(g.no_staging(o), &sel, o.warmup, o.steps);
-              emit(o.keeps[k], "gpu nostage", ns, union_of(ns), nan);
+              emit(o.keeps[k], "gpu nostage", ns, union_of(ns), nan, "host_gather");
               for (const int gt : o.gather_sweep) {
                 if (gt < 1 || gt == o.gather_threads) continue;
                 const point sw = g.run(g.with_gather_threads(o, gt), &sel, o.warmup, o.steps);
                 char mode[32];
                 std::snprintf(mode, sizeof mode, "gpu g=%d", gt);
-                emit(o.keeps[k], mode, sw, union_of(sw), c.step_ms > 0 ? sw.step_ms / c.step_ms - 1.0 : nan);
+                emit(o.keeps[k], mode, sw, union_of(sw), c.step_ms > 0 ? sw.step_ms / c.step_ms - 1.0 : nan,
+                     "host_gather");
               }
+              // The scattered selection in the other transfer mode, overhead against the same contig.
+              const bool main_pulls = o.transfer == ws::sparse_transfer::device_pull;
+              const point ot = g.run(g.other_transfer(o), &sel, o.warmup, o.steps);
+              emit(o.keeps[k], main_pulls ? "gpu gather" : "gpu pull", ot, union_of(ot),
+                   c.step_ms > 0 ? ot.step_ms / c.step_ms - 1.0 : nan, main_pulls ? "host_gather" : "device_pull");
             }
-            emit(o.keeps[k], "gpu_only", p, union_of(p), overhead);
+            emit(o.keeps[k], "gpu_only", p, union_of(p), overhead, main_transfer);
           }
         }
         {
           rig<ws::cpu_only> c(be, o, L, len, batch, ws::cpu_only{}, 1.0, kv_dev, q_dev, out_dev);
           const point d = c.run(c.attention(), nullptr, o.warmup, o.steps);
           t_cpu = d.step_ms;
-          emit(1.0, "cpu dense", d, 1.0, nan);
+          emit(1.0, "cpu dense", d, 1.0, nan, "none");
           for (std::size_t k = 0; k < o.keeps.size(); ++k) {
             replay_selector sel{&selections[k]};
             const point p = c.run(c.attention(), &sel, o.warmup, o.steps);
-            emit(o.keeps[k], "cpu_only", p, union_of(p), nan);
+            emit(o.keeps[k], "cpu_only", p, union_of(p), nan, main_transfer);
           }
         }
         // 2. The hybrid split at the measured balance point.
@@ -678,13 +789,13 @@ int main(int argc, char** argv) {
           rig<ws::fixed_ratio> h(be, o, L, len, batch, ws::fixed_ratio(r), r, kv_dev, q_dev, out_dev);
           const point d = h.run(h.attention(), nullptr, o.warmup, o.steps);
           char mode[32];
-          emit(1.0, "hyb dense", d, 1.0, nan);
+          emit(1.0, "hyb dense", d, 1.0, nan, "none");
           out.doc["rows"].back()["cpu_share"] = r;
           for (std::size_t k = 0; k < o.keeps.size(); ++k) {
             replay_selector sel{&selections[k]};
             const point p = h.run(h.attention(), &sel, o.warmup, o.steps);
             std::snprintf(mode, sizeof mode, "hybrid %.2f", r);
-            emit(o.keeps[k], mode, p, union_of(p), nan);
+            emit(o.keeps[k], mode, p, union_of(p), nan, main_transfer);
             out.doc["rows"].back()["cpu_share"] = r;
           }
           out.flush();

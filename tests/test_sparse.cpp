@@ -7,7 +7,9 @@
 // selection that leaves an engine without blocks gives exactly the empty
 // partial (K1); selections past 4 GiB offsets (K4/C7); user selectors; bad
 // selections are typed errors with the cache unchanged; batch invariance
-// (K10); the policy sees the selected volumes; the sparse stream plan.
+// (K10); the policy sees the selected volumes; the sparse stream plan; the
+// device-pull transfer mode is accepted and emulated, bit-identical to the
+// host gather.
 #include <doctest/doctest.h>
 
 #include <sys/resource.h>
@@ -174,6 +176,112 @@ TEST_CASE("select_all is bit-identical to the dense step: MLA DeepSeek-V2-Lite, 
   SUBCASE("cpu_only") { select_all_matches_dense(L, cpu_only{}, scale, index_t{2} << 20, 12, 6); }
   SUBCASE("fixed_ratio 0.4, direct") { select_all_matches_dense(L, fixed_ratio(0.4), scale, 0, 12, 7); }
   SUBCASE("roofline") { select_all_matches_dense(L, test_roofline(), scale, index_t{2} << 20, 12, 8); }
+}
+
+namespace {
+
+/// The same sparse steps through two attention objects on one cache: the
+/// driver's (sparse_transfer::host_gather) and one with device_pull (emulated
+/// by the host backend: runs copied straight into ping-pong, no staging).
+/// Outputs and LSEs must be bit-identical; the gather statistics say which way
+/// the gathered chunks went.
+template <class Layout, class Policy, class Selector>
+void pull_matches_gather(const Layout& L, Policy pol, double scale, const Selector& selector, int steps,
+                         std::uint64_t seed) {
+  host_backend be;
+  const std::vector<index_t> prompts{1, 15, 33, 70, 100};
+  partition_spec spec = spec_for(2, int(prompts.size()), 100 + steps);
+  set_ping_pong_blocks(spec, L, 6);
+  host_cache<Layout, Policy> cache(be, L, spec, pol, {}, cache_options{true});
+  attention_options ao{1, true};
+  ao.sparse.reserve = true;
+  decode_driver<decltype(cache)> d(cache, ao, seed, scale);
+  attention_options po = ao;
+  po.sparse.transfer = sparse_transfer::device_pull;
+  po.sparse.pull_ctas = 7;  // meaningless on the host backend, accepted
+  hybrid_attention<decltype(cache)> pull(cache, po);
+  CHECK(pull.engine().sparse_staging_bytes() == 0);  // no staging in pull mode
+  CHECK(d.attention().engine().sparse_staging_bytes() > 0);
+  std::vector<sequence_id> batch;
+  for (index_t p : prompts) batch.push_back(d.add(p));
+  runner<decltype(cache)> r(d);
+  const index_t block_bytes = cache.format().block_bytes();
+  // Both attention objects stream through the cache's ping-pong buffers: NaN
+  // them before each step, so a block one mode failed to move cannot be read
+  // as left there by the other.
+  auto poison_ping_pong = [&] {
+    const layer_views<Layout> v = cache.views(0);
+    be.fill_device(reinterpret_cast<std::byte*>(v.ping_pong[0]),
+                   index_t(v.ping_pong.size()) * v.ping_pong_blocks * block_bytes, 0xffff);
+  };
+  index_t pulled = 0;
+  for (int s = 0; s < steps; ++s) {
+    for (int l = 0; l < spec.num_layers; ++l) {
+      CAPTURE(s);
+      CAPTURE(l);
+      d.append_layer(l, batch);
+      r.make_queries(batch);
+      Selector sel_gather = selector, sel_pull = selector;
+      poison_ping_pong();
+      r.sparse(l, batch, sel_gather);
+      const gather_stats gg = d.attention().engine().last_gather();
+      std::vector<float> out(r.out.size(), std::numeric_limits<float>::quiet_NaN());
+      std::vector<float> lse(r.lse.size(), std::numeric_limits<float>::quiet_NaN());
+      const step_outputs<pageable_host_space> so{host_span<float>(out.data(), index_t(out.size())),
+                                                 host_span<float>(lse.data(), index_t(lse.size())), nullptr};
+      poison_ping_pong();
+      const step_report pr =
+          pull.step(l, batch, host_span<const float>(r.q.data(), index_t(r.q.size())), float(d.scale()), so, sel_pull);
+      REQUIRE(same_bits(r.out, out));
+      REQUIRE(same_bits(r.lse, lse));
+      const gather_stats pg = pull.engine().last_gather();
+      const index_t staged = pull.last_plan().gathered_blocks * block_bytes;
+      CHECK(gg.pulled_chunks == 0);
+      CHECK(r.rep.pulled_bytes == 0);
+      CHECK(r.rep.gathered_bytes == staged);
+      CHECK(pg.gathered_chunks == 0);
+      CHECK(pg.bytes == 0);
+      CHECK(pr.gathered_bytes == 0);
+      CHECK(pr.gather_seconds == 0.0);
+      CHECK(pg.pulled_chunks == gg.gathered_chunks);
+      CHECK(pg.direct_chunks == gg.direct_chunks);
+      CHECK(pg.pulled_bytes == staged);
+      CHECK(pr.pulled_bytes == staged);
+      pulled += pg.pulled_chunks;
+      if (l + 1 == spec.num_layers) cache.flush();
+    }
+  }
+  CHECK(pull.engine().sparse_staging_bytes() == 0);
+  if constexpr (!std::is_same_v<Policy, cpu_only>) CHECK(pulled > 0);
+}
+
+}  // namespace
+
+TEST_CASE("sparse_transfer::device_pull on the host backend: accepted, emulated, bit-identical to host_gather") {
+  SUBCASE("GQA 32/4, top-k 0.5, gpu_only") {
+    pull_matches_gather(G(32, 4), gpu_only{}, gqa_scale, top_k_selector::ratio(0.5), 16, 31);
+  }
+  SUBCASE("GQA 32/4, select_all, fixed_ratio 0.4") {
+    pull_matches_gather(G(32, 4), fixed_ratio(0.4), gqa_scale, select_all{}, 12, 32);
+  }
+  SUBCASE("MLA DeepSeek-V2-Lite, top-k 0.3, fixed_ratio 0.5") {
+    pull_matches_gather(presets::deepseek_v2_lite::layout(), fixed_ratio(0.5),
+                        presets::deepseek_v2_lite::softmax_scale(), top_k_selector::ratio(0.3), 10, 33);
+  }
+  SUBCASE("pull_ctas < 1 is a config_error when the pipeline is reserved") {
+    host_backend be;
+    const G L(32, 4);
+    partition_spec spec = spec_for(1, 2, 100);
+    set_ping_pong_blocks(spec, L, 4);
+    host_cache<G, gpu_only> cache(be, L, spec, gpu_only{});
+    attention_options ao{1, false};
+    ao.sparse.reserve = true;
+    ao.sparse.transfer = sparse_transfer::device_pull;
+    ao.sparse.pull_ctas = 0;
+    CHECK_THROWS_AS(hybrid_attention<decltype(cache)>(cache, ao), config_error);
+    ao.sparse.pull_ctas = 1;
+    CHECK_NOTHROW(hybrid_attention<decltype(cache)>(cache, ao));
+  }
 }
 
 namespace {

@@ -82,23 +82,34 @@ struct debug_partials {
 
 /// What a gpu_engine reserves for sparse steps (docs/SPARSE.md): two staging
 /// buffers of `chunk_blocks` blocks of `block_bytes` (page-locked on a real
-/// device, like the load region), per-chunk block lists for up to `buffers`
-/// ping-pong buffers of `kv_heads` heads, and `gather_threads` host threads
-/// (cuda_backend) that gather selected blocks into staging. Reserved once, off
-/// the step path; a larger request later grows it (between steps).
+/// device, like the load region; none when `device_pull`), per-chunk block
+/// lists for up to `buffers` ping-pong buffers of `kv_heads` heads, and
+/// `gather_threads` host threads (cuda_backend) that gather selected blocks
+/// into staging and write the block lists. Reserved once, off the step path; a
+/// larger request later grows it (between steps); the transfer mode is the
+/// latest reservation's.
 struct sparse_reservation {
   index_t chunk_blocks = 0;
   index_t block_bytes = 0;
   int buffers = 2;
   int kv_heads = 1;
   int gather_threads = 1;
+  /// sparse_transfer::device_pull: gathered chunks are pulled out of the pinned
+  /// region by a copy kernel (cuda_backend; host_backend emulates it by copying
+  /// the runs straight into ping-pong), no staging buffers.
+  bool device_pull = false;
+  /// device_pull: the most CTAs of one pull-kernel launch (sparse_options::pull_ctas), >= 1.
+  int pull_ctas = 64;
 };
 
 /// The gather of the last sparse step (filled in by gpu_engine::finish).
+/// Every chunk of the step's plan is counted once: as gathered, pulled or direct.
 struct gather_stats {
-  double seconds = 0.0;        ///< wall time from the first gather memcpy to the last (0 if none)
-  index_t bytes = 0;           ///< bytes gathered into staging
-  index_t gathered_chunks = 0; ///< chunks that moved as one copy out of staging
+  double seconds = 0.0;        ///< wall time from the first host gather memcpy to the last (0 if none)
+  index_t bytes = 0;           ///< bytes gathered into staging by host memcpy (host_gather chunks only)
+  index_t gathered_chunks = 0; ///< chunks gathered into staging and moved as one copy out of it
+  index_t pulled_chunks = 0;   ///< stream_chunk::gathered chunks pulled by the device (sparse_transfer::device_pull)
+  index_t pulled_bytes = 0;    ///< their bytes: read by the device over PCIe, no host copy (not in `bytes`)
   index_t direct_chunks = 0;   ///< chunks copied run by run from the pinned region
 };
 

@@ -14,7 +14,12 @@
 // Sparse plans (docs/SPARSE.md) run the same pipeline as cuda_backend, in
 // order on the worker: a gathered chunk is memcpy'd block by block into staging
 // buffer (chunk serial % 2), then copied whole into its ping-pong buffer; each
-// split is attended per KV head over the blocks of that head's list.
+// split is attended per KV head over the blocks of that head's list. With
+// sparse_transfer::device_pull (sparse_reservation::device_pull) a gathered
+// chunk's runs are copied straight into their places in the ping-pong buffer
+// instead, as cuda_backend's pull kernel writes them (same bytes, same layout:
+// the attention and its results are identical to host_gather), and counted as
+// pulled; no staging is reserved. pull_ctas has no meaning here and is ignored.
 //
 // Threading: one host_backend may serve several caches; each gpu_engine owns
 // its worker thread. Calls into one engine come from one thread.
@@ -135,7 +140,7 @@ class host_backend::gpu_engine {
   /// Starts the GPU side; returns at once. `a` and everything it points to must
   /// stay valid until finish() returns.
   void launch(const args_type& a) {
-    if (a.plan != nullptr && a.plan->sparse) {
+    if (a.plan != nullptr && a.plan->sparse && !device_pull_) {
       const index_t need = a.plan->chunks.empty() ? 0 : a.format.block_bytes();
       index_t most = 0;
       for (const stream_chunk& c : a.plan->chunks) most = std::max(most, c.gathered ? c.num_blocks : 0);
@@ -152,9 +157,12 @@ class host_backend::gpu_engine {
   }
 
   /// Reserves the sparse pipeline (two staging buffers of r.chunk_blocks
-  /// blocks); grows it when a larger reservation is asked for. Between steps only.
+  /// blocks; none with r.device_pull, which is emulated: see the file comment);
+  /// grows it when a larger reservation is asked for; the transfer mode is the
+  /// latest reservation's. Between steps only. Throws resource_error.
   void reserve_sparse(const sparse_reservation& r) {
-    const index_t bytes = r.chunk_blocks * r.block_bytes;
+    device_pull_ = r.device_pull;
+    const index_t bytes = r.device_pull ? 0 : r.chunk_blocks * r.block_bytes;
     if (bytes <= staging_bytes_) return;
     for (auto& st : staging_) st = detail::map_pageable(std::max<index_t>(bytes, 1), "sparse staging buffer");
     staging_bytes_ = bytes;
@@ -298,7 +306,15 @@ class host_backend::gpu_engine {
     std::chrono::steady_clock::time_point g0{}, g1{};
     for (const stream_chunk& c : plan.chunks) {
       bf16* buf = a.ping_pong[std::size_t(c.buffer)];
-      if (c.gathered) {
+      if (c.gathered && device_pull_) {  // the pull kernel: each run's blocks at their place in the buffer
+        for (index_t r = c.run_begin; r < c.run_end; ++r) {
+          const stream_run& run = plan.runs[std::size_t(r)];
+          std::memcpy(buf + run.dst_block * block_elems, run.src,
+                      static_cast<std::size_t>(run.num_blocks * block_bytes));
+        }
+        gs.pulled_bytes += c.num_blocks * block_bytes;
+        ++gs.pulled_chunks;
+      } else if (c.gathered) {
         const auto t0 = std::chrono::steady_clock::now();
         auto* st = reinterpret_cast<bf16*>(staging_[std::size_t(serial_ % 2)].data());
         for (index_t r = c.run_begin; r < c.run_end; ++r) {  // host gather into staging
@@ -348,6 +364,7 @@ class host_backend::gpu_engine {
   std::vector<cpu::kv_segment> segs_;
   host_allocation staging_[2];
   index_t staging_bytes_ = 0;
+  bool device_pull_ = false;  // sparse_reservation::device_pull (emulated)
   std::uint64_t serial_ = 0;  // sparse chunks streamed so far (staging buffer = serial % 2)
   gather_stats gather_pending_{}, gather_{};
   args_type args_{};

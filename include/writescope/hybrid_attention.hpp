@@ -73,7 +73,8 @@ struct step_report {
   index_t selected_blocks = 0;   ///< of which attended by at least one KV head
   double select_seconds = 0.0;   ///< summaries of newly placed blocks + the selector (in total_seconds)
   double gather_seconds = 0.0;   ///< host gather into staging, first to last memcpy (overlaps the copies)
-  index_t gathered_bytes = 0;    ///< bytes gathered into staging
+  index_t gathered_bytes = 0;    ///< bytes gathered into staging by host memcpy (sparse_transfer::host_gather)
+  index_t pulled_bytes = 0;      ///< bytes of gathered chunks pulled by the device instead (sparse_transfer::device_pull)
 };
 
 template <class Cache, class CpuKernel = cpu::decode_kernel<typename Cache::layout_type>>
@@ -132,9 +133,10 @@ class hybrid_attention {
   ///   3. selector.select(...) per sequence with placed blocks, validated
   ///      (shape_error for a block outside [0, placed blocks), before any work);
   ///   4. GPU side: the selected pinned blocks (union over the KV heads) in
-  ///      splits of gpu_split_blocks, chunks gathered into staging and moved as
-  ///      one copy each (stream_plan::build_sparse), each split attended per KV
-  ///      head over its own blocks; the whole D-window;
+  ///      splits of gpu_split_blocks, chunks with short runs gathered into
+  ///      staging and moved as one copy each, or pulled by a device copy kernel
+  ///      (sparse_options::transfer; stream_plan::build_sparse), each split
+  ///      attended per KV head over its own blocks; the whole D-window;
   ///   5. CPU side: tasks of cpu_task_blocks selected unpinned blocks per
   ///      (sequence, KV head), in place;
   ///   6. merge, and the policy observes the selected volumes (step_report).
@@ -142,7 +144,10 @@ class hybrid_attention {
   /// boundaries depend only on each sequence's own selection (K10). The first
   /// sparse step reserves the pipeline unless attention_options::sparse.reserve.
   /// Throws what step() throws, config_error for more than 64 KV heads, and
-  /// whatever the selector throws (before any work).
+  /// whatever the selector throws (before any work); the reservation's errors
+  /// (see reserve_sparse()); cuda_backend with sparse_transfer::device_pull:
+  /// pinned_memory_error, before any work, for a block to pull outside the
+  /// page-locked ranges.
   template <class Selector>
     requires block_selector<Selector, layout_type>
   step_report step(int layer, std::span<const sequence_id> seqs, mem_span<const float, activation_space> q,
@@ -229,18 +234,27 @@ class hybrid_attention {
   /// Reserves the sparse pipeline now (the summary store's address space, the
   /// engine's staging buffers, block lists and gather threads); a no-op once
   /// done. Called by the constructor when attention_options::sparse.reserve,
-  /// else by the first sparse step. Throws resource_error / pinned_memory_error.
+  /// else by the first sparse step. Throws resource_error / pinned_memory_error;
+  /// config_error for sparse.pull_ctas < 1, and (cuda_backend, device_pull) for
+  /// a device that cannot address page-locked memory through host pointers or
+  /// a block size that is not a multiple of 16 bytes.
   void reserve_sparse() {
     const layout_type& L = cache_->layout();
     const partition_spec& spec = cache_->spec();
+    if (!sparse_reserved_ && options_.sparse.pull_ctas < 1)
+      throw config_error("attention_options::sparse.pull_ctas is " + std::to_string(options_.sparse.pull_ctas) +
+                         "; it must be >= 1 (CTAs of one pull-kernel launch)");
     if (!summaries_.reserved()) summaries_.reserve(L, spec);
     if (!sparse_reserved_) {
+      const bool pull = options_.sparse.transfer == sparse_transfer::device_pull;
       sparse_reservation r;
       r.chunk_blocks = spec.ping_pong_blocks(L);
       r.block_bytes = cache_->format().block_bytes();
       r.buffers = spec.ping_pong_buffers;
       r.kv_heads = L.kv_heads();
-      r.gather_threads = std::max(1, options_.sparse.gather_threads);
+      r.gather_threads = pull ? 1 : std::max(1, options_.sparse.gather_threads);  // pull: block lists only
+      r.device_pull = pull;
+      r.pull_ctas = options_.sparse.pull_ctas;
       engine_.reserve_sparse(r);
       sparse_reserved_ = true;
     }
@@ -299,6 +313,7 @@ class hybrid_attention {
     rep.cpu_tasks = int(tasks_.size());
     rep.gather_seconds = engine_.last_gather().seconds;  // zeros after a dense step
     rep.gathered_bytes = engine_.last_gather().bytes;
+    rep.pulled_bytes = engine_.last_gather().pulled_bytes;
 
     cost_sample s;
     s.cpu_seconds = rep.cpu_seconds;

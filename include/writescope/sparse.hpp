@@ -9,7 +9,9 @@
 // summaries and the step's queries. Each selected block is attended where it
 // lives: unpinned blocks in place by the CPU engine, pinned blocks streamed to
 // the GPU — gathered into a contiguous staging buffer first, so a scattered
-// selection still moves as one full-bandwidth copy per ping-pong chunk.
+// selection still moves as one full-bandwidth copy per ping-pong chunk, or
+// (sparse_transfer::device_pull) read straight out of the pinned region by a
+// copy kernel.
 //
 // This header holds the selection side:
 //   block_summary_store  one summary row per (layer, region, block id, KV head)
@@ -53,21 +55,69 @@ namespace writescope {
 /// Most KV heads a sparse step supports (one bit per KV head per block).
 inline constexpr int max_sparse_kv_heads = 64;
 
+/// How the blocks of a gathered chunk (stream_chunk::gathered: a ping-pong
+/// chunk with a short copy run) reach its ping-pong buffer on cuda_backend
+/// (docs/SPARSE.md §4.1). Direct chunks (long runs) are DMA-copied run by run
+/// in both modes; the attention side is the same in both.
+enum class sparse_transfer : std::uint8_t {
+  /// Host gather threads memcpy the chunk's blocks (non-temporal stores) into a
+  /// page-locked staging buffer; ONE DMA copy then moves it to ping-pong. Host
+  /// DRAM traffic is about three times the chunk's bytes (read the blocks,
+  /// write staging, the DMA reads staging again). Measured on the H200 machine
+  /// (docs/SPARSE.md §7): 20–34 GB/s of in-step gather with 4–8 threads against
+  /// ≈ 55 GB/s of pinned H2D, so at keep ratios of 20–50 % a sparse step took
+  /// 54–179 % longer than the same number of blocks stored contiguously.
+  host_gather,
+  /// A copy kernel on the copy stream reads the chunk's blocks straight out of
+  /// the pinned load region (page-locked and device-mapped: the GPU addresses
+  /// it with the host pointers, unified addressing) over PCIe, and writes them
+  /// contiguously into ping-pong in the order and layout staging would have
+  /// had. Host DRAM is read once (by PCIe) and never written; no staging
+  /// buffer, no host memcpy. It occupies up to sparse_options::pull_ctas CTAs
+  /// beside the attention kernels while it runs. Needs a device with unified
+  /// addressing and cudaDevAttrCanUseHostPointerForRegisteredMem (config_error
+  /// at reservation otherwise) and every pulled block inside a range page-locked
+  /// by cuda_host_alloc / cuda_host_register / cuda_backend (pinned_memory_error
+  /// at launch otherwise, in every build type).
+  device_pull,
+};
+
+/// "host_gather" / "device_pull".
+[[nodiscard]] constexpr const char* to_string(sparse_transfer t) noexcept {
+  return t == sparse_transfer::device_pull ? "device_pull" : "host_gather";
+}
+
 /// Options of the sparse pipeline (attention_options::sparse).
 struct sparse_options {
   /// Reserve the sparse pipeline when the attention object is constructed: the
   /// GPU engine's two staging buffers (one ping-pong buffer each, page-locked on
-  /// cuda_backend like the load region), its block-list buffers and gather
-  /// threads, and the summary store's address space. Otherwise the first sparse
-  /// step reserves them (a one-time allocation; later steps allocate nothing).
+  /// cuda_backend like the load region; none with sparse_transfer::device_pull),
+  /// its block-list buffers and gather threads, and the summary store's address
+  /// space. Otherwise the first sparse step reserves them (a one-time
+  /// allocation; later steps allocate nothing).
   bool reserve = false;
   /// Host threads that gather selected pinned blocks into staging
   /// (cuda_backend; the host backend gathers on its emulated-device thread).
   /// They sleep unless a sparse step streams gathered chunks; to keep up with
   /// PCIe Gen5 (≈ 55 GB/s) at ≈ 10-15 GB/s of scattered memcpy per thread it
   /// takes about four. They compete with the CPU engine's threads in a hybrid
-  /// step: lower attention_options::cpu_threads by as many.
+  /// step: lower attention_options::cpu_threads by as many. With
+  /// sparse_transfer::device_pull no block is gathered on the host and one
+  /// thread is started whatever this says (it only writes the chunks' block lists).
   int gather_threads = 4;
+  /// How gathered chunks move: host gather + one DMA, or a device pull kernel
+  /// (see sparse_transfer for what each does and why device_pull exists).
+  /// The default stays host_gather until device_pull has been measured on the
+  /// H200 machine (sparse_bench's "gpu pull" rows, docs/SPARSE.md §4.1); the
+  /// default is to be chosen from that measurement.
+  sparse_transfer transfer = sparse_transfer::host_gather;
+  /// sparse_transfer::device_pull: the most CTAs (of 256 threads) one launch of
+  /// the pull kernel uses; each CTA copies whole blocks. More CTAs keep more
+  /// PCIe reads in flight and take more SM slots from the attention kernels.
+  /// A tuning knob (sparse_bench --pull-ctas), used by device_pull on
+  /// cuda_backend only; must be >= 1 whatever the mode and backend
+  /// (config_error when the pipeline is reserved).
+  int pull_ctas = 64;
   /// A ping-pong chunk whose copy runs all hold at least this many bytes is
   /// copied run by run straight from the pinned region (dense-like); any
   /// shorter run sends the chunk through staging (gather, then one copy).

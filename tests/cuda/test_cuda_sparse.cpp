@@ -8,7 +8,13 @@
 // pinned one); batch invariance (K10); the gather pipeline's two guards are
 // falsified by their mutation switches (K7): the copy of a staging buffer
 // waits for its gather (RAW), a gather waits for the copy that last read its
-// staging buffer (WAR).
+// staging buffer (WAR). The device-pull transfer mode (sparse_transfer::
+// device_pull): the pull kernel itself against a host-side copy (cudaHostAlloc
+// and cudaHostRegister memory, > 480 blocks, tails, errors); select_all
+// bit-identical to dense and top-k equal to the reference in pull mode; pull
+// bit-identical to the host gather on the same selection; a pageable source is
+// a pinned_memory_error; the ping-pong guards (consumed / filled) hold for
+// pulled chunks and are falsified by their mutation switches.
 #include <doctest/doctest.h>
 
 #include <sys/resource.h>
@@ -65,9 +71,22 @@ struct dev_runner {
   }
   template <class Selector>
   void sparse(int l, std::span<const sequence_id> batch, Selector& sel, debug_partials* dbg = nullptr) {
+    sparse_with(d.attention(), l, batch, sel, dbg);
+  }
+  /// A sparse step through another attention object on the same cache.
+  template <class Attention, class Selector>
+  void sparse_with(Attention& attn, int l, std::span<const sequence_id> batch, Selector& sel,
+                   debug_partials* dbg = nullptr) {
     const auto so = outputs(batch.size(), dbg);
-    rep = d.attention().step(l, batch, qd, float(d.scale()), so, sel);
+    rep = attn.step(l, batch, qd, float(d.scale()), so, sel);
     fetch(batch.size());
+  }
+  /// NaN (bf16 0xffff) into every ping-pong buffer of the cache: a step that
+  /// fails to move a block then cannot read one left there by an earlier step.
+  void poison_ping_pong() {
+    const layer_views<layout_type> v = d.cache().views(0);
+    d.cache().backend().fill_device(reinterpret_cast<std::byte*>(v.ping_pong[0]),
+                                    index_t(v.ping_pong.size()) * v.ping_pong_blocks * v.format.block_bytes(), 0xffff);
   }
   /// Worst error of the last sparse step against the restricted reference.
   compare_result check(int l, std::span<const sequence_id> batch) {
@@ -103,7 +122,9 @@ partition_spec sparse_spec(int layers, int seqs, index_t tokens_per_seq) {
 
 template <class Layout, class Policy>
 void select_all_matches_dense(const Layout& L, Policy pol, double scale, index_t direct_run_bytes, int gather_threads,
-                              int steps, std::uint64_t seed) {
+                              int steps, std::uint64_t seed,
+                              sparse_transfer transfer = sparse_transfer::host_gather) {
+  const bool pull = transfer == sparse_transfer::device_pull;
   cuda_backend be;
   const std::vector<index_t> prompts{1, 15, 33, 70, 100, 260};
   partition_spec spec = sparse_spec(2, int(prompts.size()), 260 + steps);
@@ -113,12 +134,14 @@ void select_all_matches_dense(const Layout& L, Policy pol, double scale, index_t
   ao.sparse.reserve = true;
   ao.sparse.direct_run_bytes = direct_run_bytes;
   ao.sparse.gather_threads = gather_threads;
+  ao.sparse.transfer = transfer;
   device_decode_driver<decltype(cache)> d(cache, ao, seed, scale);
+  if (pull) CHECK(d.attention().engine().sparse_staging_bytes() == 0);
   std::vector<sequence_id> batch;
   for (index_t p : prompts) batch.push_back(d.add(p));
   dev_runner<decltype(cache)> r(d);
   select_all all;
-  index_t gathered = 0, direct = 0;
+  index_t gathered = 0, direct = 0, pulled = 0;
   for (int s = 0; s < steps; ++s)
     for (int l = 0; l < spec.num_layers; ++l) {
       CAPTURE(s);
@@ -128,6 +151,7 @@ void select_all_matches_dense(const Layout& L, Policy pol, double scale, index_t
       debug_partials dd, ds;
       r.dense(l, batch, &dd);
       const std::vector<float> out = r.out, lse = r.lse;
+      r.poison_ping_pong();  // the sparse step must move every block itself
       r.sparse(l, batch, all, &ds);
       REQUIRE(same_bits(out, r.out));
       REQUIRE(same_bits(lse, r.lse));
@@ -135,6 +159,7 @@ void select_all_matches_dense(const Layout& L, Policy pol, double scale, index_t
       REQUIRE(same_bits(dd.cpu_lse, ds.cpu_lse));
       gathered += d.attention().engine().last_gather().gathered_chunks;
       direct += d.attention().engine().last_gather().direct_chunks;
+      pulled += d.attention().engine().last_gather().pulled_chunks;
       if (s % 10 == 0) {
         const compare_result cr = r.check(l, batch);
         INFO("rel_l2 " << cr.max_rel_l2 << ", lse excess " << cr.max_lse_err);
@@ -145,8 +170,9 @@ void select_all_matches_dense(const Layout& L, Policy pol, double scale, index_t
   // Under compute-sanitizer (WS_TEST_QUICK) the GPU is ~100x slower, the
   // roofline policy measures that and may route every block to the CPU: the
   // streamed-chunk count is asserted in normal runs only.
-  if (!std::is_same_v<Policy, cpu_only> && !quick()) CHECK(gathered + direct > 0);
-  CHECK((direct_run_bytes == 0 ? gathered : direct) == 0);
+  if (!std::is_same_v<Policy, cpu_only> && !quick()) CHECK(gathered + pulled + direct > 0);
+  CHECK((direct_run_bytes == 0 ? gathered + pulled : direct) == 0);
+  CHECK((pull ? gathered : pulled) == 0);  // gathered chunks went the configured way
 }
 
 }  // namespace
@@ -160,6 +186,17 @@ TEST_CASE("device: select_all is bit-identical to the dense step (GQA Qwen3 32/4
   SUBCASE("fixed_ratio 0.4") { select_all_matches_dense(L, fixed_ratio(0.4), gqa_scale, index_t{2} << 20, 2, steps, 4); }
   SUBCASE("cpu_only") { select_all_matches_dense(L, cpu_only{}, gqa_scale, index_t{2} << 20, 1, steps, 5); }
   SUBCASE("roofline") { select_all_matches_dense(L, device_roofline(), gqa_scale, index_t{2} << 20, 2, steps, 6); }
+  const sparse_transfer pull = sparse_transfer::device_pull;
+  SUBCASE("gpu_only, device pull") { select_all_matches_dense(L, gpu_only{}, gqa_scale, index_t{2} << 20, 1, steps, 41, pull); }
+  SUBCASE("fixed_ratio 0.4, device pull") {
+    select_all_matches_dense(L, fixed_ratio(0.4), gqa_scale, index_t{2} << 20, 2, steps, 42, pull);
+  }
+  SUBCASE("roofline, device pull") {
+    select_all_matches_dense(L, device_roofline(), gqa_scale, index_t{2} << 20, 2, steps, 43, pull);
+  }
+  SUBCASE("gpu_only, direct, device pull (nothing to pull)") {
+    select_all_matches_dense(L, gpu_only{}, gqa_scale, 0, 1, steps, 44, pull);
+  }
 }
 
 TEST_CASE("device: select_all is bit-identical to the dense step (MLA DeepSeek-V2-Lite)") {
@@ -169,19 +206,25 @@ TEST_CASE("device: select_all is bit-identical to the dense step (MLA DeepSeek-V
   SUBCASE("gpu_only") { select_all_matches_dense(L, gpu_only{}, scale, index_t{2} << 20, 2, steps, 7); }
   SUBCASE("fixed_ratio 0.4, direct") { select_all_matches_dense(L, fixed_ratio(0.4), scale, 0, 1, steps, 8); }
   SUBCASE("roofline") { select_all_matches_dense(L, device_roofline(), scale, index_t{2} << 20, 1, steps, 9); }
+  SUBCASE("gpu_only, device pull") {
+    select_all_matches_dense(L, gpu_only{}, scale, index_t{2} << 20, 1, steps, 45, sparse_transfer::device_pull);
+  }
 }
 
 namespace {
 
 template <class Layout, class Policy>
 void topk_loop(const Layout& L, Policy pol, double scale, top_k_selector sel, const std::vector<index_t>& prompts,
-               int steps, int gather_threads, std::uint64_t seed) {
+               int steps, int gather_threads, std::uint64_t seed,
+               sparse_transfer transfer = sparse_transfer::host_gather) {
+  const bool pull = transfer == sparse_transfer::device_pull;
   cuda_backend be;
   partition_spec spec = sparse_spec(2, int(prompts.size()), 300 + steps);
   set_ping_pong_blocks(spec, L, 5);
   device_cache<Layout, Policy> cache(be, L, spec, pol, {}, cache_options{true});
   attention_options ao{4, true};
   ao.sparse.gather_threads = gather_threads;
+  ao.sparse.transfer = transfer;
   device_decode_driver<decltype(cache)> d(cache, ao, seed, scale);
   std::vector<sequence_id> batch;
   for (index_t p : prompts) batch.push_back(d.add(p));
@@ -194,6 +237,7 @@ void topk_loop(const Layout& L, Policy pol, double scale, top_k_selector sel, co
       CAPTURE(l);
       d.append_layer(l, batch);
       r.make_queries(batch);
+      if (pull) r.poison_ping_pong();  // whatever the pull does not move reads as NaN
       r.sparse(l, batch, sel);
       const compare_result cr = r.check(l, batch);
       INFO("rel_l2 " << cr.max_rel_l2 << ", lse excess " << cr.max_lse_err << ", non-finite " << cr.non_finite);
@@ -205,8 +249,10 @@ void topk_loop(const Layout& L, Policy pol, double scale, top_k_selector sel, co
       REQUIRE(problems == 0);
       selected += r.rep.selected_blocks;
       placed += r.rep.placed_blocks;
-      gathered_bytes += r.rep.gathered_bytes;
-      CHECK(r.rep.gathered_bytes == d.attention().last_plan().gathered_blocks * cache.format().block_bytes());
+      gathered_bytes += r.rep.gathered_bytes + r.rep.pulled_bytes;
+      const index_t staged = d.attention().last_plan().gathered_blocks * cache.format().block_bytes();
+      CHECK(r.rep.gathered_bytes == (pull ? 0 : staged));
+      CHECK(r.rep.pulled_bytes == (pull ? staged : 0));
       if (l + 1 == spec.num_layers) cache.flush();
     }
   CHECK(selected < placed);
@@ -232,6 +278,18 @@ TEST_CASE("device: top-k equals the fp64 reference restricted to the selection +
   SUBCASE("MLA DeepSeek-V2-Lite, keep 0.3, fixed_ratio 0.5") {
     topk_loop(presets::deepseek_v2_lite::layout(), fixed_ratio(0.5), presets::deepseek_v2_lite::softmax_scale(),
               top_k_selector::ratio(0.3), {50, 140, 260}, steps, 2, 14);
+  }
+  SUBCASE("Qwen3 32/4, keep 0.5, fixed_ratio 0.5, device pull") {
+    topk_loop(presets::qwen3_30b_a3b::layout(), fixed_ratio(0.5), gqa_scale, top_k_selector::ratio(0.5),
+              {40, 97, 200, 333}, steps, 1, 15, sparse_transfer::device_pull);
+  }
+  SUBCASE("Mixtral 32/8, keep 3 blocks, gpu_only, device pull") {
+    topk_loop(presets::mixtral_8x7b::layout(), gpu_only{}, gqa_scale, top_k_selector::blocks(3), {17, 64, 150},
+              steps, 1, 16, sparse_transfer::device_pull);
+  }
+  SUBCASE("MLA DeepSeek-V2-Lite, keep 0.3, fixed_ratio 0.5, device pull") {
+    topk_loop(presets::deepseek_v2_lite::layout(), fixed_ratio(0.5), presets::deepseek_v2_lite::softmax_scale(),
+              top_k_selector::ratio(0.3), {50, 140, 260}, steps, 1, 17, sparse_transfer::device_pull);
   }
 }
 
@@ -398,7 +456,8 @@ namespace {
 /// keep 0.5 of ~100 pinned blocks per sequence): returns how many of `steps`
 /// steps were wrong (bar or NaN). `setup(debug)` sets the switches.
 template <class Setup>
-int gather_race_run(Setup&& setup, int steps, std::uint64_t seed) {
+int gather_race_run(Setup&& setup, int steps, std::uint64_t seed,
+                    sparse_transfer transfer = sparse_transfer::host_gather) {
   cuda_backend be;
   const G L = presets::qwen3_30b_a3b::layout();
   partition_spec spec = sparse_spec(1, 3, 900);
@@ -407,6 +466,7 @@ int gather_race_run(Setup&& setup, int steps, std::uint64_t seed) {
   attention_options ao{2, true};
   ao.sparse.reserve = true;
   ao.sparse.gather_threads = 2;
+  ao.sparse.transfer = transfer;
   device_decode_driver<decltype(cache)> d(cache, ao, seed, gqa_scale);
   const std::vector<sequence_id> batch{d.add(800), d.add(600), d.add(500)};
   dev_runner<decltype(cache)> r(d);
@@ -418,6 +478,7 @@ int gather_race_run(Setup&& setup, int steps, std::uint64_t seed) {
     r.make_queries(batch);
     r.sparse(0, batch, sel);
     REQUIRE(d.attention().last_plan().chunks.size() >= 4);
+    if (transfer == sparse_transfer::device_pull) REQUIRE(d.attention().engine().last_gather().pulled_chunks >= 4);
     wrong += r.check(0, batch).ok() ? 0 : 1;
     cache.flush();
   }
@@ -455,6 +516,222 @@ TEST_CASE("device K7: the gather pipeline's guards (RAW: copy after gather; WAR:
           steps, 36 + std::uint64_t(attempt));
     CHECK(detected > 0);
   }
+}
+
+TEST_CASE("device K7: pulled chunks keep the ping-pong guards (WAR consumed[b], RAW filled[b]); their mutations") {
+  const int steps = scaled(4, 2);
+  const sparse_transfer pull = sparse_transfer::device_pull;
+  SUBCASE("guarded, slow consumer, slow pulls, slow list writes: right") {
+    CHECK(gather_race_run([](cuda_debug_options& o) { o.consumer_delay_cycles = 5'000'000; }, steps, 51, pull) == 0);
+    CHECK(gather_race_run([](cuda_debug_options& o) { o.copy_delay_cycles = 20'000'000; }, steps, 52, pull) == 0);
+    CHECK(gather_race_run([](cuda_debug_options& o) { o.gather_delay_microseconds = 3000; }, steps, 53, pull) == 0);
+  }
+  SUBCASE("mutation skip_consumed_wait (pulls into a buffer its consumer still reads): detected") {
+    int detected = 0;
+    for (int attempt = 0; attempt < 3 && detected == 0; ++attempt)
+      detected += gather_race_run(
+          [](cuda_debug_options& o) {
+            o.skip_consumed_wait = true;
+            o.consumer_delay_cycles = 5'000'000;
+          },
+          steps, 54 + std::uint64_t(attempt), pull);
+    CHECK(detected > 0);
+  }
+  SUBCASE("mutation skip_filled_wait (attends a buffer before its pull lands): detected") {
+    int detected = 0;
+    for (int attempt = 0; attempt < 3 && detected == 0; ++attempt)
+      detected += gather_race_run(
+          [](cuda_debug_options& o) {
+            o.skip_filled_wait = true;
+            o.copy_delay_cycles = 20'000'000;
+          },
+          steps, 57 + std::uint64_t(attempt), pull);
+    CHECK(detected > 0);
+  }
+}
+
+namespace {
+
+/// The same selection through two attention objects on one device cache, the
+/// driver's (host_gather) and one with device_pull (`pull_ctas` CTAs), ping-pong
+/// NaN-poisoned before each: outputs and LSEs bit-identical, step by step.
+template <class Layout, class Policy>
+void pull_matches_gather(const Layout& L, Policy pol, double scale, top_k_selector sel,
+                         const std::vector<index_t>& prompts, int steps, int pull_ctas, std::uint64_t seed) {
+  cuda_backend be;
+  partition_spec spec = sparse_spec(2, int(prompts.size()), 300 + steps);
+  set_ping_pong_blocks(spec, L, 6);
+  device_cache<Layout, Policy> cache(be, L, spec, pol, {}, cache_options{true});
+  attention_options ao{4, true};
+  ao.sparse.reserve = true;
+  ao.sparse.gather_threads = 2;
+  device_decode_driver<decltype(cache)> d(cache, ao, seed, scale);
+  attention_options po = ao;
+  po.sparse.transfer = sparse_transfer::device_pull;
+  po.sparse.pull_ctas = pull_ctas;
+  hybrid_attention<decltype(cache)> pull(cache, po);
+  CHECK(pull.engine().sparse_staging_bytes() == 0);
+  std::vector<sequence_id> batch;
+  for (index_t p : prompts) batch.push_back(d.add(p));
+  dev_runner<decltype(cache)> r(d);
+  const index_t block_bytes = cache.format().block_bytes();
+  index_t pulled = 0;
+  for (int s = 0; s < steps; ++s)
+    for (int l = 0; l < spec.num_layers; ++l) {
+      CAPTURE(s);
+      CAPTURE(l);
+      d.append_layer(l, batch);
+      r.make_queries(batch);
+      top_k_selector sg = sel, sp = sel;
+      r.poison_ping_pong();
+      r.sparse(l, batch, sg);
+      const std::vector<float> out = r.out, lse = r.lse;
+      const gather_stats gg = d.attention().engine().last_gather();
+      r.poison_ping_pong();
+      r.sparse_with(pull, l, batch, sp);
+      REQUIRE(same_bits(out, r.out));
+      REQUIRE(same_bits(lse, r.lse));
+      const gather_stats pg = pull.engine().last_gather();
+      CHECK(pg.pulled_chunks == gg.gathered_chunks);
+      CHECK(pg.direct_chunks == gg.direct_chunks);
+      CHECK(pg.gathered_chunks == 0);
+      CHECK(pg.bytes == 0);
+      CHECK(pg.pulled_bytes == gg.bytes);
+      CHECK(pg.pulled_bytes == pull.last_plan().gathered_blocks * block_bytes);
+      pulled += pg.pulled_chunks;
+      if (s % 8 == 0) CHECK(r.check(l, batch).ok());
+      if (l + 1 == spec.num_layers) cache.flush();
+    }
+  if (!std::is_same_v<Policy, cpu_only> && !quick()) CHECK(pulled > 0);
+}
+
+}  // namespace
+
+TEST_CASE("device: device_pull is bit-identical to host_gather on the same selection") {
+  const int steps = scaled(24, 6);
+  SUBCASE("Qwen3 32/4, keep 0.5, gpu_only, 64 CTAs") {
+    pull_matches_gather(presets::qwen3_30b_a3b::layout(), gpu_only{}, gqa_scale, top_k_selector::ratio(0.5),
+                        {40, 97, 200, 333}, steps, 64, 61);
+  }
+  SUBCASE("Qwen3 32/4, keep 0.2, fixed_ratio 0.5, 1 CTA (grid-stride over every block)") {
+    pull_matches_gather(presets::qwen3_30b_a3b::layout(), fixed_ratio(0.5), gqa_scale, top_k_selector::ratio(0.2),
+                        {300, 33, 250}, steps, 1, 62);
+  }
+  SUBCASE("MLA DeepSeek-V2-Lite, keep 0.3, fixed_ratio 0.5, 3 CTAs") {
+    pull_matches_gather(presets::deepseek_v2_lite::layout(), fixed_ratio(0.5),
+                        presets::deepseek_v2_lite::softmax_scale(), top_k_selector::ratio(0.3), {50, 140, 260}, steps,
+                        3, 63);
+  }
+}
+
+TEST_CASE("device: gpu::launch_pull_blocks copies blocks from cudaHostAlloc and cudaHostRegister memory exactly") {
+  cuda_backend be;  // the current device, a stream
+  const cudaStream_t s = be.copy_stream();
+  struct shape {
+    index_t block_bytes;
+    index_t count;
+    int ctas;
+  };
+  // Tails inside a pass (1040 B: 65 vectors), several passes per block (64 KiB),
+  // more blocks than one launch carries (1000 > 480), fewer CTAs than blocks.
+  const shape shapes[] = {{1040, 7, 64}, {1040, 1000, 5}, {65536, 481, 64}, {16, 3, 1}};
+  auto run = [&](auto allocator, const char* name) {
+    CAPTURE(name);
+    for (const shape& sh : shapes) {
+      CAPTURE(sh.block_bytes);
+      CAPTURE(sh.count);
+      const index_t pool_blocks = sh.count + 17;
+      host_allocation pool = allocator.allocate(pool_blocks * sh.block_bytes);
+      auto* bytes = reinterpret_cast<unsigned char*>(pool.data());
+      for (index_t i = 0; i < pool_blocks * sh.block_bytes; ++i) bytes[i] = static_cast<unsigned char>((i * 131 + 7) >> 3);
+      std::vector<index_t> pick(static_cast<std::size_t>(sh.count));
+      std::vector<const void*> src(pick.size());
+      std::mt19937_64 rng(std::uint64_t(sh.count));
+      for (std::size_t k = 0; k < pick.size(); ++k) {
+        pick[k] = index_t(rng() % std::uint64_t(pool_blocks));
+        src[k] = bytes + pick[k] * sh.block_bytes;
+      }
+      device_scratch dst;
+      auto* d = dst.get<unsigned char>(std::size_t(sh.count * sh.block_bytes), s);
+      WS_CUDA_TRY(cudaMemsetAsync(d, 0xa5, std::size_t(sh.count * sh.block_bytes), s));
+      gpu::launch_pull_blocks(src.data(), sh.count, d, sh.block_bytes, sh.ctas, s);
+      std::vector<unsigned char> got;
+      download(got, d, std::size_t(sh.count * sh.block_bytes), s);
+      int wrong_blocks = 0;
+      for (std::size_t k = 0; k < pick.size(); ++k)
+        wrong_blocks += std::memcmp(got.data() + index_t(k) * sh.block_bytes, src[k], std::size_t(sh.block_bytes)) != 0;
+      CHECK(wrong_blocks == 0);
+    }
+  };
+  run(cuda_host_alloc{}, "cudaHostAlloc");
+  run(cuda_host_register{}, "cudaHostRegister (mapped)");
+
+  host_allocation pool = cuda_host_alloc{}.allocate(4096);
+  device_scratch dst;
+  auto* d = dst.get<unsigned char>(4096, s);
+  const void* one[1] = {pool.data()};
+  CHECK_THROWS_AS(gpu::launch_pull_blocks(one, 1, d, 24, 4, s), config_error);  // not a multiple of 16
+  CHECK_THROWS_AS(gpu::launch_pull_blocks(one, 1, d, 1024, 0, s), config_error);
+  const void* odd[1] = {pool.data() + 8};
+  CHECK_THROWS_AS(gpu::launch_pull_blocks(odd, 1, d, 1024, 4, s), config_error);
+  CHECK_NOTHROW(gpu::launch_pull_blocks(one, 0, d, 1024, 4, s));  // nothing to do
+  WS_CUDA_TRY(cudaStreamSynchronize(s));
+}
+
+TEST_CASE("device: pinned_registry::covering_span joins back-to-back registrations; covers() needs every byte") {
+  auto& reg = cuda_detail::pinned_registry::instance();
+  const std::uintptr_t base = std::uintptr_t{0x7e5a} << 32;  // far from any real allocation; removed below
+  auto at = [&](std::uintptr_t off) { return reinterpret_cast<const void*>(base + off); };
+  reg.add(at(0), 100);
+  reg.add(at(100), 100);
+  reg.add(at(300), 100);
+  CHECK(reg.covering_span(at(150)) == std::pair<std::uintptr_t, std::uintptr_t>{base, base + 200});
+  CHECK(reg.covering_span(at(0)) == std::pair<std::uintptr_t, std::uintptr_t>{base, base + 200});
+  CHECK(reg.covering_span(at(200)) == std::pair<std::uintptr_t, std::uintptr_t>{0, 0});
+  CHECK(reg.covers(at(50), 150));    // across the boundary at 100
+  CHECK(!reg.covers(at(50), 151));   // one byte into the gap
+  CHECK(!reg.covers(at(250), 100));  // starts in the gap
+  CHECK(reg.covers(at(300), 100));
+  CHECK(!reg.contains(at(50), 150)); // contains() wants one registration
+  for (std::uintptr_t off : {0, 100, 300}) reg.remove(at(off));
+}
+
+TEST_CASE("device: device_pull refuses a pulled source outside the page-locked ranges (every build), before any work") {
+  cuda_backend be;
+  const G L = presets::qwen3_30b_a3b::layout();
+  partition_spec spec = sparse_spec(1, 2, 200);
+  set_ping_pong_blocks(spec, L, 4);
+  device_cache<G, gpu_only> cache(be, L, spec, gpu_only{});
+  cuda_backend::gpu_engine<G> eng(be, L, 2);
+  sparse_reservation res;
+  res.chunk_blocks = 4;
+  res.block_bytes = cache.format().block_bytes();
+  res.buffers = 2;
+  res.kv_heads = L.kv_heads();
+  res.device_pull = true;
+  res.pull_ctas = 0;
+  CHECK_THROWS_AS(eng.reserve_sparse(res), config_error);
+  res.pull_ctas = 8;
+  eng.reserve_sparse(res);
+  CHECK(eng.sparse_staging_bytes() == 0);
+  // Three pageable blocks, every other one selected: short runs, a gathered (pulled) chunk.
+  std::vector<bf16> pageable(std::size_t(3 * cache.format().block_elems()));
+  std::vector<sparse_block> sel{{0, 1}, {2, 1}};
+  stream_plan plan;
+  plan.build_sparse(
+      1, [&](int) { return std::span<const sparse_block>(sel); },
+      [&](block_id id) { return static_cast<const bf16*>(pageable.data() + index_t(id) * cache.format().block_elems()); },
+      cache.format().block_elems(), 4, 4, 2, L.kv_heads(), index_t{1} << 40);
+  REQUIRE(plan.chunks.size() == 1);
+  REQUIRE(plan.chunks[0].gathered);
+  gpu_step_args<G, device_space> args;
+  args.format = cache.format();
+  args.batch = 0;
+  args.plan = &plan;
+  const layer_views<G> v = cache.views(0);
+  args.ping_pong = v.ping_pong;
+  CHECK_THROWS_AS(eng.launch(args), pinned_memory_error);
+  be.synchronize();
 }
 
 TEST_CASE("device: a sparse plan without reserve_sparse is a state_error; the first sparse step reserves") {

@@ -97,10 +97,15 @@ struct cuda_debug_options {
   /// each chunk's copies (slow copies: the RAW guard's mutation test).
   long long copy_delay_cycles = 0;
   /// Sparse steps (docs/SPARSE.md), RAW: copy a staging buffer into ping-pong
-  /// without the wait kernel on the host gather of its chunk.
+  /// without the wait kernel on the host gather of its chunk. Device pull
+  /// (sparse_transfer::device_pull): the pull kernel never waits for the gather
+  /// threads; this removes the gate of the chunk's block-list copy only.
   bool skip_gather_wait = false;
-  /// Sparse steps, WAR: gather into a staging buffer without waiting for the
-  /// copy that last read it (two chunks earlier).
+  /// Sparse steps, WAR: gather into a staging buffer (and write the chunk's
+  /// block lists) without waiting for the copy that last read it (two chunks
+  /// earlier). Device pull: the block lists only. skip_consumed_wait and
+  /// skip_filled_wait apply to pulled chunks as to copied ones (the pull kernel
+  /// sits where the copy would, between the consumed wait and the filled record).
   bool skip_staging_wait = false;
   /// Sparse steps: every gather thread sleeps this long before each chunk (a slow gather).
   long long gather_delay_microseconds = 0;
@@ -543,6 +548,13 @@ class cuda_backend {
 /// returns); finish() additionally waits until the gather threads are done
 /// with the step's chunks (they read the plan), i.e. until roughly the start
 /// of its last copy — not for the copies or kernels.
+/// Device pull (sparse_reservation::device_pull, sparse_transfer::device_pull):
+/// a gathered chunk is instead, on the copy stream, wait consumed[b]; the pull
+/// kernel (gpu::launch_pull_blocks) copies its blocks from the pinned region
+/// (device-mapped) into ping-pong[b] in staging's order and layout; then the
+/// wait kernel (it now gates only the block lists, which gather thread 0 still
+/// writes) and the list copy; record filled[b] and copy_done. No staging
+/// buffers, no host memcpy of blocks; direct chunks are unchanged.
 template <kv_layout Layout>
 class cuda_backend::gpu_engine {
  public:
@@ -593,14 +605,24 @@ class cuda_backend::gpu_engine {
   }
 
   /// Reserves the sparse pipeline (backend.hpp sparse_reservation): two pinned
-  /// staging buffers of r.chunk_blocks blocks, two pinned and r.buffers device
-  /// block-list buffers, and r.gather_threads gather threads (created once).
-  /// A larger reservation later grows the buffers (waiting for the copy stream
-  /// first). Between steps only. Throws pinned_memory_error / resource_error.
+  /// staging buffers of r.chunk_blocks blocks (none with r.device_pull), two
+  /// pinned and r.buffers device block-list buffers, and r.gather_threads
+  /// gather threads (created once). A larger reservation later grows the
+  /// buffers (waiting for the copy stream first); the transfer mode is the
+  /// latest reservation's. Between steps only. Throws pinned_memory_error /
+  /// resource_error; with r.device_pull, config_error when the device lacks
+  /// cudaDevAttrUnifiedAddressing or cudaDevAttrCanUseHostPointerForRegisteredMem
+  /// (the pull kernel reads page-locked memory through its host addresses),
+  /// when r.block_bytes is not a positive multiple of 16 or r.pull_ctas < 1.
   void reserve_sparse(const sparse_reservation& r) {
-    const index_t staging = std::max<index_t>(r.chunk_blocks * r.block_bytes, 1);
+    if (r.device_pull) check_device_pull(r);
+    const index_t staging = r.device_pull ? 0 : std::max<index_t>(r.chunk_blocks * r.block_bytes, 1);
     const index_t lists = std::max<index_t>(2 * index_t(r.kv_heads) * r.chunk_blocks, 1);
     const int buffers = std::max(r.buffers, 1);
+    if (r.device_pull && index_t(pull_src_.capacity()) < r.chunk_blocks)
+      pull_src_.reserve(std::size_t(r.chunk_blocks));  // launch fills it per pulled chunk without allocating
+    device_pull_ = r.device_pull;
+    pull_ctas_ = r.pull_ctas;
     if (staging > staging_bytes_ || lists > list_cap_ || buffers > list_buffers_) {
       WS_CUDA_TRY(cudaStreamSynchronize(be_->h2d_.get()));  // nothing reads the old buffers any more
       const index_t sb = std::max(staging, staging_bytes_);
@@ -645,7 +667,8 @@ class cuda_backend::gpu_engine {
       }
     }
   }
-  /// Bytes of the two pinned staging buffers (0 before reserve_sparse).
+  /// Bytes of the two pinned staging buffers (0 before reserve_sparse, and
+  /// while only device-pull reservations were made).
   [[nodiscard]] index_t sparse_staging_bytes() const noexcept { return 2 * staging_bytes_; }
   /// The gather of the last finished sparse step (zeros after a dense one).
   [[nodiscard]] const gather_stats& last_gather() const noexcept { return gather_; }
@@ -656,7 +679,10 @@ class cuda_backend::gpu_engine {
   /// caller stream passes the merge); the plan and window list themselves are
   /// read during the call only. Throws shape_error / config_error before
   /// enqueueing anything for inconsistent arguments; in debug builds
-  /// (WS_DEBUG_CHECKS()) pinned_memory_error for a source that is not page-locked.
+  /// (WS_DEBUG_CHECKS()) pinned_memory_error for a source that is not page-locked;
+  /// in every build, before enqueueing anything, pinned_memory_error for a
+  /// block the device would pull (sparse plan, device-pull reservation) that
+  /// lies outside the page-locked ranges (pinned_registry).
   void launch(const args_type& a) {
     validate(a);
     const cuda_debug_options dbg = be_->debug_;
@@ -833,7 +859,8 @@ class cuda_backend::gpu_engine {
     if (WS_DEBUG_CHECKS() && !be_->debug_.allow_pageable_sources) {
       if (!a.plan->sparse) {
         for (const stream_run& r : a.plan->runs) require_page_locked(r.src, r.num_blocks * a.format.block_bytes());
-      } else {  // only direct chunks copy from the region; gathered ones from staging (page-locked)
+      } else {  // only direct chunks DMA from the region; gathered ones from staging (page-locked) or,
+                // pulled, are checked in every build (validate_sparse)
         for (const stream_chunk& c : a.plan->chunks)
           for (index_t k = c.run_begin; k < c.run_end && !c.gathered; ++k) {
             const stream_run& r = a.plan->runs[std::size_t(k)];
@@ -843,13 +870,63 @@ class cuda_backend::gpu_engine {
     }
   }
 
+  // reserve_sparse with device_pull: the device must read page-locked memory
+  // through its host addresses (the pull kernel gets the plan's run sources),
+  // and the kernel moves 16-byte vectors. config_error naming what fails.
+  void check_device_pull(const sparse_reservation& r) const {
+    const std::pair<cudaDeviceAttr, const char*> needed[] = {
+        {cudaDevAttrUnifiedAddressing, "cudaDevAttrUnifiedAddressing"},
+        {cudaDevAttrCanUseHostPointerForRegisteredMem, "cudaDevAttrCanUseHostPointerForRegisteredMem"}};
+    for (const auto& [attr, name] : needed) {
+      int v = 0;
+      WS_CUDA_TRY(cudaDeviceGetAttribute(&v, attr, be_->device_));
+      if (v == 0)
+        throw config_error(std::string("gpu_engine::reserve_sparse: sparse_transfer::device_pull needs ") + name +
+                           " = 1 on device " + std::to_string(be_->device_) +
+                           " (kernels read the pinned region through its host addresses); it is 0 there: "
+                           "use sparse_transfer::host_gather");
+    }
+    if (r.block_bytes <= 0 || r.block_bytes % 16 != 0)
+      throw config_error("gpu_engine::reserve_sparse: sparse_transfer::device_pull needs a block size that is a "
+                         "positive multiple of 16 bytes (16-byte vector copies); the block has " +
+                         std::to_string(r.block_bytes) + " bytes");
+    if (r.pull_ctas < 1)
+      throw config_error("gpu_engine::reserve_sparse: pull_ctas " + std::to_string(r.pull_ctas) + " must be >= 1");
+  }
+
   void validate_sparse(const args_type& a) const {
     if (!gs_) throw state_error("gpu_engine::launch: a sparse plan needs reserve_sparse() first");
     if (sparse_failed_)
       throw state_error("gpu_engine::launch: the sparse pipeline stopped after a failed launch (CUDA error); "
                         "create a new engine");
+    const index_t block_bytes = a.format.block_bytes();
+    std::pair<std::uintptr_t, std::uintptr_t> span{0, 0};  // the last registered span a pulled run was found in
     for (const stream_chunk& c : a.plan->chunks) {
-      if (c.gathered && c.num_blocks * a.format.block_bytes() > staging_bytes_)
+      if (c.gathered && device_pull_) {
+        if (c.num_blocks > index_t(pull_src_.capacity()))
+          throw shape_error("gpu_engine::launch: a pulled chunk of " + std::to_string(c.num_blocks) +
+                            " blocks exceeds the reserved " + std::to_string(pull_src_.capacity()) +
+                            "; reserve_sparse() for the cache's ping-pong geometry");
+        // The pull kernel dereferences these host addresses on the device:
+        // only memory page-locked (and mapped) by this library's allocators.
+        // The registry is asked once per registered span, not once per run.
+        for (index_t k = c.run_begin; k < c.run_end; ++k) {
+          const stream_run& r = a.plan->runs[std::size_t(k)];
+          const auto lo = reinterpret_cast<std::uintptr_t>(r.src);
+          const auto hi = lo + static_cast<std::uintptr_t>(r.num_blocks * block_bytes);
+          if (lo < span.first || hi > span.second) span = cuda_detail::pinned_registry::instance().covering_span(r.src);
+          if (lo < span.first || hi > span.second) {
+            char addr[32];
+            std::snprintf(addr, sizeof addr, "%p", static_cast<const void*>(r.src));
+            throw pinned_memory_error(
+                std::string("pinned memory: device pull of a run of ") + std::to_string(r.num_blocks) +
+                " blocks (" + format_bytes(r.num_blocks * block_bytes) + ") at " + addr +
+                ": the range is not page-locked by cuda_host_alloc / cuda_host_register (pinned_registry), so "
+                "the device cannot read it; use one of them for the pinned region, or sparse_transfer::host_gather");
+          }
+        }
+      }
+      if (c.gathered && !device_pull_ && c.num_blocks * block_bytes > staging_bytes_)
         throw shape_error("gpu_engine::launch: a gathered chunk of " + std::to_string(c.num_blocks) +
                           " blocks exceeds the staging buffer (" + format_bytes(staging_bytes_) +
                           "); reserve_sparse() for the cache's ping-pong geometry");
@@ -971,6 +1048,7 @@ class cuda_backend::gpu_engine {
     index_t block_bytes = 0;
     std::byte* staging[2] = {nullptr, nullptr};
     std::int32_t* lists[2] = {nullptr, nullptr};
+    bool pull = false;  ///< gathered chunks are pulled by the device: write their block lists only
     bool skip_staging_wait = false;
     long long delay_us = 0;
   };
@@ -1024,6 +1102,8 @@ class cuda_backend::gpu_engine {
   // copy_done event), then copy its share of the chunk (blocks
   // [j*nb/nt, (j+1)*nb/nt) of the staging buffer, from whichever runs hold
   // them); thread 0 also writes the chunk's block lists; then publish n + 1.
+  // A pull job (device pull) copies no block: only the lists are written (the
+  // wait on chunk n-2's copies then guards the list buffer, WAR).
   static void gather_main(gather_shared* g, int j, int device) {
     detail::widen_thread_affinity();  // not the creator's (possibly OpenMP-bound) core
     (void)cudaSetDevice(device);      // the events it synchronizes on live there
@@ -1063,7 +1143,7 @@ class cuda_backend::gpu_engine {
         if (job.delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(job.delay_us));
         const stream_chunk& c = plan.chunks[k];
         const auto slot = std::size_t(n & 1u);
-        if (c.gathered) {  // this thread's share: chunk blocks [lo, hi), whatever runs they belong to
+        if (c.gathered && !job.pull) {  // this thread's share: chunk blocks [lo, hi), whatever runs they belong to
           const double t0 = now_seconds();
           const index_t lo = c.num_blocks * j / nt, hi = c.num_blocks * (j + 1) / nt;
           for (index_t r = c.run_begin; r < c.run_end; ++r) {
@@ -1284,8 +1364,12 @@ class cuda_backend::gpu_engine {
       g.done_floor = first;
     }
     job_stats_ = {};
+    const bool pull = device_pull_;
     for (const stream_chunk& c : plan.chunks) {
-      if (c.gathered) {
+      if (c.gathered && pull) {
+        ++job_stats_.pulled_chunks;
+        job_stats_.pulled_bytes += c.num_blocks * block_bytes;
+      } else if (c.gathered) {
         ++job_stats_.gathered_chunks;
         job_stats_.bytes += c.num_blocks * block_bytes;
       } else {
@@ -1303,6 +1387,7 @@ class cuda_backend::gpu_engine {
           j.staging[k] = staging_[k].data();
           j.lists[k] = reinterpret_cast<std::int32_t*>(lists_host_[k].data());
         }
+        j.pull = pull;
         j.skip_staging_wait = dbg.skip_staging_wait;
         j.delay_us = dbg.gather_delay_microseconds;
         std::fill(g.t_first.begin(), g.t_first.end(), -1.0);
@@ -1332,11 +1417,23 @@ class cuda_backend::gpu_engine {
         const auto b = std::size_t(c.buffer);
         bf16* buf = a.ping_pong[b];
         std::int32_t* dev_lists = lists_dev_.as<std::int32_t>() + index_t(b) * list_cap_;
-        if (!dbg.skip_gather_wait)  // RAW: every gather thread finished chunk n (its blocks and lists)
-          gpu::launch_wait_host_counters(dev_progress_, int(g.progress.size()), n + 1, h2d);
+        const bool pulled = pull && c.gathered;
+        auto gate = [&] {  // RAW: every gather thread finished chunk n (its blocks, if it gathers, and lists)
+          if (!dbg.skip_gather_wait) gpu::launch_wait_host_counters(dev_progress_, int(g.progress.size()), n + 1, h2d);
+        };
+        if (!pulled) gate();
         if (!dbg.skip_consumed_wait) cuda_detail::wait(h2d, consumed_[b]);  // WAR on ping-pong[b] and its lists
         if (dbg.copy_delay_cycles > 0) gpu::launch_spin(dbg.copy_delay_cycles, h2d);
-        if (c.gathered) {
+        if (pulled) {  // device pull: the blocks in staging's order, straight from the region
+          pull_src_.resize(std::size_t(c.num_blocks));  // capacity reserved: no allocation
+          for (index_t r = c.run_begin; r < c.run_end; ++r) {
+            const stream_run& run = plan.runs[std::size_t(r)];
+            for (index_t i = 0; i < run.num_blocks; ++i)
+              pull_src_[std::size_t(run.dst_block + i)] = run.src + i * block_elems;
+          }
+          gpu::launch_pull_blocks(pull_src_.data(), c.num_blocks, buf, block_bytes, pull_ctas_, h2d);
+          gate();  // only the lists need the gather threads: the pull does not wait for them
+        } else if (c.gathered) {
           copy_h2d(buf, reinterpret_cast<const bf16*>(staging_[slot].data()), c.num_blocks * block_bytes, h2d);
         } else {
           for (index_t r = c.run_begin; r < c.run_end; ++r) {
@@ -1405,6 +1502,9 @@ class cuda_backend::gpu_engine {
   host_allocation lists_host_[2];  // pinned, list_cap_ entries each
   device_buffer lists_dev_;        // list_buffers_ × list_cap_ entries
   index_t staging_bytes_ = 0;
+  bool device_pull_ = false;           // sparse_reservation::device_pull (the latest reservation's)
+  int pull_ctas_ = 64;                 // sparse_reservation::pull_ctas
+  std::vector<const void*> pull_src_;  // per-block sources of one pulled chunk (capacity: chunk_blocks)
   index_t list_cap_ = 0;
   int list_buffers_ = 0;
   std::uint64_t next_serial_ = 0;  // serial of the next sparse chunk

@@ -1,7 +1,8 @@
 // writescope/cuda/kernels.cuh — the GPU side of a decode step (DESIGN.md §5,
 // paper §4.2, §6): split attention over streamed ping-pong chunks and over the
 // D-window, the in-order fold of split partials, the final LSE merge, the
-// scatter of appended KV into blocks, and two small helpers (fill, spin).
+// scatter of appended KV into blocks, the sparse pipeline's wait kernel and
+// device pull, and two small helpers (fill, spin).
 // nvcc only. Host code includes kernels.hpp (declarations) and links one .cu
 // that includes this file and instantiates its layouts:
 //
@@ -42,6 +43,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <string>
 
 #include "../layout.hpp"
 #include "cuda_error.hpp"
@@ -437,6 +440,38 @@ __global__ void wait_host_counters_kernel(const unsigned long long* counters, in
   }
 }
 
+/// Vectors of 16 bytes each pull-kernel thread loads before it stores them:
+/// 8 × 256 threads × 16 bytes = 32 KiB of PCIe reads in flight per CTA.
+inline constexpr int pull_unroll = 8;
+
+// The device pull (launch_pull_blocks): CTA c copies blocks c, c + grid, ...;
+// per block, each pass loads pull_unroll 16-byte vectors per thread (strided
+// by the CTA's width, so a warp reads 512 contiguous bytes per load) into
+// registers, then stores them. Loads are streaming (evict-first): the host
+// bytes are read once; the stores stay in L2 for the attention kernel.
+template <class = void>
+__global__ void __launch_bounds__(pull_threads_per_cta) pull_blocks_kernel(const __grid_constant__ pull_params p) {
+  const index_t vecs = p.block_bytes / 16;
+  const index_t width = index_t(blockDim.x);
+  for (int blk = int(blockIdx.x); blk < p.count; blk += int(gridDim.x)) {
+    const uint4* src = static_cast<const uint4*>(p.src[blk]);
+    uint4* dst = reinterpret_cast<uint4*>(static_cast<unsigned char*>(p.dst) + index_t(blk) * p.block_bytes);
+    for (index_t base = index_t(threadIdx.x); base < vecs; base += width * pull_unroll) {
+      uint4 v[pull_unroll];
+#pragma unroll
+      for (int k = 0; k < pull_unroll; ++k) {
+        const index_t i = base + index_t(k) * width;
+        v[k] = i < vecs ? __ldcs(src + i) : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int k = 0; k < pull_unroll; ++k) {
+        const index_t i = base + index_t(k) * width;
+        if (i < vecs) dst[i] = v[k];
+      }
+    }
+  }
+}
+
 inline unsigned grid_for(index_t n, int threads) {
   const index_t blocks = (n + threads - 1) / threads;
   return unsigned(blocks < 1 ? 1 : (blocks > 65535 ? 65535 : blocks));
@@ -527,6 +562,39 @@ void launch_wait_host_counters(const unsigned long long* counters, int n, unsign
   WS_CUDA_CHECK_LAST();
 }
 
+template <class>
+void launch_pull_blocks(const void* const* src, index_t count, void* dst, index_t block_bytes, int max_ctas,
+                        cudaStream_t stream) {
+  if (count <= 0) return;
+  auto address = [](const void* q) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%p", q);
+    return std::string(text);
+  };
+  if (block_bytes <= 0 || block_bytes % 16 != 0)
+    throw config_error("launch_pull_blocks: block_bytes " + std::to_string(block_bytes) +
+                       " must be a positive multiple of 16 (the pull kernel moves 16-byte vectors)");
+  if (max_ctas < 1)
+    throw config_error("launch_pull_blocks: max_ctas " + std::to_string(max_ctas) + " must be >= 1");
+  if (reinterpret_cast<std::uintptr_t>(dst) % 16 != 0)
+    throw config_error("launch_pull_blocks: destination " + address(dst) + " is not 16-byte aligned");
+  for (index_t i = 0; i < count; ++i)
+    if (reinterpret_cast<std::uintptr_t>(src[i]) % 16 != 0)
+      throw config_error("launch_pull_blocks: source block " + std::to_string(i) + " at " + address(src[i]) +
+                         " is not 16-byte aligned");
+  pull_params p;
+  p.block_bytes = block_bytes;
+  for (index_t b0 = 0; b0 < count; b0 += max_pull_blocks) {
+    const int n = int(count - b0 < max_pull_blocks ? count - b0 : max_pull_blocks);
+    for (int k = 0; k < n; ++k) p.src[k] = src[b0 + k];
+    p.dst = static_cast<unsigned char*>(dst) + b0 * block_bytes;
+    p.count = n;
+    const unsigned grid = unsigned(n < max_ctas ? n : max_ctas);
+    detail::pull_blocks_kernel<><<<grid, pull_threads_per_cta, 0, stream>>>(p);
+    WS_CUDA_CHECK_LAST();
+  }
+}
+
 }  // namespace writescope::gpu
 
 /// Explicitly instantiates every layout-dependent launcher for the layout
@@ -546,4 +614,6 @@ void launch_wait_host_counters(const unsigned long long* counters, int n, unsign
                                                        cudaStream_t);                                      \
   template void writescope::gpu::launch_spin<void>(long long, cudaStream_t);                              \
   template void writescope::gpu::launch_wait_host_counters<void>(const unsigned long long*, int,           \
-                                                                 unsigned long long, cudaStream_t);
+                                                                 unsigned long long, cudaStream_t);       \
+  template void writescope::gpu::launch_pull_blocks<void>(const void* const*, writescope::index_t, void*,  \
+                                                          writescope::index_t, int, cudaStream_t);

@@ -204,4 +204,43 @@ template <class = void>
 void launch_wait_host_counters(const unsigned long long* counters, int n, unsigned long long need,
                                cudaStream_t stream);
 
+/// Source blocks one launch of the pull kernel carries by value.
+inline constexpr int max_pull_blocks = 480;
+/// Threads per CTA of the pull kernel.
+inline constexpr int pull_threads_per_cta = 256;
+
+/// One launch of the pull kernel (launch_pull_blocks builds it): block i,
+/// block_bytes bytes, is copied from src[i] to dst + i * block_bytes. The
+/// pointers travel by value, captured at launch, so no host buffer a later step
+/// could overwrite is read by the kernel.
+struct pull_params {
+  const void* src[max_pull_blocks];  ///< page-locked, device-mapped host memory, read via its host
+                                     ///< address (unified addressing); 16-byte aligned
+  void* dst;                         ///< device memory (a ping-pong buffer), 16-byte aligned
+  index_t block_bytes;               ///< > 0, a multiple of 16
+  int count;                         ///< blocks of this launch, <= max_pull_blocks
+};
+static_assert(sizeof(pull_params) <= 4096, "pull_params must fit the 4 KiB kernel-parameter limit");
+
+/// The device pull of the sparse pipeline (sparse_transfer::device_pull: the
+/// alternative to paper §4.4's host gather into staging; docs/SPARSE.md §4.1): copies `count` blocks of `block_bytes` bytes,
+/// block i from host address `src[i]` — page-locked and device-mapped memory
+/// (cuda_host_alloc / cuda_host_register regions) that the device reads over
+/// PCIe — to device memory `dst + i * block_bytes` (contiguous), on `stream`,
+/// in stream order. `src` is host memory read during the call only (the
+/// pointers are copied into the launches' parameters); launches of at most
+/// max_pull_blocks blocks are issued in order. Each launch has min(blocks,
+/// max_ctas) CTAs of pull_threads_per_cta threads; a CTA copies whole blocks
+/// (grid-stride over the blocks) with 16-byte loads, several in flight per
+/// thread before their stores (PCIe read latency). The caller guarantees that
+/// the device may access every source (unified addressing and
+/// cudaDevAttrCanUseHostPointerForRegisteredMem, mapped memory): an unmapped
+/// address is a device fault (a sticky cuda_error at the next check).
+/// Throws config_error, before any launch, for block_bytes not a positive
+/// multiple of 16, a pointer not 16-byte aligned or max_ctas < 1; cuda_error
+/// for a launch error. count <= 0: nothing.
+template <class = void>
+void launch_pull_blocks(const void* const* src, index_t count, void* dst, index_t block_bytes, int max_ctas,
+                        cudaStream_t stream);
+
 }  // namespace writescope::gpu

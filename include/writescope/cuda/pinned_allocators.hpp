@@ -5,10 +5,24 @@
 //                       allocates and pins. Measured on the device machine:
 //                       ≈ 420 ms per GiB.
 //   cuda_host_register  mmap pageable memory, pre-touch it with several threads,
-//                       then cudaHostRegister(cudaHostRegisterPortable) in chunks
-//                       of at most `chunk_bytes` (1 GiB by default) so that no
-//                       single call pins an unbounded range: ≈ 40 ms per GiB
-//                       (pre-touched), ten times faster.
+//                       then cudaHostRegister(cudaHostRegisterPortable |
+//                       cudaHostRegisterMapped) in chunks of at most
+//                       `chunk_bytes` (1 GiB by default) so that no single call
+//                       pins an unbounded range: ≈ 40 ms per GiB (pre-touched),
+//                       ten times faster.
+//
+// Device mapping. Both make the region addressable by kernels, which the
+// sparse pipeline's device pull needs (sparse_transfer::device_pull: a copy
+// kernel reads selected blocks straight out of the region over PCIe;
+// docs/SPARSE.md §4.1). cudaHostAlloc memory is mapped into every device's
+// address space automatically under unified addressing (all 64-bit Linux
+// processes), whatever the flags, at the same address as on the host.
+// cudaHostRegister maps only with cudaHostRegisterMapped (cudaHostRegisterDefault
+// would imply it under unified addressing, cudaHostRegisterPortable alone does
+// not promise it), hence the flag; on a device with
+// cudaDevAttrCanUseHostPointerForRegisteredMem the host pointer is then the
+// device address too (cuda_backend checks that attribute before it pulls).
+// Mapping adds no copy and no page-locking cost: DMA copies behave as before.
 //
 // Both satisfy pinned_allocator (host_memory.hpp). They run at cache init and
 // when the pinned region grows (never inside a step). A refusal throws
@@ -52,6 +66,7 @@
 #include <shared_mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "../config.hpp"
@@ -142,6 +157,33 @@ class pinned_registry {
     std::shared_lock lk(mu_);
     return ranges_.size();
   }
+  /// The largest span [first, second) of back-to-back registered ranges that
+  /// holds address p (several when p's range ends where the next one starts: a
+  /// cudaHostRegister region of several chunks); {0, 0} when p is in none.
+  [[nodiscard]] std::pair<std::uintptr_t, std::uintptr_t> covering_span(const void* p) const {
+    std::shared_lock lk(mu_);
+    const auto a = reinterpret_cast<std::uintptr_t>(p);
+    auto it = ranges_.upper_bound(a);  // first range starting after a
+    if (it == ranges_.begin()) return {0, 0};
+    --it;  // the last range starting at or before a
+    if (a >= it->second) return {0, 0};
+    std::uintptr_t lo = it->first, hi = it->second;
+    for (auto next = std::next(it); next != ranges_.end() && next->first == hi; ++next) hi = next->second;
+    for (auto prev = it; prev != ranges_.begin();) {
+      --prev;
+      if (prev->second != lo) break;
+      lo = prev->first;
+    }
+    return {lo, hi};
+  }
+  /// True when every byte of [p, p + bytes) lies in registered ranges
+  /// (possibly several back-to-back ones: a run of blocks across two
+  /// cudaHostRegister chunks). bytes <= 0: true.
+  [[nodiscard]] bool covers(const void* p, index_t bytes) const {
+    if (bytes <= 0) return true;
+    const auto span = covering_span(p);
+    return reinterpret_cast<std::uintptr_t>(p) + static_cast<std::uintptr_t>(bytes) <= span.second;
+  }
   /// True when [p, p + bytes) lies inside one registered range.
   [[nodiscard]] bool contains(const void* p, index_t bytes) const {
     std::shared_lock lk(mu_);
@@ -224,7 +266,8 @@ inline std::string cuda_error_text(cudaError_t e) {
 /// cuda_host_register (tests: nothing half-registered is left after a refusal).
 inline std::size_t registered_pinned_ranges() { return cuda_detail::pinned_registry::instance().size(); }
 
-/// Pinned load region through cudaHostAlloc (portable, write-back cached).
+/// Pinned load region through cudaHostAlloc (portable, write-back cached;
+/// device-mapped under unified addressing, see the file comment).
 struct cuda_host_alloc {
   using allocator_concept = pinned_allocator_tag;
   static constexpr const char* name = "cudaHostAlloc";
@@ -271,7 +314,8 @@ struct cuda_host_alloc {
   }
 };
 
-/// Pinned load region through mmap + pre-touch + cudaHostRegister in chunks.
+/// Pinned load region through mmap + pre-touch + cudaHostRegister in chunks
+/// (portable and device-mapped, see the file comment).
 struct cuda_host_register {
   using allocator_concept = pinned_allocator_tag;
   static constexpr const char* name = "cudaHostRegister";
@@ -318,7 +362,9 @@ struct cuda_host_register {
     for (index_t k = 0; k < num_chunks; ++k) {
       const index_t off = k * chunk;
       const index_t len = std::min(chunk, mapped - off);
-      const cudaError_t e = cudaHostRegister(base + off, static_cast<std::size_t>(len), cudaHostRegisterPortable);
+      // Mapped: kernels may read the region through its host addresses (device pull; file comment).
+      const cudaError_t e = cudaHostRegister(base + off, static_cast<std::size_t>(len),
+                                             cudaHostRegisterPortable | cudaHostRegisterMapped);
       if (e == cudaSuccess) {
         try {
           reg.add(base + off, len);
