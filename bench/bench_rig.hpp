@@ -202,7 +202,7 @@ struct rig_config {
   int cpu_threads = 0;           ///< CPU engine threads (0: cores - 1)
   int block_tokens = 64;
   int d_window = 256;
-  index_t first_chunk_bytes = index_t{2} << 20;  ///< partition_spec::first_chunk_bytes (0: no ramp)
+  index_t first_chunk_bytes = 0;  ///< partition_spec::first_chunk_bytes (0: no ramp)
   std::uint64_t seed = 1;
 };
 

@@ -37,7 +37,7 @@ constexpr const char* usage_text = R"(calibrate — per-token costs A, B and fix
   --rotation-mib N    KV read per decode step at least (adds layers; default 640)
   --min-time S        timed seconds per point (default 0.2)
   --min-steps N       timed decode steps per point at least (default 3)
-  --first-chunk-mib N first ping-pong fill of a step (the ramp; 0: none; default 2)
+  --first-chunk-mib N first ping-pong fill of a step (the ramp; 0, the default: none)
   --out FILE          the calibration file (writescope/calibration.hpp format)
   --json FILE         full report for bench/plot.py (rewritten after every point)
   --budget-seconds S  stop starting new points after S seconds (0: none)
@@ -56,7 +56,7 @@ struct options {
   double rotation_mib = 640;
   double min_time = 0.2;
   int min_steps = 3;
-  double first_chunk_mib = 2;
+  double first_chunk_mib = 0;
   std::string out, json_path;
   double budget_seconds = 0;
   std::uint64_t seed = 1;

@@ -96,8 +96,8 @@ constexpr const char* usage_text = R"(sparse_bench — sparse (block-selected) a
   --split-blocks N      blocks per GPU split (default 16)
   --gather-sweep LIST   gpu_only re-runs of the scattered selection with these gather
                         thread counts (default 1,8; empty: none)
-  --transfer MODE       how gathered chunks move in the main rows: host_gather (staging,
-                        default) or device_pull (a copy kernel reads the pinned blocks)
+  --transfer MODE       how gathered chunks move in the main rows: device_pull (a copy
+                        kernel reads the pinned blocks; default) or host_gather (staging)
   --pull-ctas N         CTAs of one pull-kernel launch (default 64)
   --no-controls         skip the contiguous / no-staging / gather-sweep / pull (gather) controls
   --budget-seconds S    stop starting new (L, batch) configurations after S s (default 150)
@@ -120,7 +120,7 @@ struct options {
   int split_blocks = 16;
   bool controls = true;
   std::vector<int> gather_sweep{1, 8};
-  ws::sparse_transfer transfer = ws::sparse_transfer::host_gather;
+  ws::sparse_transfer transfer = ws::sparse_transfer::device_pull;
   int pull_ctas = 64;
   double budget_seconds = 150;
   std::string json_path;

@@ -72,7 +72,7 @@ constexpr const char* usage_text = R"(ws_bench — writescope attention benchmar
   --rotation-mib N      KV read per decode step at least, by adding layers (default 640)
   --layers N            at least N attention layers per decode step (e.g. 48: a whole
                         Qwen3-30B-A3B step; default 1)
-  --first-chunk-mib N   first ping-pong fill of a step (the ramp; 0: none; default 2)
+  --first-chunk-mib N   first ping-pong fill of a step (the ramp; 0, the default: none)
   --ceiling-mib N       CPU read-ceiling buffer (default 1280)
   --calibration FILE    roofline costs (bench/calibrate --out); without it (or without
                         an entry for a preset) the costs are measured first
@@ -104,7 +104,7 @@ struct options {
   int window = 64;
   double rotation_mib = 640;
   int min_layers = 1;
-  double first_chunk_mib = 2;
+  double first_chunk_mib = 0;
   double ceiling_mib = 1280;
   std::string calibration;
   double budget_seconds = 0;

@@ -128,7 +128,8 @@ void select_all_matches_dense(const Layout& L, Policy pol, double scale, index_t
       CHECK(r.rep.copies == dense_rep.copies);
       CHECK(r.rep.cpu_tasks == dense_rep.cpu_tasks);
       CHECK(r.rep.selected_blocks == r.rep.placed_blocks);
-      gathered += d.attention().engine().last_gather().gathered_chunks;
+      gathered += d.attention().engine().last_gather().gathered_chunks +
+                  d.attention().engine().last_gather().pulled_chunks;  // either transfer mode
       direct += d.attention().engine().last_gather().direct_chunks;
       if (s % 8 == 0) {  // and the output is right (dense is checked elsewhere; spot-check here)
         compare_result cr;
@@ -195,6 +196,7 @@ void pull_matches_gather(const Layout& L, Policy pol, double scale, const Select
   host_cache<Layout, Policy> cache(be, L, spec, pol, {}, cache_options{true});
   attention_options ao{1, true};
   ao.sparse.reserve = true;
+  ao.sparse.transfer = sparse_transfer::host_gather;  // not the default
   decode_driver<decltype(cache)> d(cache, ao, seed, scale);
   attention_options po = ao;
   po.sparse.transfer = sparse_transfer::device_pull;
@@ -677,7 +679,7 @@ TEST_CASE("the policy observes the selected volumes: CPU tokens averaged over KV
     CHECK(r.rep.placed_blocks == placed);
     // host backend: every gathered chunk's bytes are reported
     const stream_plan& p = d.attention().last_plan();
-    CHECK(r.rep.gathered_bytes == p.gathered_blocks * cache.format().block_bytes());
+    CHECK(r.rep.gathered_bytes + r.rep.pulled_bytes == p.gathered_blocks * cache.format().block_bytes());  // either mode
     cache.flush();
   }
 }

@@ -28,13 +28,17 @@ struct partition_spec {
   index_t pinned_growth_tokens = 0;    ///< tokens added per growth of the pinned region (0 = one D·max_sequences)
   index_t ping_pong_bytes = index_t{64} << 20;  ///< bytes of one ping-pong buffer (rounded down to whole blocks)
   int ping_pong_buffers = 2;           ///< ping-pong buffers (>= 2)
-  /// Ramp of a step's chunks (stream_plan): the first ping-pong fill of a step
-  /// holds about this many bytes (rounded down to whole blocks, at least
-  /// gpu_split_blocks), each next fill twice the one before, up to
-  /// ping_pong_bytes. The GPU attends its first chunk after a 2 MiB copy
-  /// (≈ 40 µs at 55 GB/s) instead of a whole buffer (≈ 1.2 ms for 64 MiB),
-  /// which was most of the GPU side's fixed cost per layer. 0: no ramp.
-  index_t first_chunk_bytes = index_t{2} << 20;
+  /// Ramp of a step's chunks (stream_plan), 0 (the default): no ramp. > 0: the
+  /// first ping-pong fill of a step holds about this many bytes (rounded down
+  /// to whole blocks, at least gpu_split_blocks), each next fill twice the one
+  /// before, up to ping_pong_bytes, so the GPU starts attending after a small
+  /// copy. Measured on the H200 (docs/CUDA-ENGINE.md "chunk ramp"), a 2 MiB
+  /// ramp made the fixed GPU cost per layer larger, not smaller (Qwen3 0.29 →
+  /// 0.60 ms, DeepSeek-V2-Lite 0.81 → 3.7 ms at batch 16): the pipeline fill
+  /// was not that cost, and the first chunks' attention kernels, a few splits
+  /// each, run one after another with most of the GPU idle. Kept as an option
+  /// for machines with slower links or larger buffers, where the fill matters.
+  index_t first_chunk_bytes = 0;
   int gpu_split_blocks = 16;           ///< streamed blocks per GPU partial (split-K unit; batch-invariant)
   int cpu_task_blocks = 16;            ///< blocks per CPU task (the unit of CPU parallelism; batch-invariant)
 

@@ -565,6 +565,7 @@ void pull_matches_gather(const Layout& L, Policy pol, double scale, top_k_select
   attention_options ao{4, true};
   ao.sparse.reserve = true;
   ao.sparse.gather_threads = 2;
+  ao.sparse.transfer = sparse_transfer::host_gather;  // not the default
   device_decode_driver<decltype(cache)> d(cache, ao, seed, scale);
   attention_options po = ao;
   po.sparse.transfer = sparse_transfer::device_pull;
@@ -755,7 +756,9 @@ TEST_CASE("device: a sparse plan without reserve_sparse is a state_error; the fi
     args.ping_pong = v.ping_pong;
     CHECK_THROWS_AS(eng.launch(args), state_error);
   }
-  device_decode_driver<decltype(cache)> d(cache, attention_options{2, true}, 91, gqa_scale);
+  attention_options gather_options{2, true};
+  gather_options.sparse.transfer = sparse_transfer::host_gather;  // the mode with staging to reserve
+  device_decode_driver<decltype(cache)> d(cache, gather_options, 91, gqa_scale);
   const std::vector<sequence_id> batch{d.add(100), d.add(70)};
   dev_runner<decltype(cache)> r(d);
   CHECK(d.attention().engine().sparse_staging_bytes() == 0);

@@ -54,7 +54,7 @@ struct kv_options {
   int d_window_tokens = 256;
   index_t ping_pong_bytes = index_t{64} << 20;
   index_t ping_pong_blocks = 0;  ///< > 0: overrides ping_pong_bytes
-  index_t first_chunk_bytes = index_t{2} << 20;  ///< ramp start of a step's chunks (0: none; partition_spec)
+  index_t first_chunk_bytes = 0;  ///< ramp start of a step's chunks (0: none; partition_spec)
   int ping_pong_buffers = 2;
   int gpu_split_blocks = 16;
   int cpu_task_blocks = 16;
