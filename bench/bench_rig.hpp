@@ -203,6 +203,7 @@ struct rig_config {
   int block_tokens = 64;
   int d_window = 256;
   index_t first_chunk_bytes = 0;  ///< partition_spec::first_chunk_bytes (0: no ramp)
+  int gpu_split_blocks = 16;       ///< partition_spec::gpu_split_blocks (blocks per GPU partial)
   std::uint64_t seed = 1;
 };
 
@@ -367,6 +368,7 @@ class rig {
     const index_t slab = std::max<index_t>(index_t(c.batch) * c.d_window, index_t(c.batch) * per_seq / 8);
     s.pinned_growth_tokens = (slab + c.block_tokens - 1) / c.block_tokens * c.block_tokens;
     s.first_chunk_bytes = c.first_chunk_bytes;
+    s.gpu_split_blocks = c.gpu_split_blocks;
     (void)lay;
     return s;
   }

@@ -38,6 +38,7 @@ constexpr const char* usage_text = R"(calibrate — per-token costs A, B and fix
   --min-time S        timed seconds per point (default 0.2)
   --min-steps N       timed decode steps per point at least (default 3)
   --first-chunk-mib N first ping-pong fill of a step (the ramp; 0, the default: none)
+  --split-blocks N    blocks per GPU partial (partition_spec::gpu_split_blocks; default 16)
   --out FILE          the calibration file (writescope/calibration.hpp format)
   --json FILE         full report for bench/plot.py (rewritten after every point)
   --budget-seconds S  stop starting new points after S seconds (0: none)
@@ -57,6 +58,7 @@ struct options {
   double min_time = 0.2;
   int min_steps = 3;
   double first_chunk_mib = 0;
+  int split_blocks = 16;
   std::string out, json_path;
   double budget_seconds = 0;
   std::uint64_t seed = 1;
@@ -91,6 +93,9 @@ options parse(int argc, char** argv) {
     } else if (f == "--first-chunk-mib") {
       o.first_chunk_mib = parse_number<double>(f, a.value());
       if (!(o.first_chunk_mib >= 0)) throw usage_error("--first-chunk-mib must be >= 0");
+    } else if (f == "--split-blocks") {
+      o.split_blocks = parse_number<int>(f, a.value());
+      if (o.split_blocks < 1) throw usage_error("--split-blocks must be >= 1");
     } else if (f == "--out") {
       o.out = a.value();
     } else if (f == "--json") {
@@ -135,6 +140,7 @@ void measure_length(backend_t& be, const options& o, const kv_pool<typename Pres
   rc.max_decode_steps = 256;
   rc.cpu_threads = o.threads;
   rc.first_chunk_bytes = index_t(o.first_chunk_mib * 1048576.0);
+  rc.gpu_split_blocks = o.split_blocks;
   rc.seed = o.seed + std::uint64_t(L) * 7 + std::uint64_t(batch);
   rc.layers = rotation_layers(index_t(batch) * L * Preset::layout().token_bytes(), o.rotation_mib * 1048576.0);
   rig<Preset, Policy> r(be, rc, std::move(policy), pool);
