@@ -203,7 +203,7 @@ struct rig_config {
   int block_tokens = 64;
   int d_window = 256;
   index_t first_chunk_bytes = 0;  ///< partition_spec::first_chunk_bytes (0: no ramp)
-  int gpu_split_blocks = 16;       ///< partition_spec::gpu_split_blocks (blocks per GPU partial)
+  int gpu_split_blocks = 4;        ///< partition_spec::gpu_split_blocks (blocks per GPU partial)
   std::uint64_t seed = 1;
 };
 

@@ -38,7 +38,7 @@ constexpr const char* usage_text = R"(calibrate — per-token costs A, B and fix
   --min-time S        timed seconds per point (default 0.2)
   --min-steps N       timed decode steps per point at least (default 3)
   --first-chunk-mib N first ping-pong fill of a step (the ramp; 0, the default: none)
-  --split-blocks N    blocks per GPU partial (partition_spec::gpu_split_blocks; default 16)
+  --split-blocks N    blocks per GPU partial (partition_spec::gpu_split_blocks; default 4)
   --out FILE          the calibration file (writescope/calibration.hpp format)
   --json FILE         full report for bench/plot.py (rewritten after every point)
   --budget-seconds S  stop starting new points after S seconds (0: none)
@@ -58,7 +58,7 @@ struct options {
   double min_time = 0.2;
   int min_steps = 3;
   double first_chunk_mib = 0;
-  int split_blocks = 16;
+  int split_blocks = 4;
   std::string out, json_path;
   double budget_seconds = 0;
   std::uint64_t seed = 1;

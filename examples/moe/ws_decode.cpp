@@ -61,7 +61,7 @@ struct cli {
   int top_k = 0;
   std::uint64_t seed = 0;
   std::string policy = "roofline";
-  int block_tokens = 64, d_window = 256, ping_pong_buffers = 2, gpu_split_blocks = 16, cpu_task_blocks = 16;
+  int block_tokens = 64, d_window = 256, ping_pong_buffers = 2, gpu_split_blocks = 4, cpu_task_blocks = 16;
   double ping_pong_mib = 64.0, kv_vram_budget_mib = 0.0, first_chunk_mib = 0.0;
   long long ping_pong_blocks = 0;
   double cpu_bw_gbps = 80.0, h2d_bw_gbps = 54.0, cpu_fixed_us = 0.0, gpu_fixed_us = 0.0;

@@ -56,7 +56,7 @@ struct kv_options {
   index_t ping_pong_blocks = 0;  ///< > 0: overrides ping_pong_bytes
   index_t first_chunk_bytes = 0;  ///< ramp start of a step's chunks (0: none; partition_spec)
   int ping_pong_buffers = 2;
-  int gpu_split_blocks = 16;
+  int gpu_split_blocks = 4;
   int cpu_task_blocks = 16;
   index_t kv_vram_budget_bytes = 0;  ///< D-window + ping-pong must fit; 0 = no limit
   bool poison = false;               ///< poison every region at init (debug)
