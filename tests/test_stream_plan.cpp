@@ -7,7 +7,6 @@
 
 #include <map>
 #include <random>
-#include <tuple>
 
 #include "support/harness.hpp"
 #include <writescope/detail/stream_copy.hpp>
@@ -265,8 +264,15 @@ TEST_CASE("the step's plan over a real cache coalesces the pinned blocks of an o
   spec.gpu_split_blocks = 2;
   set_ping_pong_blocks(spec, lay, 6);
   // ramp 0: chunks of 6 + 2 blocks; the harness's ramp from one split (2): chunks of 2 + 4 + 2.
-  for (const auto& [first_chunk_bytes, chunks, longest] :
-       {std::tuple<index_t, std::size_t, index_t>{0, 2, 6}, std::tuple<index_t, std::size_t, index_t>{1, 3, 4}}) {
+  struct ramp_case {
+    index_t first_chunk_bytes;
+    std::size_t chunks;
+    index_t longest;
+  };
+  for (const ramp_case rc : {ramp_case{0, 2, 6}, ramp_case{1, 3, 4}}) {
+    const index_t first_chunk_bytes = rc.first_chunk_bytes;
+    const std::size_t chunks = rc.chunks;
+    const index_t longest = rc.longest;
     CAPTURE(first_chunk_bytes);
     spec.first_chunk_bytes = first_chunk_bytes;
     host_cache<L, gpu_only> cache(be, lay, spec, gpu_only{}, {}, cache_options{true});
