@@ -131,6 +131,25 @@ TEST_CASE("long prompts through many chunks: block 64, D 128, split 8, 3 buffers
   }
 }
 
+TEST_CASE("more splits in one chunk than one attend launch takes (gpu::max_attend_items): launches folded in order") {
+  // split 1, 200-block buffers: a chunk holds up to 200 splits, two attend launches and two folds.
+  static_assert(gpu::max_attend_items < 200);
+  loop_config c;
+  c.block_tokens = 16;
+  c.d_window = 32;
+  c.ping_pong_blocks = 200;
+  c.ping_pong_buffers = 2;
+  c.split_blocks = 1;
+  c.steps = scaled(40, 6);
+  SUBCASE("GQA gpu_only") {
+    CHECK(decode_loop(presets::qwen3_30b_a3b::layout(), gpu_only{}, {1500, 900, 1100}, c, gqa_scale, 21) >= 0);
+  }
+  SUBCASE("MLA fixed_ratio 0.4") {
+    CHECK(decode_loop(presets::deepseek_v2_lite::layout(), fixed_ratio(0.4), {2500, 700, 1900}, c,
+                      presets::deepseek_v2_lite::softmax_scale(), 22) >= 0);
+  }
+}
+
 TEST_CASE("GQA head mapping on the GPU path: query head h reads KV head h / (Hq/Hkv) (K4/C5)") {
   const std::pair<int, int> shapes[] = {{32, 4}, {32, 8}, {24, 4}, {40, 8}, {32, 32}, {32, 1}, {48, 2}};
   for (const auto& [hq, hkv] : shapes) {
