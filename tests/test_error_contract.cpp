@@ -245,6 +245,9 @@ TEST_CASE("partition_spec: the rules test_errors.cpp leaves out") {
   s = base_spec();
   s.gpu_split_blocks = 0;
   expect_error<config_error>([&] { make(s); }, {"gpu_split_blocks"});
+  s = base_spec();
+  s.first_chunk_bytes = -1;
+  expect_error<config_error>([&] { make(s); }, {"first_chunk_bytes -1", ">= 0"});
 }
 
 TEST_CASE("a construction that fails on any region leaves nothing mapped") {
