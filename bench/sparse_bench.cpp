@@ -94,8 +94,8 @@ constexpr const char* usage_text = R"(sparse_bench — sparse (block-selected) a
   --block-tokens N      tokens per block (default 64)
   --ping-pong-mib N     bytes of one ping-pong buffer (= one staging buffer) (default 64)
   --split-blocks N      blocks per GPU split (default 16)
-  --gather-sweep LIST   gpu_only re-runs of the scattered selection with these gather
-                        thread counts (default 1,8; empty: none)
+  --gather-sweep LIST   gpu_only re-runs of the scattered selection in host_gather mode
+                        with these gather thread counts (default 1,8; empty: none)
   --transfer MODE       how gathered chunks move in the main rows: device_pull (a copy
                         kernel reads the pinned blocks; default) or host_gather (staging)
   --pull-ctas N         CTAs of one pull-kernel launch (default 64)
@@ -510,6 +510,7 @@ class rig {
     ao.cpu_threads = o.threads;
     ao.sparse.reserve = true;
     ao.sparse.gather_threads = threads;
+    ao.sparse.transfer = ws::sparse_transfer::host_gather;  // the sweep is of host gather threads
     swept_.emplace_back(threads, std::make_unique<attention_type>(*cache_, ao));
     return *swept_.back().second;
   }
