@@ -19,7 +19,12 @@
 #               Qwen3MoeForCausalLM, random init, bf16, generate() with the offloaded cache)
 #   qwen3_spill.roofline  Qwen3-30B-A3B, 8 layers, batch 8 x 992, half of the routed
 #               experts (--max-gpu-experts 512) in host memory, run by the CPU
-# KV plan: block 32, D 64, ping-pong 2 x 64 MiB. Prompts of 32736 = 511.5 x 64
+#   *_full.{roofline,gpu_only}  (only when named in RUNS; each takes 2-4 minutes, so raise
+#               RUN_CAP, e.g. 300) every layer of the model: qwen3_full 48 layers x 8 x 32736
+#               (24 GiB of KV), dsv2lite_full 27 layers x 32 x 32736 (31 GiB), mixtral_full
+#               32 layers x 8 x 32736 (32 GiB; 93 GB of bf16 weights on the GPU)
+# KV plan: block 32, D 64, ping-pong 2 x 64 MiB, GPU splits of 8 blocks (256 tokens,
+# bench/calibrate's default split; session-3 runs before this used 16 blocks). Prompts of 32736 = 511.5 x 64
 # (8160 = 127.5 x 64) tokens leave 32 in each D-window, so every sequence
 # evicts at decode steps 32, 96, 160, ...; NEW_TOKENS = 130 gives 129 decode
 # steps: the first (reported alone) and 128 steady-state steps = two eviction
@@ -62,11 +67,12 @@ if [ -n "${CALIBRATION:-}" ]; then
   cal="--calibration $CALIBRATION"
 fi
 cfg=$root/examples/moe/configs
-kv="--block-tokens 32 --d-window 64 --ping-pong-mib 64 --gpu-split-blocks 16 --cpu-task-blocks 16 --no-progress"
+kv="--block-tokens 32 --d-window 64 --ping-pong-mib 64 --gpu-split-blocks 8 --cpu-task-blocks 16 --no-progress"
 long=32736
 n=$NEW_TOKENS
 
-# name | kind (ws: ws_decode, hf: hf_peer.py) | optional (1: only with PEER=1 or named in RUNS) | arguments
+# name | kind (ws: ws_decode, hf: hf_peer.py) | optional (1: only with PEER=1 or named in RUNS;
+# 2: only named in RUNS) | arguments
 declare -a names kinds optional args
 add() { names+=("$1"); kinds+=("$2"); optional+=("$3"); args+=("$4"); }
 for pol in roofline gpu_only cpu_only; do
@@ -79,6 +85,11 @@ add "mixtral.roofline" ws 0 "--random-weights --config $cfg/mixtral_8x7b.json --
 add "qwen3_8k.roofline" ws 1 "--random-weights --config $cfg/qwen3_30b_a3b.json --layers 8 --batch 8 --prompt-len 8160 --max-new-tokens $PEER_NEW_TOKENS --policy roofline"
 add "hf.qwen3_8k" hf 1 "--config $cfg/qwen3_30b_a3b.json --layers 8 --batch 8 --prompt-len 8160 --new-tokens $PEER_NEW_TOKENS"
 add "qwen3_spill.roofline" ws 0 "--random-weights --config $cfg/qwen3_30b_a3b.json --layers 8 --batch 8 --prompt-len 992 --max-new-tokens $n --policy roofline --max-gpu-experts 512"
+for pol in roofline gpu_only; do
+  add "qwen3_full.$pol" ws 2 "--random-weights --config $cfg/qwen3_30b_a3b.json --batch 8 --prompt-len $long --max-new-tokens $n --policy $pol"
+  add "dsv2lite_full.$pol" ws 2 "--random-weights --config $cfg/deepseek_v2_lite.json --batch 32 --prompt-len $long --max-new-tokens $n --policy $pol"
+  add "mixtral_full.$pol" ws 2 "--random-weights --config $cfg/mixtral_8x7b.json --batch 8 --prompt-len $long --max-new-tokens $n --policy $pol"
+done
 
 tmp=$(mktemp -d)
 t0=$(date +%s)
@@ -88,7 +99,7 @@ for i in "${!names[@]}"; do
   name=${names[$i]}
   if [ -n "${RUNS:-}" ]; then
     [[ " $RUNS " == *" $name "* ]] || continue
-  elif [ "${optional[$i]}" = 1 ] && [ -z "${PEER:-}" ]; then
+  elif [ "${optional[$i]}" = 2 ] || { [ "${optional[$i]}" = 1 ] && [ -z "${PEER:-}" ]; }; then
     continue
   fi
   left=$(( SCALE_BUDGET - ($(date +%s) - t0) ))
