@@ -486,6 +486,16 @@ int gather_race_run(Setup&& setup, int steps, std::uint64_t seed,
   return wrong;
 }
 
+/// A mutation check: whether one of three fresh runs (seeds seed0, seed0 + 1,
+/// seed0 + 2; stopping at the first) gives a wrong step with `setup`'s switches.
+template <class Setup>
+bool mutation_detected(Setup&& setup, int steps, std::uint64_t seed0,
+                       sparse_transfer transfer = sparse_transfer::host_gather) {
+  for (int attempt = 0; attempt < 3; ++attempt)
+    if (gather_race_run(setup, steps, seed0 + std::uint64_t(attempt), transfer) > 0) return true;
+  return false;
+}
+
 }  // namespace
 
 TEST_CASE("device K7: the gather pipeline's guards (RAW: copy after gather; WAR: gather after the copy) and mutations") {
@@ -495,26 +505,20 @@ TEST_CASE("device K7: the gather pipeline's guards (RAW: copy after gather; WAR:
     CHECK(gather_race_run([](cuda_debug_options& o) { o.copy_delay_cycles = 20'000'000; }, steps, 32) == 0);
   }
   SUBCASE("mutation skip_gather_wait (copies staging before its gather): detected") {
-    int detected = 0;
-    for (int attempt = 0; attempt < 3 && detected == 0; ++attempt)
-      detected += gather_race_run(
-          [](cuda_debug_options& o) {
-            o.skip_gather_wait = true;
-            o.gather_delay_microseconds = 5000;
-          },
-          steps, 33 + std::uint64_t(attempt));
-    CHECK(detected > 0);
+    CHECK(mutation_detected(
+        [](cuda_debug_options& o) {
+          o.skip_gather_wait = true;
+          o.gather_delay_microseconds = 5000;
+        },
+        steps, 33));
   }
   SUBCASE("mutation skip_staging_wait (gathers over a staging buffer being copied): detected") {
-    int detected = 0;
-    for (int attempt = 0; attempt < 3 && detected == 0; ++attempt)
-      detected += gather_race_run(
-          [](cuda_debug_options& o) {
-            o.skip_staging_wait = true;
-            o.copy_delay_cycles = 50'000'000;
-          },
-          steps, 36 + std::uint64_t(attempt));
-    CHECK(detected > 0);
+    CHECK(mutation_detected(
+        [](cuda_debug_options& o) {
+          o.skip_staging_wait = true;
+          o.copy_delay_cycles = 50'000'000;
+        },
+        steps, 36));
   }
 }
 
@@ -527,26 +531,20 @@ TEST_CASE("device K7: pulled chunks keep the ping-pong guards (WAR consumed[b], 
     CHECK(gather_race_run([](cuda_debug_options& o) { o.gather_delay_microseconds = 3000; }, steps, 53, pull) == 0);
   }
   SUBCASE("mutation skip_consumed_wait (pulls into a buffer its consumer still reads): detected") {
-    int detected = 0;
-    for (int attempt = 0; attempt < 3 && detected == 0; ++attempt)
-      detected += gather_race_run(
-          [](cuda_debug_options& o) {
-            o.skip_consumed_wait = true;
-            o.consumer_delay_cycles = 5'000'000;
-          },
-          steps, 54 + std::uint64_t(attempt), pull);
-    CHECK(detected > 0);
+    CHECK(mutation_detected(
+        [](cuda_debug_options& o) {
+          o.skip_consumed_wait = true;
+          o.consumer_delay_cycles = 5'000'000;
+        },
+        steps, 54, pull));
   }
   SUBCASE("mutation skip_filled_wait (attends a buffer before its pull lands): detected") {
-    int detected = 0;
-    for (int attempt = 0; attempt < 3 && detected == 0; ++attempt)
-      detected += gather_race_run(
-          [](cuda_debug_options& o) {
-            o.skip_filled_wait = true;
-            o.copy_delay_cycles = 20'000'000;
-          },
-          steps, 57 + std::uint64_t(attempt), pull);
-    CHECK(detected > 0);
+    CHECK(mutation_detected(
+        [](cuda_debug_options& o) {
+          o.skip_filled_wait = true;
+          o.copy_delay_cycles = 20'000'000;
+        },
+        steps, 57, pull));
   }
 }
 
