@@ -89,7 +89,8 @@ constexpr const char* usage_text = R"(sparse_bench — sparse (block-selected) a
   --per-head            each KV head selects its own blocks (default: one set per sequence)
   --steps N             timed steps per point (default 5)
   --warmup N            untimed steps per point (default 2)
-  --threads N           CPU engine threads (default cores - 1 - gather threads)
+  --threads N           CPU engine threads (default cores - 1 - the main rows' gather
+                        threads: --gather-threads with host_gather, 1 with device_pull)
   --gather-threads N    host threads that gather into staging (default 4)
   --block-tokens N      tokens per block (default 64)
   --ping-pong-mib N     bytes of one ping-pong buffer (= one staging buffer) (default 64)
@@ -233,7 +234,10 @@ options parse(int argc, char** argv) {
   if (o.steps < 1 || o.warmup < 0 || o.gather_threads < 1 || o.block_tokens < 1 || o.split_blocks < 1 ||
       o.pull_ctas < 1)
     throw std::invalid_argument("--steps, --gather-threads, --block-tokens, --split-blocks, --pull-ctas must be >= 1");
-  if (o.threads <= 0) o.threads = std::max(1, int(std::thread::hardware_concurrency()) - 1 - o.gather_threads);
+  if (o.threads <= 0) {  // device_pull starts one gather thread (block lists only), host_gather --gather-threads
+    const int gather = o.transfer == ws::sparse_transfer::device_pull ? 1 : o.gather_threads;
+    o.threads = std::max(1, int(std::thread::hardware_concurrency()) - 1 - gather);
+  }
   return o;
 }
 
