@@ -304,23 +304,23 @@ class host_backend::gpu_engine {
     std::vector<cpu::kv_segment>& segs = segs_;
     gather_stats gs;
     std::chrono::steady_clock::time_point g0{}, g1{};
+    // Each run's blocks to their place in `dst` (a ping-pong buffer, or staging).
+    auto copy_runs = [&](const stream_chunk& c, bf16* dst) {
+      for (index_t r = c.run_begin; r < c.run_end; ++r) {
+        const stream_run& run = plan.runs[std::size_t(r)];
+        std::memcpy(dst + run.dst_block * block_elems, run.src, static_cast<std::size_t>(run.num_blocks * block_bytes));
+      }
+    };
     for (const stream_chunk& c : plan.chunks) {
       bf16* buf = a.ping_pong[std::size_t(c.buffer)];
-      if (c.gathered && device_pull_) {  // the pull kernel: each run's blocks at their place in the buffer
-        for (index_t r = c.run_begin; r < c.run_end; ++r) {
-          const stream_run& run = plan.runs[std::size_t(r)];
-          std::memcpy(buf + run.dst_block * block_elems, run.src,
-                      static_cast<std::size_t>(run.num_blocks * block_bytes));
-        }
+      if (c.gathered && device_pull_) {  // as the pull kernel writes them: the runs straight into ping-pong
+        copy_runs(c, buf);
         gs.pulled_bytes += c.num_blocks * block_bytes;
         ++gs.pulled_chunks;
       } else if (c.gathered) {
         const auto t0 = std::chrono::steady_clock::now();
         auto* st = reinterpret_cast<bf16*>(staging_[std::size_t(serial_ % 2)].data());
-        for (index_t r = c.run_begin; r < c.run_end; ++r) {  // host gather into staging
-          const stream_run& run = plan.runs[std::size_t(r)];
-          std::memcpy(st + run.dst_block * block_elems, run.src, static_cast<std::size_t>(run.num_blocks * block_bytes));
-        }
+        copy_runs(c, st);  // host gather into staging
         const auto t1 = std::chrono::steady_clock::now();
         if (gs.gathered_chunks == 0) g0 = t0;
         g1 = t1;
@@ -328,11 +328,7 @@ class host_backend::gpu_engine {
         ++gs.gathered_chunks;
         std::memcpy(buf, st, static_cast<std::size_t>(c.num_blocks * block_bytes));  // one "H2D" copy
       } else {
-        for (index_t r = c.run_begin; r < c.run_end; ++r) {
-          const stream_run& run = plan.runs[std::size_t(r)];
-          std::memcpy(buf + run.dst_block * block_elems, run.src,
-                      static_cast<std::size_t>(run.num_blocks * block_bytes));
-        }
+        copy_runs(c, buf);  // direct: run by run from the pinned region
         ++gs.direct_chunks;
       }
       ++serial_;
