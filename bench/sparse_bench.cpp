@@ -452,13 +452,7 @@ class rig {
     s.gpu_split_blocks = o.split_blocks;
     s.cpu_task_blocks = 16;
     cache_ = std::make_unique<cache_type>(be, L, s, std::move(pol), ws::cuda_host_register{});
-    ws::attention_options ao;
-    ao.cpu_threads = o.threads;
-    ao.sparse.reserve = true;
-    ao.sparse.gather_threads = o.gather_threads;
-    ao.sparse.transfer = o.transfer;
-    ao.sparse.pull_ctas = o.pull_ctas;
-    attn_ = std::make_unique<attention_type>(*cache_, ao);
+    attn_ = std::make_unique<attention_type>(*cache_, main_options(o));
     const index_t prompt = length + s.d_window_tokens / 2;
     ws::kv_tokens<G, ws::device_space> kv;
     kv.planes = {kv_dev, kv_dev + prompt * L.kv_heads() * 128};
@@ -473,15 +467,24 @@ class rig {
     placed_blocks_ = index_t(cache_->sequence(seqs_[0]).block_table.size());
   }
 
+  /// The main rows' attention options (CPU engine threads, reserved sparse
+  /// pipeline, gather threads, transfer mode, pull CTAs); the controls change one field.
+  static ws::attention_options main_options(const options& o) {
+    ws::attention_options ao;
+    ao.cpu_threads = o.threads;
+    ao.sparse.reserve = true;
+    ao.sparse.gather_threads = o.gather_threads;
+    ao.sparse.transfer = o.transfer;
+    ao.sparse.pull_ctas = o.pull_ctas;
+    return ao;
+  }
+
   /// A second attention object with direct_run_bytes = 0 (the no-staging control).
   attention_type& no_staging(const options& o) {
     if (!discrete_) {
       WS_CUDA_TRY(cudaDeviceSynchronize());
-      ws::attention_options ao;
-      ao.cpu_threads = o.threads;
-      ao.sparse.reserve = true;
-      ao.sparse.gather_threads = o.gather_threads;
-      ao.sparse.direct_run_bytes = 0;
+      ws::attention_options ao = main_options(o);
+      ao.sparse.direct_run_bytes = 0;  // no chunk is gathered: the transfer mode does not matter
       discrete_ = std::make_unique<attention_type>(*cache_, ao);
     }
     return *discrete_;
@@ -493,13 +496,9 @@ class rig {
   attention_type& other_transfer(const options& o) {
     if (!other_) {
       WS_CUDA_TRY(cudaDeviceSynchronize());
-      ws::attention_options ao;
-      ao.cpu_threads = o.threads;
-      ao.sparse.reserve = true;
-      ao.sparse.gather_threads = o.gather_threads;
+      ws::attention_options ao = main_options(o);
       ao.sparse.transfer = o.transfer == ws::sparse_transfer::device_pull ? ws::sparse_transfer::host_gather
                                                                           : ws::sparse_transfer::device_pull;
-      ao.sparse.pull_ctas = o.pull_ctas;
       other_ = std::make_unique<attention_type>(*cache_, ao);
     }
     return *other_;
@@ -510,9 +509,7 @@ class rig {
     for (auto& [n, a] : swept_)
       if (n == threads) return *a;
     WS_CUDA_TRY(cudaDeviceSynchronize());
-    ws::attention_options ao;
-    ao.cpu_threads = o.threads;
-    ao.sparse.reserve = true;
+    ws::attention_options ao = main_options(o);
     ao.sparse.gather_threads = threads;
     ao.sparse.transfer = ws::sparse_transfer::host_gather;  // the sweep is of host gather threads
     swept_.emplace_back(threads, std::make_unique<attention_type>(*cache_, ao));
