@@ -66,7 +66,10 @@ constexpr const char* usage_text = R"(cpu_attention_bench — CPU decode-attenti
   --lengths LIST       tokens per sequence, K = 1024 (default 2K,8K,32K); multiples
                        of --block-tokens
   --threads LIST       CPU engine threads (default 1,2,4,... up to cores-1, and cores-1)
-  --precision LIST     fp32 and/or bf16 (cpu::bf16_scores) (default fp32)
+  --precision LIST     kernels: fp32 (cpu::decode_kernel, fp32 FMA), bf16 (its
+                       cpu::bf16_scores variant), amx (cpu::amx_decode_kernel on
+                       AMX-BF16 tiles; refused where amx_available() is false)
+                       (default fp32)
   --min-kv-mib N       rotate over at least this much KV per configuration, by
                        adding layers (default 1024)
   --max-kv-mib N       skip a configuration whose KV exceeds this (default 24576)
@@ -145,7 +148,10 @@ options parse(int argc, char** argv) {
     } else if (arg == "--precision") {
       o.precision = split_list(next());
       for (const auto& p : o.precision)
-        if (p != "fp32" && p != "bf16") throw usage_error("--precision: '" + p + "' is not fp32 or bf16");
+        if (p != "fp32" && p != "bf16" && p != "amx")
+          throw usage_error("--precision: '" + p + "' is not fp32, bf16 or amx");
+        else if (p == "amx" && !ws::cpu::amx_available())
+          throw usage_error("--precision amx: this CPU (or kernel) offers no AMX-BF16 tiles");
     } else if (arg == "--min-kv-mib") {
       o.min_kv_mib = parse_number<double>(arg, next());
     } else if (arg == "--max-kv-mib") {
@@ -249,12 +255,23 @@ struct row {
   double loadavg_1m = 0;
 };
 
+/// --precision amx: the AMX kernel on hardware tiles.
+struct amx_tiles {};
+template <class Layout, class Precision>
+struct kernel_for {
+  using type = ws::cpu::decode_kernel<Layout, ws::cpu::default_arch, Precision>;
+};
+template <class Layout>
+struct kernel_for<Layout, amx_tiles> {
+  using type = ws::cpu::amx_decode_kernel<Layout>;
+};
+
 template <class Preset, class Precision>
 class bench_case {
  public:
   using layout_type = typename Preset::layout_type;
   using cache_type = ws::inplace_kv_cache<layout_type, ws::host_backend, ws::pageable_allocator, ws::cpu_only>;
-  using kernel_type = ws::cpu::decode_kernel<layout_type, ws::cpu::default_arch, Precision>;
+  using kernel_type = typename kernel_for<layout_type, Precision>::type;
   using attention_type = ws::hybrid_attention<cache_type, kernel_type>;
   static constexpr int Q = layout_type::q_dim;
   static constexpr int V = layout_type::v_dim;
@@ -593,16 +610,14 @@ int main(int argc, char** argv) {
     print_header();
     for (const std::string& prec : o.precision)
       for (const std::string& p : o.presets) {
-        const bool bf = prec == "bf16";
-        if (p == "qwen3")
-          bf ? run_preset<ws::presets::qwen3_30b_a3b, ws::cpu::bf16_scores>(st, prec)
-             : run_preset<ws::presets::qwen3_30b_a3b, ws::cpu::fp32_scores>(st, prec);
-        else if (p == "mixtral")
-          bf ? run_preset<ws::presets::mixtral_8x7b, ws::cpu::bf16_scores>(st, prec)
-             : run_preset<ws::presets::mixtral_8x7b, ws::cpu::fp32_scores>(st, prec);
-        else
-          bf ? run_preset<ws::presets::deepseek_v2_lite, ws::cpu::bf16_scores>(st, prec)
-             : run_preset<ws::presets::deepseek_v2_lite, ws::cpu::fp32_scores>(st, prec);
+        auto run = [&]<class Preset>() {
+          if (prec == "bf16") run_preset<Preset, ws::cpu::bf16_scores>(st, prec);
+          else if (prec == "amx") run_preset<Preset, amx_tiles>(st, prec);
+          else run_preset<Preset, ws::cpu::fp32_scores>(st, prec);
+        };
+        if (p == "qwen3") run.template operator()<ws::presets::qwen3_30b_a3b>();
+        else if (p == "mixtral") run.template operator()<ws::presets::mixtral_8x7b>();
+        else run.template operator()<ws::presets::deepseek_v2_lite>();
       }
     write_json(st);
     std::fprintf(stderr, "done: %d of %d measurements in %.1f s%s%s\n", int(st.rows.size()), st.total, st.elapsed(),

@@ -31,6 +31,7 @@
 #  include <omp.h>
 #endif
 
+#include "cpu/amx_attention.hpp"
 #include "cpu/attention.hpp"
 #include "error.hpp"
 #include "inplace_kv_cache.hpp"
@@ -77,7 +78,10 @@ struct step_report {
   index_t pulled_bytes = 0;      ///< bytes of gathered chunks pulled by the device instead (sparse_transfer::device_pull)
 };
 
-template <class Cache, class CpuKernel = cpu::decode_kernel<typename Cache::layout_type>>
+/// CpuKernel: the CPU engine's kernel, any type with decode_kernel's static
+/// run(). Default cpu::auto_decode_kernel: AMX-BF16 tiles for MLA where the
+/// CPU has them (cpu/amx_attention.hpp; WRITESCOPE_CPU_AMX), else fp32 FMA.
+template <class Cache, class CpuKernel = cpu::auto_decode_kernel<typename Cache::layout_type>>
 class hybrid_attention {
  public:
   using layout_type = typename Cache::layout_type;
