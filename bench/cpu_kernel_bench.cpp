@@ -11,7 +11,7 @@
 // sequence × KV head × 16-block range). Reports GB/s, ns and TSC ticks per
 // (token, KV head), and the ratio to the read ceiling.
 //
-//   cpu_kernel_bench [--mib 1024] [--presets qwen3,mixtral,dsv2] [--json path]
+//   cpu_kernel_bench [--mib 1024] [--presets qwen3,mixtral,dsv2] [--amx] [--json path]
 #include <writescope/writescope.hpp>
 
 #include <time.h>
@@ -79,10 +79,9 @@ struct result {
   double mib = 0, gbps = 0, ns = 0, tsc = 0;
 };
 
-template <class Preset, class Precision>
-result run(const char* mode, std::size_t mib, double ceiling) {
+template <class Preset, class K>
+result run(const char* precision, const char* mode, std::size_t mib, double ceiling) {
   using L = typename Preset::layout_type;
-  using K = ws::cpu::decode_kernel<L, ws::cpu::default_arch, Precision>;
   const L lay = Preset::layout();
   const ws::block_format<L> f{lay, 64};
   const index_t nb = std::max<index_t>(8, index_t(mib << 20) / f.block_bytes());
@@ -121,7 +120,7 @@ result run(const char* mode, std::size_t mib, double ceiling) {
     }
   }
   const double token_heads = double(nb) * 64.0 * lay.kv_heads();
-  result r{std::string(Preset::name), Precision::name, mode, double(nb * f.block_bytes()) / 1048576.0,
+  result r{std::string(Preset::name), precision, mode, double(nb * f.block_bytes()) / 1048576.0,
            double(nb * f.block_bytes()) / best / 1e9, best * 1e9 / token_heads, double(best_ticks) / token_heads};
   std::printf("%-16s %-4s %-4s %8.1f %8.2f %7.3f %10.1f %10.1f\n", r.preset.c_str(), r.precision.c_str(), mode, r.mib,
               r.gbps, r.gbps / ceiling, r.ns, r.tsc);
@@ -130,12 +129,19 @@ result run(const char* mode, std::size_t mib, double ceiling) {
 }
 
 template <class Preset>
-void run_preset(std::vector<result>& out, std::size_t mib, double ceiling, bool bf16) {
-  out.push_back(run<Preset, ws::cpu::fp32_scores>("hot", 1, ceiling));
-  out.push_back(run<Preset, ws::cpu::fp32_scores>("cold", mib, ceiling));
+void run_preset(std::vector<result>& out, std::size_t mib, double ceiling, bool bf16, bool amx) {
+  using L = typename Preset::layout_type;
+  using fp32_kernel = ws::cpu::decode_kernel<L, ws::cpu::default_arch, ws::cpu::fp32_scores>;
+  using bf16_kernel = ws::cpu::decode_kernel<L, ws::cpu::default_arch, ws::cpu::bf16_scores>;
+  out.push_back(run<Preset, fp32_kernel>("fp32", "hot", 1, ceiling));
+  out.push_back(run<Preset, fp32_kernel>("fp32", "cold", mib, ceiling));
   if (bf16) {
-    out.push_back(run<Preset, ws::cpu::bf16_scores>("hot", 1, ceiling));
-    out.push_back(run<Preset, ws::cpu::bf16_scores>("cold", mib, ceiling));
+    out.push_back(run<Preset, bf16_kernel>("bf16", "hot", 1, ceiling));
+    out.push_back(run<Preset, bf16_kernel>("bf16", "cold", mib, ceiling));
+  }
+  if (amx) {
+    out.push_back(run<Preset, ws::cpu::amx_decode_kernel<L>>("amx", "hot", 1, ceiling));
+    out.push_back(run<Preset, ws::cpu::amx_decode_kernel<L>>("amx", "cold", mib, ceiling));
   }
 }
 
@@ -144,7 +150,7 @@ void run_preset(std::vector<result>& out, std::size_t mib, double ceiling, bool 
 int main(int argc, char** argv) {
   std::size_t mib = 1024;
   std::string presets = "qwen3,mixtral,dsv2", json_path;
-  bool bf16 = true;
+  bool bf16 = true, amx = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> std::string {
@@ -158,13 +164,19 @@ int main(int argc, char** argv) {
     else if (a == "--presets") presets = value();
     else if (a == "--json") json_path = value();
     else if (a == "--no-bf16") bf16 = false;
+    else if (a == "--amx") amx = true;
     else if (a == "--help" || a == "-h") {
-      std::puts("cpu_kernel_bench [--mib N (default 1024)] [--presets qwen3,mixtral,dsv2] [--no-bf16] [--json path]");
+      std::puts("cpu_kernel_bench [--mib N (default 1024)] [--presets qwen3,mixtral,dsv2] [--no-bf16] [--amx] [--json path]\n"
+                "  --amx  also cpu::amx_decode_kernel (AMX-BF16 tiles; refused where amx_available() is false)");
       return 0;
     } else {
       std::fprintf(stderr, "cpu_kernel_bench: unknown flag '%s' (--help)\n", a.c_str());
       return 2;
     }
+  }
+  if (amx && !ws::cpu::amx_available()) {
+    std::fprintf(stderr, "cpu_kernel_bench: --amx: this CPU (or kernel) offers no AMX-BF16 tiles\n");
+    return 2;
   }
   if (mib < 16) {
     std::fprintf(stderr, "cpu_kernel_bench: --mib must be >= 16 (cold runs must miss the caches)\n");
@@ -178,9 +190,9 @@ int main(int argc, char** argv) {
     std::printf("%-16s %-4s %-4s %8s %8s %7s %10s %10s\n", "preset", "prec", "mode", "MiB", "GB/s", "ratio",
                 "ns/tok·h", "tsc/tok·h");
     std::vector<result> rs;
-    if (presets.find("qwen3") != std::string::npos) run_preset<ws::presets::qwen3_30b_a3b>(rs, mib, ceiling, bf16);
-    if (presets.find("mixtral") != std::string::npos) run_preset<ws::presets::mixtral_8x7b>(rs, mib, ceiling, bf16);
-    if (presets.find("dsv2") != std::string::npos) run_preset<ws::presets::deepseek_v2_lite>(rs, mib, ceiling, bf16);
+    if (presets.find("qwen3") != std::string::npos) run_preset<ws::presets::qwen3_30b_a3b>(rs, mib, ceiling, bf16, amx);
+    if (presets.find("mixtral") != std::string::npos) run_preset<ws::presets::mixtral_8x7b>(rs, mib, ceiling, bf16, amx);
+    if (presets.find("dsv2") != std::string::npos) run_preset<ws::presets::deepseek_v2_lite>(rs, mib, ceiling, bf16, amx);
     const double ceiling_after = read_ceiling_gbps(mib << 20);
     std::printf("read ceiling again: %.2f GB/s\n", ceiling_after);
     if (!json_path.empty()) {

@@ -43,6 +43,7 @@ template <class L, class Kernel>
 void sweep(const std::vector<int>& groups, const std::vector<index_t>& lengths, const std::vector<int>& block_tokens,
            std::uint64_t seed) {
   bf16_source src(seed);
+  double worst = 0;
   for (int g : groups) {
     const int hkv = L::is_mla ? 1 : 2;
     const L lay = make_layout<L>(g, hkv);
@@ -57,9 +58,11 @@ void sweep(const std::vector<int>& groups, const std::vector<index_t>& lengths, 
         const compare_result r = run_kernel_and_compare<L, Kernel>(lay, h, sl, q, 1.0 / std::sqrt(double(L::q_dim)));
         INFO("rel_l2 " << r.max_rel_l2 << " lse " << r.max_lse_err);
         REQUIRE(r.ok());
-        CHECK(r.max_rel_l2 <= 2e-5);  // fp32-class: q in three bf16 parts, p in two
+        CHECK(r.max_rel_l2 <= 2e-5);  // fp32-class: q and p in two bf16 parts each
+        worst = std::max(worst, r.max_rel_l2);
       }
   }
+  MESSAGE(std::string(Kernel::emulated_tiles_name()) << " R=" << L::row_elems << ": worst relative L2 against fp64 " << worst);
 }
 
 }  // namespace
@@ -88,12 +91,23 @@ TEST_CASE("AMX kernel, hardware tiles, matches fp64 and the emulation") {
   std::vector<float> oh, lh, oe, le;
   REQUIRE(run_kernel_and_compare<L, hw_kernel<L>>(lay, h, sl, q, 0.1147, &oh, &lh).ok());
   REQUIRE(run_kernel_and_compare<L, emu_kernel<L>>(lay, h, sl, q, 0.1147, &oe, &le).ok());
-  double worst = 0;
-  for (std::size_t i = 0; i < oh.size(); ++i)
-    worst = std::max(worst, std::abs(double(oh[i]) - oe[i]) / (1e-3 + std::abs(double(oe[i]))));
-  for (std::size_t i = 0; i < lh.size(); ++i) worst = std::max(worst, std::abs(double(lh[i]) - le[i]));
-  MESSAGE("hardware vs emulated tiles: worst relative difference " << worst);
-  CHECK(worst <= 1e-5);
+  // Not bit-identical: inside one TDPBF16PS the hardware's order and
+  // rounding of the 32 products is its own (and it flushes denormals). Both
+  // are held to the fp64 bar above; here, how far apart they are.
+  double worst_l2 = 0, worst_lse = 0;
+  for (int hh = 0; hh < 16; ++hh) {
+    double num = 0, den = 0;
+    for (int e = 0; e < L::v_dim; ++e) {
+      const double a = oh[std::size_t(hh * L::v_dim + e)], b = oe[std::size_t(hh * L::v_dim + e)];
+      num += (a - b) * (a - b);
+      den += b * b;
+    }
+    worst_l2 = std::max(worst_l2, std::sqrt(num / den));
+    worst_lse = std::max(worst_lse, std::abs(double(lh[std::size_t(hh)]) - le[std::size_t(hh)]));
+  }
+  MESSAGE("hardware vs emulated tiles: worst relative L2 " << worst_l2 << ", worst |LSE difference| " << worst_lse);
+  CHECK(worst_l2 <= 4e-5);  // each is within 2e-5 of fp64 (the sweeps above)
+  CHECK(worst_lse <= 1e-4);
 }
 
 TEST_CASE("AMX kernel: empty inputs give exactly (0, -inf); poisoned blocks behind zero-token segments are not read (K1)") {
