@@ -30,14 +30,27 @@ namespace wstest::dev {
 
 using namespace writescope;
 
-/// True when the tests should run reduced sizes (sanitizer runs): WS_TEST_QUICK=1.
-inline bool quick() {
-  const char* v = std::getenv("WS_TEST_QUICK");
+/// True when the environment variable `name` is set to something other than "" or "0".
+inline bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
   return v != nullptr && *v != '\0' && *v != '0';
 }
 
+/// True when the tests should run the smallest sizes that still reach every
+/// code path of a case: WS_TEST_SANITIZER=1 (compute-sanitizer racecheck, whose
+/// shared-memory instrumentation makes the attention kernels far slower than
+/// memcheck does). Implies quick().
+inline bool sanitizer_sizes() { return env_flag("WS_TEST_SANITIZER"); }
+
+/// True when the tests should run reduced sizes (sanitizer runs): WS_TEST_QUICK=1,
+/// or WS_TEST_SANITIZER=1.
+inline bool quick() { return env_flag("WS_TEST_QUICK") || sanitizer_sizes(); }
+
 /// `full` normally, `reduced` under WS_TEST_QUICK.
 inline int scaled(int full, int reduced) { return quick() ? reduced : full; }
+
+/// `full` normally, `reduced` under WS_TEST_QUICK, `smallest` under WS_TEST_SANITIZER.
+inline int scaled(int full, int reduced, int smallest) { return sanitizer_sizes() ? smallest : scaled(full, reduced); }
 
 /// A device buffer that only grows; growing waits for `stream` first (the old
 /// buffer may still be read by work enqueued there).

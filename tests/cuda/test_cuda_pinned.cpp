@@ -5,9 +5,22 @@
 // cudaHostRegister chunk boundaries; the C11 case pins 3.9 GiB, 4 GiB,
 // 4 GiB + 4 KiB and 6 GiB regions and decodes a copy from each one's last
 // block (opt-in: WS_TEST_LARGE_PINNED=1, ~20 GB of host memory).
+//
+// K8 mutation checks (the guard removed by a test-only switch, the test's
+// check must fail; "K8 mutation: ..." cases, each with a guarded twin):
+//   cuda_host_register::skip_refusal_check  a refused chunk (injected with
+//       inject_refusal_chunk) no longer fails at cache init; the first decode
+//       step meets the unpinned block instead (debug builds, as here)
+//   cuda_debug_options::skip_registration_split  copies across cudaHostRegister
+//       chunk boundaries reach the driver whole; detected when the driver
+//       refuses them (cudaErrorInvalidValue) or a result goes wrong. The case
+//       reports what the driver answers to one such raw copy.
+// Pinning at init keeps the step path free of page-locking: a plain check
+// (no guard to remove: the step path has no pinning call).
 #include <doctest/doctest.h>
 
 #include <cstdio>
+#include <optional>
 
 #include "device_harness.hpp"
 
@@ -112,7 +125,7 @@ TEST_CASE("streamed and evicted copies that cross cudaHostRegister chunk boundar
   device_decode_driver<cache_t> d(cache, attention_options{2, true}, 71, gqa_scale);
   std::vector<sequence_id> batch{d.add(400), d.add(130), d.add(7)};
   CHECK(d.count_mismatches(batch[0], 0, 0, 400) == 0);
-  for (int s = 0; s < scaled(70, 20); ++s) {
+  for (int s = 0; s < scaled(70, 20, 8); ++s) {
     const auto placed = d.placed(batch);
     const compare_result r = d.step(batch);
     INFO("step " << s << ": rel_l2 " << r.max_rel_l2);
@@ -122,6 +135,219 @@ TEST_CASE("streamed and evicted copies that cross cudaHostRegister chunk boundar
   const pin_statistics st = cuda_host_register::statistics();
   MESSAGE("cuda_host_register: " << format_bytes(st.bytes) << " in " << st.pin_seconds << " s pin + "
                                  << st.touch_seconds << " s touch (" << st.seconds_per_gib() * 1e3 << " ms/GiB)");
+}
+
+// -----------------------------------------------------------------------------
+// K8 guards and their mutations
+// -----------------------------------------------------------------------------
+
+namespace {
+
+/// 16 KiB blocks (G(8, 2), block 16); pinned slabs of 32 blocks (512 KiB), all
+/// `pinned_tokens` pinned at init; 12-block ping-pong buffers, splits of 4.
+partition_spec k8_spec(const G& L, int seqs, index_t pinned_tokens) {
+  auto spec = small_spec(1, seqs);
+  spec.pinned_capacity_tokens = pinned_tokens;
+  spec.pinned_initial_tokens = -1;
+  spec.pinned_growth_tokens = 512;
+  set_ping_pong_blocks(spec, L, 12);
+  spec.gpu_split_blocks = 4;
+  return spec;
+}
+
+/// cudaHostRegister in 64 KiB chunks (4 blocks of 16 KiB), 2 pre-touch threads.
+cuda_host_register small_chunks() { return cuda_host_register{index_t{64} << 10, 2}; }
+
+/// Pairs of consecutive pinned blocks of a sequence that lie back to back in
+/// memory but not inside one registration: a coalesced run over them crosses
+/// a cudaHostRegister chunk boundary.
+template <class Cache>
+int straddling_pairs(const Cache& cache, std::span<const sequence_id> batch) {
+  const auto v = cache.views(0);
+  const index_t block_bytes = v.format.block_bytes();
+  const auto& reg = cuda_detail::pinned_registry::instance();
+  int n = 0;
+  for (const sequence_id s : batch) {
+    const std::vector<block_id>& ids = cache.sequence(s).pinned_blocks;
+    for (std::size_t i = 0; i + 1 < ids.size(); ++i) {
+      const bf16* a = v.pinned_block(ids[i]);
+      if (v.pinned_block(ids[i + 1]) == a + v.format.block_elems() && !reg.contains(a, 2 * block_bytes)) ++n;
+    }
+  }
+  return n;
+}
+
+/// What the driver answers to ONE cudaMemcpyAsync (H2D, 32 KiB) whose host range
+/// straddles the boundary between two back-to-back cudaHostRegister
+/// registrations (cuda_host_register, 64 KiB chunks): "accepted" or the error.
+std::string raw_crossing_copy() {
+  host_allocation a = small_chunks().allocate(index_t{128} << 10);
+  REQUIRE(!cuda_detail::pinned_registry::instance().contains(a.data() + (48 << 10), index_t{32} << 10));
+  device_scratch dst;
+  cuda_backend be;
+  void* d = dst.get<std::byte>(std::size_t{32} << 10, be.copy_stream());
+  const cudaError_t e =
+      cudaMemcpyAsync(d, a.data() + (48 << 10), std::size_t{32} << 10, cudaMemcpyHostToDevice, be.copy_stream());
+  (void)cudaGetLastError();
+  WS_CUDA_TRY(cudaStreamSynchronize(be.copy_stream()));
+  return e == cudaSuccess ? std::string("accepted") : cuda_detail::cuda_error_text(e);
+}
+
+/// When the skip_registration_split switch is set: never (the guarded twin),
+/// before the prefill, or right before the first decode step.
+enum class split_off { never, from_prefill, from_first_step };
+
+/// The skip_registration_split scenario: gpu_only, so each sequence's blocks
+/// are consecutive and its prefill D2H and streamed runs cross 64 KiB chunk
+/// boundaries; three steps, the third evicting the first sequence's window.
+/// Returns how a failure showed ("" if none: every step and eviction right).
+std::string registration_split_case(split_off when) {
+  const G L(8, 2);
+  cuda_backend be;
+  using cache_t = device_cache<G, gpu_only, cuda_host_register>;
+  cache_t cache(be, L, k8_spec(L, 2, 1024), gpu_only{}, small_chunks(), cache_options{true});
+  device_decode_driver<cache_t> d(cache, attention_options{2, true}, 77, gqa_scale);
+  std::string shown;
+  try {
+    be.debug().skip_registration_split = when == split_off::from_prefill;
+    const std::vector<sequence_id> batch{d.add(413), d.add(130)};  // windows of 29 and 2 tokens
+    REQUIRE(straddling_pairs(cache, batch) > 0);  // the step has runs to cross a boundary with
+    be.debug().skip_registration_split = when != split_off::never;
+    for (int s = 0; s < 3 && shown.empty(); ++s) {
+      const auto placed = d.placed(batch);
+      const compare_result r = d.step(batch);
+      if (!r.ok())
+        shown = "a wrong result at step " + std::to_string(s) + " (rel_l2 " + std::to_string(r.max_rel_l2) + ")";
+      else if (d.check_evicted(batch, placed) != 0)
+        shown = "wrong evicted blocks at step " + std::to_string(s);
+    }
+    if (when == split_off::never) CHECK(cache.sequence(batch[0]).placed_tokens == 416);  // the eviction happened
+  } catch (const cuda_error& e) {
+    shown = e.what();
+  }
+  be.debug() = {};
+  be.synchronize();
+  return shown;
+}
+
+/// The skip_refusal_check scenario: chunk `refused` of every slab refused
+/// (injected) while the cache pins its region at init; `mutate` removes the
+/// refusal check. Reports where the refusal showed.
+struct refusal_outcome {
+  std::string at_init;    ///< pinned_memory_error of the cache constructor ("" if none)
+  std::string at_decode;  ///< pinned_memory_error of the first decode step ("" if none)
+  bool first_block_pinned = true;
+  bool decoded_right = false;
+};
+
+refusal_outcome injected_refusal(index_t refused, bool mutate) {
+  const G L(8, 2);
+  cuda_backend be;
+  using cache_t = device_cache<G, gpu_only, cuda_host_register>;
+  cuda_host_register alloc = small_chunks();
+  alloc.inject_refusal_chunk = refused;
+  alloc.skip_refusal_check = mutate;
+  refusal_outcome o;
+  std::optional<cache_t> cache;
+  try {
+    cache.emplace(be, L, k8_spec(L, 1, 1024), gpu_only{}, alloc, cache_options{true});
+  } catch (const pinned_memory_error& e) {
+    o.at_init = e.what();
+    return o;
+  }
+  device_decode_driver<cache_t> d(*cache, attention_options{2, true}, 79, gqa_scale);
+  const std::vector<sequence_id> batch{d.add(200)};  // 12 pinned blocks from block 0: chunks 0-2 of slab 0
+  const auto v = cache->views(0);
+  o.first_block_pinned =
+      cuda_detail::pinned_registry::instance().covers(v.pinned_block(cache->sequence(batch[0]).pinned_blocks[0]),
+                                                      v.format.block_bytes());
+  try {
+    o.decoded_right = d.step(batch).ok();
+  } catch (const pinned_memory_error& e) {
+    o.at_decode = e.what();
+  }
+  be.synchronize();
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("K8: a cudaHostRegister refusal in the middle of a slab (injected) fails at cache init, nothing registered") {
+  const std::size_t ranges0 = registered_pinned_ranges();
+  const pin_statistics s0 = cuda_host_register::statistics();
+  const refusal_outcome o = injected_refusal(2, false);  // chunks 0 and 1 registered first, then undone
+  INFO(o.at_init);
+  CHECK(mentions(o.at_init, {"pinned memory", "cudaHostRegister", format_bytes(index_t{512} << 10), "chunk 3 of 8",
+                             "cudaErrorMemoryAllocation"}));
+  CHECK(o.at_decode.empty());
+  CHECK(cuda_host_register::statistics().failures == s0.failures + 1);
+  CHECK(registered_pinned_ranges() == ranges0);
+}
+
+TEST_CASE("K8 mutation: cuda_host_register::skip_refusal_check -> the refusal is not at init, the first decode step "
+          "meets an unpinned block (expected late)") {
+  const std::size_t ranges0 = registered_pinned_ranges();
+  const refusal_outcome o = injected_refusal(0, true);
+  INFO("at init: '" << o.at_init << "'; at decode: '" << o.at_decode << "'; decoded right: " << o.decoded_right);
+  CHECK(o.at_init.empty());           // the guard's check fails: no refusal at init ...
+  CHECK_FALSE(o.first_block_pinned);  // ... the refused chunk was handed out as pinned ...
+  // ... and the step that streams it finds out (WS_DEBUG_CHECKS, as every device
+  // test; a release build would copy it as pageable memory, silently).
+  CHECK(mentions(o.at_decode, {"pinned memory", "not page-locked"}));
+  CHECK(registered_pinned_ranges() == ranges0);
+}
+
+TEST_CASE("K8: gpu_only over 64 KiB cudaHostRegister chunks: prefill, streamed and evicted copies split, right") {
+  // The guarded twin of the skip_registration_split mutation below.
+  const std::string shown = registration_split_case(split_off::never);
+  INFO(shown);
+  CHECK(shown.empty());
+}
+
+TEST_CASE("K8 mutation: skip_registration_split -> copies across cudaHostRegister chunk boundaries reach the driver "
+          "whole (expected refused)") {
+  // What the driver says to one such copy decides whether the mutation is
+  // detectable at all (the CUDA documentation promises CUDA_ERROR_INVALID_VALUE
+  // for ranges over registered and unregistered memory; for two back-to-back
+  // registrations this probe is the evidence).
+  const std::string raw = raw_crossing_copy();
+  MESSAGE("driver, one H2D copy across two back-to-back cudaHostRegister chunks: " << raw);
+  SUBCASE("from the prefill on (prefill D2H into pinned blocks)") {
+    const std::string shown = registration_split_case(split_off::from_prefill);
+    MESSAGE("mutation shown by: " << (shown.empty() ? std::string("nothing (undetected)") : shown));
+    CHECK(!shown.empty());
+  }
+  SUBCASE("from the first decode step on (streamed H2D runs, the eviction D2H)") {
+    const std::string shown = registration_split_case(split_off::from_first_step);
+    MESSAGE("mutation shown by: " << (shown.empty() ? std::string("nothing (undetected)") : shown));
+    CHECK(!shown.empty());
+  }
+}
+
+TEST_CASE("K8: the region pinned at init (pinned_initial_tokens = -1): decode steps and evictions pin nothing") {
+  const G L(8, 2);
+  cuda_backend be;
+  using cache_t = device_cache<G, fixed_ratio, cuda_host_register>;
+  const pin_statistics s0 = cuda_host_register::statistics();
+  cache_t cache(be, L, k8_spec(L, 3, 2048), fixed_ratio(0.3), small_chunks(), cache_options{true});
+  const pin_statistics s1 = cuda_host_register::statistics();
+  CHECK(s1.allocations - s0.allocations == 4);  // 2048 tokens in slabs of 512, all at init
+  device_decode_driver<cache_t> d(cache, attention_options{2, true}, 83, gqa_scale);
+  const std::vector<sequence_id> batch{d.add(300), d.add(77), d.add(31)};
+  const std::size_t ranges1 = registered_pinned_ranges();  // the region and the engine's staging
+  index_t evicted = 0;
+  for (int s = 0; s < scaled(40, 12, 6); ++s) {
+    const compare_result r = d.step(batch);
+    INFO("step " << s << ": rel_l2 " << r.max_rel_l2);
+    REQUIRE(r.ok());
+    evicted += d.last_flush.evicted_sequences;
+  }
+  CHECK(evicted > 0);
+  CHECK(cuda_host_register::statistics().allocations == s1.allocations);
+  CHECK(cuda_host_register::statistics().bytes == s1.bytes);
+  CHECK(registered_pinned_ranges() == ranges1);
+  MESSAGE("pinned at init: " << format_bytes(s1.bytes - s0.bytes) << " in " << (s1.pin_seconds - s0.pin_seconds)
+                             << " s pin + " << (s1.touch_seconds - s0.touch_seconds) << " s touch");
 }
 
 namespace {

@@ -387,7 +387,7 @@ TEST_CASE("K7/C10: r flipping between 0.2 and 0.8 every step for 300 steps at L 
   std::vector<sequence_id> batch{d.add(8192), d.add(8192 - 17)};
   be.debug().consumer_delay_cycles = 100'000;                               // a slightly slow consumer
   d.before_append = [&](int) { spin(be.caller_stream(), 2'000'000); };      // and a busy caller stream
-  const int steps = scaled(300, 40);
+  const int steps = scaled(300, 40, 6);
   int evictions = 0;
   for (int s = 0; s < steps; ++s) {
     const auto placed = d.placed(batch);

@@ -179,7 +179,7 @@ void select_all_matches_dense(const Layout& L, Policy pol, double scale, index_t
 
 TEST_CASE("device: select_all is bit-identical to the dense step (GQA Qwen3 32/4, every policy, gathered/direct)") {
   const G L = presets::qwen3_30b_a3b::layout();
-  const int steps = scaled(40, 12);
+  const int steps = scaled(40, 12, 3);
   SUBCASE("gpu_only, gathered, 1 gather thread") { select_all_matches_dense(L, gpu_only{}, gqa_scale, index_t{2} << 20, 1, steps, 1); }
   SUBCASE("gpu_only, gathered, 3 gather threads") { select_all_matches_dense(L, gpu_only{}, gqa_scale, index_t{2} << 20, 3, steps, 2); }
   SUBCASE("gpu_only, direct") { select_all_matches_dense(L, gpu_only{}, gqa_scale, 0, 1, steps, 3); }
@@ -202,7 +202,7 @@ TEST_CASE("device: select_all is bit-identical to the dense step (GQA Qwen3 32/4
 TEST_CASE("device: select_all is bit-identical to the dense step (MLA DeepSeek-V2-Lite)") {
   const M L = presets::deepseek_v2_lite::layout();
   const double scale = presets::deepseek_v2_lite::softmax_scale();
-  const int steps = scaled(30, 10);
+  const int steps = scaled(30, 10, 3);
   SUBCASE("gpu_only") { select_all_matches_dense(L, gpu_only{}, scale, index_t{2} << 20, 2, steps, 7); }
   SUBCASE("fixed_ratio 0.4, direct") { select_all_matches_dense(L, fixed_ratio(0.4), scale, 0, 1, steps, 8); }
   SUBCASE("roofline") { select_all_matches_dense(L, device_roofline(), scale, index_t{2} << 20, 1, steps, 9); }
@@ -262,7 +262,7 @@ void topk_loop(const Layout& L, Policy pol, double scale, top_k_selector sel, co
 }  // namespace
 
 TEST_CASE("device: top-k equals the fp64 reference restricted to the selection + D-window; the test's own top-k") {
-  const int steps = scaled(36, 6);
+  const int steps = scaled(36, 6, 2);
   SUBCASE("Qwen3 32/4, keep 0.5, fixed_ratio 0.5, 2 gather threads") {
     topk_loop(presets::qwen3_30b_a3b::layout(), fixed_ratio(0.5), gqa_scale, top_k_selector::ratio(0.5),
               {40, 97, 200, 333}, steps, 2, 11);
@@ -430,7 +430,7 @@ TEST_CASE("device K10: a sequence's sparse output is bit-identical alone and in 
     top_k_selector sel = top_k_selector::ratio(0.5);
     std::vector<std::vector<float>> mine;
     const std::size_t at = with_mates ? 1 : 0;
-    for (int s = 0; s < scaled(40, 10); ++s) {
+    for (int s = 0; s < scaled(40, 10, 3); ++s) {
       d.append_layer(0, batch);
       r.make_queries(batch);
       r.sparse(0, batch, sel);
@@ -607,7 +607,7 @@ void pull_matches_gather(const Layout& L, Policy pol, double scale, top_k_select
 }  // namespace
 
 TEST_CASE("device: device_pull is bit-identical to host_gather on the same selection") {
-  const int steps = scaled(24, 6);
+  const int steps = scaled(24, 6, 2);
   SUBCASE("Qwen3 32/4, keep 0.5, gpu_only, 64 CTAs") {
     pull_matches_gather(presets::qwen3_30b_a3b::layout(), gpu_only{}, gqa_scale, top_k_selector::ratio(0.5),
                         {40, 97, 200, 333}, steps, 64, 61);

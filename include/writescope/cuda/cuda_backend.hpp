@@ -109,6 +109,14 @@ struct cuda_debug_options {
   bool skip_staging_wait = false;
   /// Sparse steps: every gather thread sleeps this long before each chunk (a slow gather).
   long long gather_delay_microseconds = 0;
+  /// FAULT-KINDS K8: issue every host-side copy (streamed H2D runs, eviction
+  /// and prefill D2H) as one cudaMemcpyAsync instead of splitting it at
+  /// page-locked registration boundaries (pinned_registry::split). A run across
+  /// two cudaHostRegister chunks, or two slabs that mmap placed back to back,
+  /// then reaches the driver whole, which refuses it at the step
+  /// (cudaErrorInvalidValue, pinned_allocators.hpp) — the mutation test of
+  /// test_cuda_pinned also prints what the driver answers to such a copy.
+  bool skip_registration_split = false;
 };
 
 /// Ablation switches (paper §7.4, Fig. 10): each replaces one design point of
@@ -480,12 +488,17 @@ class cuda_backend {
   }
 
   // Device -> host, split where the host range crosses a page-locked
-  // registration (the driver rejects such copies).
+  // registration (the driver rejects such copies); whole with the K8 mutation
+  // switch cuda_debug_options::skip_registration_split.
   void copy_d2h(void* dst, const void* src, index_t bytes) {
-    cuda_detail::pinned_registry::instance().split(dst, bytes, [&](index_t off, index_t len) {
+    auto issue = [&](index_t off, index_t len) {
       WS_CUDA_TRY(cudaMemcpyAsync(static_cast<std::byte*>(dst) + off, static_cast<const std::byte*>(src) + off,
                                   static_cast<std::size_t>(len), cudaMemcpyDeviceToHost, d2h_.get()));
-    });
+    };
+    if (debug_.skip_registration_split)
+      issue(0, bytes);
+    else
+      cuda_detail::pinned_registry::instance().split(dst, bytes, issue);
   }
 
   void ensure_staging(index_t bytes) {
@@ -714,12 +727,12 @@ class cuda_backend::gpu_engine {
         const stream_run& run = plan.runs[std::size_t(r)];
         bf16* dst = buf + run.dst_block * block_elems;
         if (abl.copies == cuda_ablation_options::copy_granularity::coalesced_runs) {
-          copy_h2d(dst, run.src, run.num_blocks * block_bytes, h2d);
+          copy_h2d(dst, run.src, run.num_blocks * block_bytes, h2d, dbg);
         } else {  // ablation: no coalescing (per block, or per (plane, head) slice)
           const bool slices = abl.copies == cuda_ablation_options::copy_granularity::per_slice;
           const index_t piece = slices ? a.format.slice_elems() : block_elems;
           for (index_t e = 0; e < run.num_blocks * block_elems; e += piece)
-            copy_h2d(dst + e, run.src + e, piece * index_t(sizeof(bf16)), h2d);
+            copy_h2d(dst + e, run.src + e, piece * index_t(sizeof(bf16)), h2d, dbg);
         }
       }
       cuda_detail::record(filled_[b], h2d);
@@ -961,12 +974,18 @@ class cuda_backend::gpu_engine {
     }
   }
 
-  // Host -> device, split where the source crosses a page-locked registration.
-  static void copy_h2d(bf16* dst, const bf16* src, index_t bytes, cudaStream_t s) {
-    cuda_detail::pinned_registry::instance().split(src, bytes, [&](index_t off, index_t len) {
-      WS_CUDA_TRY(cudaMemcpyAsync(reinterpret_cast<std::byte*>(dst) + off, reinterpret_cast<const std::byte*>(src) + off,
-                                  static_cast<std::size_t>(len), cudaMemcpyHostToDevice, s));
-    });
+  // Host -> device, split where the source crosses a page-locked registration;
+  // whole with the K8 mutation switch (`dbg.skip_registration_split`).
+  static void copy_h2d(bf16* dst, const bf16* src, index_t bytes, cudaStream_t s, const cuda_debug_options& dbg) {
+    auto issue = [&](index_t off, index_t len) {
+      WS_CUDA_TRY(cudaMemcpyAsync(reinterpret_cast<std::byte*>(dst) + off,
+                                  reinterpret_cast<const std::byte*>(src) + off, static_cast<std::size_t>(len),
+                                  cudaMemcpyHostToDevice, s));
+    };
+    if (dbg.skip_registration_split)
+      issue(0, bytes);
+    else
+      cuda_detail::pinned_registry::instance().split(src, bytes, issue);
   }
 
   // Ablation (cuda_ablation_options::per_step_allocation): fresh ping-pong
@@ -1434,11 +1453,11 @@ class cuda_backend::gpu_engine {
           gpu::launch_pull_blocks(pull_src_.data(), c.num_blocks, buf, block_bytes, pull_ctas_, h2d);
           gate();  // only the lists need the gather threads: the pull does not wait for them
         } else if (c.gathered) {
-          copy_h2d(buf, reinterpret_cast<const bf16*>(staging_[slot].data()), c.num_blocks * block_bytes, h2d);
+          copy_h2d(buf, reinterpret_cast<const bf16*>(staging_[slot].data()), c.num_blocks * block_bytes, h2d, dbg);
         } else {
           for (index_t r = c.run_begin; r < c.run_end; ++r) {
             const stream_run& run = plan.runs[std::size_t(r)];
-            copy_h2d(buf + run.dst_block * block_elems, run.src, run.num_blocks * block_bytes, h2d);
+            copy_h2d(buf + run.dst_block * block_elems, run.src, run.num_blocks * block_bytes, h2d, dbg);
           }
         }
         const index_t list_ints = c.list_end - c.list_begin;

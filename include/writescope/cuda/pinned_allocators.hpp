@@ -325,6 +325,21 @@ struct cuda_host_register {
   index_t chunk_bytes = index_t{1} << 30;
   /// Threads that pre-touch the pages; 0 = the hardware threads, at most 16.
   int touch_threads = 0;
+  /// Fault injection, for tests only (FAULT-KINDS K8): in every allocation,
+  /// chunk number `inject_refusal_chunk` (0-based) is not registered and counts
+  /// as refused by cudaHostRegister with cudaErrorMemoryAllocation, so that the
+  /// refusal path runs at a size a test machine can pin (a real refusal needs
+  /// more memory than it has). -1 (the default): no injection.
+  index_t inject_refusal_chunk = -1;
+  /// Mutation switch, for tests only (FAULT-KINDS K8: "remove the guard, the
+  /// test must fail"): a refused chunk is skipped and left pageable, and
+  /// allocate() succeeds, instead of undoing the chunks registered so far and
+  /// throwing pinned_memory_error. The refusal then no longer shows at init:
+  /// debug builds report it at the first step with a streamed run that starts
+  /// or ends in the skipped chunk (gpu_engine's page-lock check looks at run
+  /// ends), release builds silently copy from it as pageable memory. Off by
+  /// default; never set it in production.
+  bool skip_refusal_check = false;
 
   /// Page-locks `bytes` (0 gives an empty allocation). Throws
   /// pinned_memory_error naming pinned memory, the size and the CUDA error (or
@@ -363,8 +378,10 @@ struct cuda_host_register {
       const index_t off = k * chunk;
       const index_t len = std::min(chunk, mapped - off);
       // Mapped: kernels may read the region through its host addresses (device pull; file comment).
-      const cudaError_t e = cudaHostRegister(base + off, static_cast<std::size_t>(len),
-                                             cudaHostRegisterPortable | cudaHostRegisterMapped);
+      const bool injected = k == inject_refusal_chunk;  // tests only
+      const cudaError_t e = injected ? cudaErrorMemoryAllocation
+                                     : cudaHostRegister(base + off, static_cast<std::size_t>(len),
+                                                        cudaHostRegisterPortable | cudaHostRegisterMapped);
       if (e == cudaSuccess) {
         try {
           reg.add(base + off, len);
@@ -373,7 +390,8 @@ struct cuda_host_register {
           ignore(cudaHostUnregister(base + off));
         }
       } else {
-        (void)cudaGetLastError();
+        if (!injected) (void)cudaGetLastError();
+        if (skip_refusal_check) continue;  // mutation only: the chunk stays pageable
       }
       // Undo: unregister the chunks registered so far, unmap, report.
       for (index_t j = 0; j < k; ++j) {
@@ -385,7 +403,8 @@ struct cuda_host_register {
                                       std::to_string(k + 1) + " of " + std::to_string(num_chunks) + " (" +
                                       format_bytes(len) + " at offset " + format_bytes(off) + "): " +
                                       (e == cudaSuccess ? std::string("registry insertion failed")
-                                                        : cuda_error_text(e)));
+                                                        : cuda_error_text(e)) +
+                                      (injected ? " (injected: cuda_host_register::inject_refusal_chunk)" : ""));
     }
     const std::int64_t pin_ns = elapsed_ns(t_pin);
     counters().pin_ns += pin_ns;
