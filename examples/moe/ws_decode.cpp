@@ -23,6 +23,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -373,12 +374,23 @@ int run(cli& a) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // The host backend runs the emulated GPU side on its own thread next to the
-  // OpenMP teams; libgomp's default spin-waiting idle threads starve it (steps
-  // 10-100x slower on small machines). libgomp reads OMP_WAIT_POLICY only at
-  // start-up, so choose "passive" by re-executing once unless the user set it.
+  // libgomp reads OMP_WAIT_POLICY only at start-up, so the policy is chosen by
+  // re-executing once unless the user set it:
+  //  * host / emulated / auto: "passive". The host backend runs the emulated
+  //    GPU side on its own thread next to the OpenMP teams; spin-waiting idle
+  //    threads starve it (steps 10-100x slower on small machines).
+  //  * --device cuda: "active". The CPU engine's team leaves one core to the
+  //    GPU-driving thread, and waking a passive team costs every layer: on the
+  //    H200 machine DeepSeek-V2-Lite 32 x 32K decoded 423 tok/s with "active"
+  //    against 366 with "passive" (docs/DECODERS.md, session 4).
   if (!std::getenv("OMP_WAIT_POLICY")) {
-    ::setenv("OMP_WAIT_POLICY", "passive", 1);
+    bool cuda = false;
+    for (int i = 1; i < argc; ++i) {
+      const std::string_view arg(argv[i]);
+      if (arg == "--device=cuda" || (arg == "--device" && i + 1 < argc && std::string_view(argv[i + 1]) == "cuda"))
+        cuda = true;
+    }
+    ::setenv("OMP_WAIT_POLICY", cuda ? "active" : "passive", 1);
     ::execv("/proc/self/exe", argv);  // returns only on failure: then run with the default policy
   }
   cli a;
@@ -469,8 +481,8 @@ int main(int argc, char** argv) {
   app.add_option("--gpu-fixed-us", a.gpu_fixed_us, "roofline C_GPU, per step (without --calibration)")->group(g_kv)->excludes(o_cal);
   app.add_flag("--track-gpu-cost", a.track_gpu_cost, "re-measure B online too")->group(g_kv);
   app.add_option("--threads", a.threads,
-                 "CPU threads: GEMMs use N, the CPU attention engine N-1 (0 = all cores; OpenMP waits passively "
-                 "unless OMP_WAIT_POLICY is set)")->group(g_kv);
+                 "CPU threads: GEMMs use N, the CPU attention engine N-1 (0 = all cores; unless OMP_WAIT_POLICY "
+                 "is set, OpenMP threads spin with --device cuda and wait passively otherwise)")->group(g_kv);
   app.add_flag("--poison", a.poison, "fill every cache region with poison at init (debug)")->group(g_kv);
   auto* g_out = "Output";
   app.add_option("--json", a.json_out, "write the summary as JSON")->group(g_out);
