@@ -67,6 +67,17 @@ TEST_CASE("roofline target_share follows eq. 2 (hand-computed), clamps, and hand
     const roofline_policy p(params(3e-9, 1e-9));
     for (index_t L : {index_t(0), index_t(1), index_t(256), index_t(1) << 20}) CHECK(p.target_share(L) == doctest::Approx(0.25));
   }
+  SUBCASE("placement_headroom is subtracted after eq. 2, then clamped (CPU assist)") {
+    roofline_params pr = params(2e-9, 6e-9, 1e-6, 3e-6);
+    pr.placement_headroom = 0.05;
+    const roofline_policy p(pr);
+    CHECK(p.converged_share() == doctest::Approx(0.75).epsilon(1e-12));  // the model's balance is unchanged
+    CHECK(p.target_share(2000) == doctest::Approx(0.825).epsilon(1e-12));
+    CHECK(p.target_share(1000) == doctest::Approx(0.95).epsilon(1e-12));
+    pr = params(3e-9, 1e-9);
+    pr.placement_headroom = 0.4;
+    CHECK(roofline_policy(pr).target_share(4096) == 0.0);  // 0.25 - 0.4 clamped
+  }
   SUBCASE("route() steers toward r(L) of the placed tokens after the batch, all sequences") {
     const roofline_policy p(params(2e-9, 6e-9, 1e-6, 3e-6));
     route_query q;
@@ -224,6 +235,12 @@ TEST_CASE("policy parameters out of range are config errors naming the value") {
   CHECK_THROWS_AS(roofline_policy(params(1e-9, std::numeric_limits<double>::infinity())), config_error);
   CHECK_THROWS_AS(roofline_policy(params(1e-9, 1e-9, std::numeric_limits<double>::quiet_NaN())), config_error);
   CHECK_THROWS_AS(roofline_policy(params(1e-9, 1e-9, 0, 0, 0)), config_error);
+  for (double bad : {-0.1, 1.0}) {
+    roofline_params pr = params(1e-9, 1e-9);
+    pr.placement_headroom = bad;
+    const std::string want = "placement_headroom " + detail::format_double(bad);
+    CHECK_THROWS_WITH_AS(roofline_policy{pr}, doctest::Contains(want.c_str()), config_error);
+  }
 }
 
 namespace {

@@ -67,6 +67,8 @@ struct cli {
   long long ping_pong_blocks = 0;
   double cpu_bw_gbps = 80.0, h2d_bw_gbps = 54.0, cpu_fixed_us = 0.0, gpu_fixed_us = 0.0;
   bool track_gpu_cost = false;
+  std::string cpu_assist = "auto";
+  double assist_headroom = 0.05, assist_max_fraction = 0.5;
   std::string calibration, calibration_preset;
   int threads = 0;
   std::string json_out, expect;
@@ -331,7 +333,15 @@ int run(cli& a) {
           ? roofline_from_defaults(c, a.cpu_bw_gbps, a.h2d_bw_gbps, a.cpu_fixed_us, a.gpu_fixed_us, a.track_gpu_cost)
           : roofline_from_calibration(writescope::load_calibration(a.calibration), a.calibration, c,
                                       int(prompts.size()), o.threads, a.calibration_preset, a.track_gpu_cost);
-  runtime_policy policy = parse_policy(a.policy, costs.params);
+  // CPU assist (hybrid_attention; docs/DECISIONS.md): auto = adaptive under
+  // the roofline policy, whose placement then leaves --assist-headroom of the
+  // share for the per-step balance; off under the baselines, which must stay pure.
+  o.assist = parse_assist(a.cpu_assist, a.policy == "roofline");
+  o.assist.max_pinned_fraction = a.assist_max_fraction;
+  writescope::roofline_params params = costs.params;
+  if (o.assist.mode == writescope::assist_mode::adaptive && a.policy == "roofline")
+    params.placement_headroom = a.assist_headroom;
+  runtime_policy policy = parse_policy(a.policy, params);
 
   const bool show = !a.no_progress && (a.progress || progress_bar::stderr_is_tty());
   progress_bar bar(show);
@@ -358,7 +368,12 @@ int run(cli& a) {
   if (!a.quiet) print_summary(stdout, c, r, load_seconds, a.random_weights, &costs);
   if (!a.json_out.empty()) {
     std::ofstream out(a.json_out);
-    out << summary_json(c, r, load_seconds, &costs).dump(2) << "\n";
+    nlohmann::json j = summary_json(c, r, load_seconds, &costs);
+    j["assist"] = {{"mode", writescope::to_string(o.assist.mode)},
+                   {"fixed_fraction", o.assist.fixed_fraction},
+                   {"max_pinned_fraction", o.assist.max_pinned_fraction},
+                   {"placement_headroom", params.placement_headroom}};
+    out << j.dump(2) << "\n";
     if (!out) throw writescope::error("--json " + a.json_out + ": cannot write");
   }
   if (expected) {
@@ -480,6 +495,17 @@ int main(int argc, char** argv) {
   app.add_option("--cpu-fixed-us", a.cpu_fixed_us, "roofline C_CPU, per step (without --calibration)")->group(g_kv)->excludes(o_cal);
   app.add_option("--gpu-fixed-us", a.gpu_fixed_us, "roofline C_GPU, per step (without --calibration)")->group(g_kv)->excludes(o_cal);
   app.add_flag("--track-gpu-cost", a.track_gpu_cost, "re-measure B online too")->group(g_kv);
+  app.add_option("--cpu-assist", a.cpu_assist,
+                 "CPU engine also attends pinned blocks in place, per step: auto (adaptive with the roofline "
+                 "policy, off otherwise) | off | adaptive | fixed:F (fraction F of each sequence's pinned blocks)")
+      ->group(g_kv)->capture_default_str();
+  app.add_option("--assist-headroom", a.assist_headroom,
+                 "with an adaptive assist and the roofline policy: CPU share placed below the roofline's balance, "
+                 "left to the per-step assist")
+      ->group(g_kv)->capture_default_str()->check(CLI::Range(0.0, 0.99));
+  app.add_option("--assist-max-fraction", a.assist_max_fraction,
+                 "adaptive assist: most of a sequence's pinned blocks the CPU engine takes in one step")
+      ->group(g_kv)->capture_default_str()->check(CLI::Range(0.0, 1.0));
   app.add_option("--threads", a.threads,
                  "CPU threads: GEMMs use N, the CPU attention engine N-1 (0 = all cores; unless OMP_WAIT_POLICY "
                  "is set, OpenMP threads spin with --device cuda and wait passively otherwise)")->group(g_kv);

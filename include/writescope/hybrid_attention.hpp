@@ -13,15 +13,28 @@
 //   4. the GPU engine merges streamed ⊕ D-window ⊕ CPU into the output;
 //   5. the measured cost of both sides goes to the routing policy (online A).
 //
+// CPU assist (optional, attention_options::assist; docs/DECISIONS.md): the
+// pinned load region is host memory in the same block format, so the CPU
+// engine can attend some of a sequence's pinned blocks in place instead of the
+// GPU streaming them. Nothing moves: placement still decides where each byte
+// lives; the assist only decides, per step, which engine reads the newest
+// pinned blocks. In `adaptive` mode the number follows the two sides' measured
+// per-token times so that both finish together; it absorbs the CPU engine's
+// drift from step to step, which a placement fixed at write time cannot.
+//
 // Determinism: task and split boundaries depend only on each sequence's own
 // blocks, and every merge runs in a fixed order, so outputs are bit-identical
-// across reruns, thread counts, and batchmates at a fixed placement (K10).
+// across reruns, thread counts, and batchmates at a fixed placement (K10) —
+// with the assist off or `fixed`; `adaptive` follows measured times, so its
+// boundaries (and the last bits of the output) vary from run to run.
 // Threading: call step() from one thread (the one that drives the GPU). The
 // CPU engine uses OpenMP with `cpu_threads` threads.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <span>
 #include <string>
 #include <thread>
@@ -36,6 +49,7 @@
 #include "error.hpp"
 #include "inplace_kv_cache.hpp"
 #include "partial_state.hpp"
+#include "policy.hpp"
 #include "sparse.hpp"
 #include "stream_plan.hpp"
 
@@ -50,6 +64,8 @@ struct attention_options {
   bool poison_workspaces = false;
   /// The sparse pipeline (sparse steps only; docs/SPARSE.md).
   sparse_options sparse{};
+  /// CPU assist over the pinned region (dense steps; off by default).
+  assist_options assist{};
 };
 
 /// What one step did and how long each side took.
@@ -60,7 +76,8 @@ struct step_report {
   /// 0 before the first completes); time a step with a stream sync instead.
   double gpu_seconds = 0.0;
   double total_seconds = 0.0;    ///< the whole step, as the caller sees it
-  index_t cpu_tokens = 0;        ///< KV tokens attended by the CPU engine
+  index_t cpu_tokens = 0;        ///< KV tokens attended by the CPU engine (assisted pinned tokens included)
+  index_t assist_tokens = 0;     ///< of which pinned tokens the CPU engine attended in place (CPU assist)
   index_t streamed_tokens = 0;   ///< KV tokens streamed through ping-pong
   index_t window_tokens = 0;     ///< KV tokens attended in the D-window
   index_t copies = 0;            ///< H2D copies issued (after coalescing)
@@ -97,6 +114,13 @@ class hybrid_attention {
         engine_(cache.backend(), cache.layout(), cache.spec().max_sequences) {
     if (options_.cpu_threads <= 0)
       options_.cpu_threads = std::max(1, int(std::thread::hardware_concurrency()) - 1);
+    const assist_options& a = options_.assist;
+    auto unit = [](double v) { return v >= 0.0 && v <= 1.0; };
+    if (!unit(a.fixed_fraction) || !unit(a.max_pinned_fraction) || !(a.rate_smoothing > 0.0 && a.rate_smoothing <= 1.0))
+      throw config_error("attention_options::assist: fixed_fraction " + detail::format_double(a.fixed_fraction) +
+                         " and max_pinned_fraction " + detail::format_double(a.max_pinned_fraction) +
+                         " must lie in [0, 1], rate_smoothing " + detail::format_double(a.rate_smoothing) +
+                         " in (0, 1]");
     if (options_.sparse.reserve) reserve_sparse();
   }
 
@@ -116,9 +140,15 @@ class hybrid_attention {
     const partition_spec& spec = cache_->spec();
     const index_t block_elems = v.format.block_elems();
 
-    // 1. stream plan; 2-5. D-window, GPU launch, CPU side, merge, feedback
+    // 0. CPU assist: the newest assist_blocks_[i] pinned blocks of sequence i go to the CPU engine
+    choose_assist(v, seqs);
+    // 1. stream plan over the rest; 2-5. D-window, GPU launch, CPU side, merge, feedback
     plan_.build(
-        batch, [&](int i) { return std::span<const block_id>(v.sequences[std::size_t(seqs[std::size_t(i)])].pinned_blocks); },
+        batch,
+        [&](int i) {
+          const auto& pinned = v.sequences[std::size_t(seqs[std::size_t(i)])].pinned_blocks;
+          return std::span<const block_id>(pinned.data(), pinned.size() - std::size_t(assist_blocks_[std::size_t(i)]));
+        },
         [&](block_id id) { return v.pinned_block(id); }, block_elems, v.ping_pong_blocks, spec.gpu_split_blocks,
         int(v.ping_pong.size()), v.first_chunk_blocks);
     step_report rep;
@@ -231,6 +261,7 @@ class hybrid_attention {
     // 4-7. D-window, GPU launch, CPU side over the selected unpinned blocks,
     // merge, and the policy observes the selected volumes (A and B stay per
     // attended token)
+    assist_blocks_.assign(std::size_t(batch), 0);  // a sparse step never assists
     launch_cpu_merge(v, layer, seqs, q, scale, out, t_start, rep, [&] { build_sparse_cpu_tasks(v, seqs, rep); });
     return rep;
   }
@@ -265,6 +296,9 @@ class hybrid_attention {
   }
 
   [[nodiscard]] const attention_options& options() const noexcept { return options_; }
+  /// adaptive assist's smoothed per-token times (seconds per KV token; 0 until measured).
+  [[nodiscard]] double assist_cpu_seconds_per_token() const noexcept { return assist_cpu_rate_; }
+  [[nodiscard]] double assist_gpu_seconds_per_token() const noexcept { return assist_gpu_rate_; }
   [[nodiscard]] const stream_plan& last_plan() const noexcept { return plan_; }
   /// The validated selection of the last sparse step (batch order).
   [[nodiscard]] const step_selection& last_selection() const noexcept { return selection_; }
@@ -305,6 +339,10 @@ class hybrid_attention {
     engine_.launch(args);
 
     const float* host_q = engine_.host_queries();
+    if (assisting_) {  // pinned blocks the CPU reads may still be landing (asynchronous D2H)
+      if constexpr (requires(backend_type& b) { b.synchronize_host_writes(); })
+        cache_->backend().synchronize_host_writes();
+    }
     const auto t_cpu = std::chrono::steady_clock::now();
     build_tasks();
     run_cpu_side(v, batch, host_q, scale);
@@ -324,6 +362,7 @@ class hybrid_attention {
     s.cpu_tokens = rep.cpu_tokens;
     s.gpu_seconds = rep.gpu_seconds;
     s.gpu_streamed_tokens = rep.streamed_tokens;
+    double gpu_critical = 0.0;  // the GPU side's critical seconds where the engine reports them
     if constexpr (requires(engine_type& e) { e.take_completed_gpu_cost(); }) {
       // An asynchronous engine (cuda_backend) times an earlier launch: pair
       // those seconds with that launch's streamed tokens, and send no GPU
@@ -331,8 +370,10 @@ class hybrid_attention {
       const auto c = engine_.take_completed_gpu_cost();
       s.gpu_seconds = c.seconds;
       s.gpu_streamed_tokens = c.streamed_tokens;
+      if constexpr (requires { c.critical_seconds; }) gpu_critical = c.critical_seconds;
     }
     s.batch_size = batch;
+    update_assist_rates(s, gpu_critical);
     cache_->policy().observe(s);
     rep.total_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   }
@@ -340,9 +381,50 @@ class hybrid_attention {
   struct cpu_task {
     int batch_index;
     int kv_head;
-    index_t first_block;  // index into the sequence's cpu_blocks (sparse: into task_ids_)
+    index_t first_block;  // index into the sequence's cpu_blocks (sparse: into task_ids_; assisted: pinned_blocks)
     int num_blocks;
+    bool pinned = false;  // assisted: blocks of the pinned load region
   };
+
+  // Per sequence of the step, how many of its newest pinned blocks the CPU
+  // engine attends (assist_blocks_), from the assist mode.
+  void choose_assist(const layer_views<layout_type>& v, std::span<const sequence_id> seqs) {
+    const assist_options& a = options_.assist;
+    assist_blocks_.assign(seqs.size(), 0);
+    assisting_ = false;
+    if (a.mode == assist_mode::off) return;
+    double f = a.fixed_fraction;
+    if (a.mode == assist_mode::adaptive) {
+      index_t cpu_tokens = 0, pinned_tokens = 0;
+      for (sequence_id id : seqs) {
+        const sequence_state& st = v.sequences[std::size_t(id)];
+        cpu_tokens += index_t(st.cpu_blocks.size());
+        pinned_tokens += index_t(st.pinned_blocks.size());
+      }
+      f = assist_balance_fraction(assist_cpu_rate_, assist_gpu_rate_, cpu_tokens * v.format.block_tokens,
+                                  pinned_tokens * v.format.block_tokens, a.max_pinned_fraction);
+    }
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      const index_t n = index_t(v.sequences[std::size_t(seqs[i])].pinned_blocks.size());
+      const index_t k = std::clamp<index_t>(index_t(std::llround(f * double(n))), 0, n);
+      assist_blocks_[i] = k;
+      assisting_ = assisting_ || k > 0;
+    }
+  }
+
+  // adaptive assist: smoothed seconds per KV token of each side. The GPU side
+  // prefers the engine's critical time (from the caller's readiness to the end
+  // of the attention, excluding copies that ran ahead) where it reports one.
+  void update_assist_rates(const cost_sample& s, double gpu_critical_seconds) {
+    if (options_.assist.mode != assist_mode::adaptive) return;
+    const double w = options_.assist.rate_smoothing;
+    auto blend = [w](double& rate, double sample) { rate = rate > 0.0 ? rate + w * (sample - rate) : sample; };
+    if (s.cpu_tokens > 0 && std::isfinite(s.cpu_seconds) && s.cpu_seconds > 0.0)
+      blend(assist_cpu_rate_, s.cpu_seconds / double(s.cpu_tokens));
+    const double g = gpu_critical_seconds > 0.0 ? gpu_critical_seconds : s.gpu_seconds;
+    if (s.gpu_streamed_tokens > 0 && std::isfinite(g) && g > 0.0)
+      blend(assist_gpu_rate_, g / double(s.gpu_streamed_tokens));
+  }
 
   // Queries for the selector, on the host: the step's own q when host-readable,
   // else a synchronous copy (ordered after the caller's stream).
@@ -426,11 +508,16 @@ class hybrid_attention {
     for (std::size_t i = 0; i < seqs.size(); ++i) {
       const sequence_state& st = v.sequences[std::size_t(seqs[i])];
       const index_t n = index_t(st.cpu_blocks.size());
-      rep.cpu_tokens += n * v.format.block_tokens;
+      const index_t k = assist_blocks_[i];  // the newest k pinned blocks
+      const index_t p0 = index_t(st.pinned_blocks.size()) - k;
+      rep.cpu_tokens += (n + k) * v.format.block_tokens;
+      rep.assist_tokens += k * v.format.block_tokens;
       for (int h = 0; h < hkv; ++h) {
         head_task_begin_.push_back(int(tasks_.size()));
         for (index_t b0 = 0; b0 < n; b0 += per_task)
           tasks_.push_back({int(i), h, b0, int(std::min<index_t>(per_task, n - b0))});
+        for (index_t b0 = 0; b0 < k; b0 += per_task)
+          tasks_.push_back({int(i), h, p0 + b0, int(std::min<index_t>(per_task, k - b0)), true});
       }
     }
     head_task_begin_.push_back(int(tasks_.size()));
@@ -457,8 +544,13 @@ class hybrid_attention {
       const cpu_task& task = tasks[std::size_t(t)];
       const sequence_state& st = v.sequences[std::size_t(seqs[std::size_t(task.batch_index)])];
       segs.clear();
-      const block_id* ids = (sparse_tasks_ ? task_ids_.data() : st.cpu_blocks.data()) + task.first_block;
-      for (int b = 0; b < task.num_blocks; ++b) segs.push_back({v.cpu_block(ids[b]), v.format.block_tokens});
+      if (task.pinned) {  // CPU assist: pinned blocks, read in place (the same block format)
+        const block_id* ids = st.pinned_blocks.data() + task.first_block;
+        for (int b = 0; b < task.num_blocks; ++b) segs.push_back({v.pinned_block(ids[b]), v.format.block_tokens});
+      } else {
+        const block_id* ids = (sparse_tasks_ ? task_ids_.data() : st.cpu_blocks.data()) + task.first_block;
+        for (int b = 0; b < task.num_blocks; ++b) segs.push_back({v.cpu_block(ids[b]), v.format.block_tokens});
+      }
       const std::size_t row0 = std::size_t(task.batch_index) * std::size_t(hq) + std::size_t(task.kv_head) * group;
       CpuKernel::run(v.format, task.kv_head, q + row0 * Q, Q, group, scale, segs,
                      task_o_.data() + std::size_t(t) * group * V, V, task_lse_.data() + std::size_t(t) * group);
@@ -501,6 +593,10 @@ class hybrid_attention {
   std::vector<int> head_task_begin_;
   std::vector<float> task_o_, task_lse_;
   std::vector<sequence_id> seqs_;
+  // CPU assist
+  std::vector<index_t> assist_blocks_;  // per sequence of the step: its newest pinned blocks the CPU attends
+  bool assisting_ = false;
+  double assist_cpu_rate_ = 0.0, assist_gpu_rate_ = 0.0;  // adaptive: smoothed seconds per KV token
   // Sparse steps
   bool sparse_tasks_ = false;        // tasks_ index task_ids_ (sparse) or each sequence's cpu_blocks (dense)
   std::vector<block_id> task_ids_;

@@ -152,6 +152,12 @@ struct roofline_params {
   double gpu_fixed_seconds = 0.0;           ///< C_GPU: per-step fixed cost of the GPU side
   int cost_window_samples = 256;            ///< sliding-average length for online A (and B)
   bool track_gpu_cost = false;              ///< also re-measure B online (contention on PCIe, §7.8)
+  /// Share subtracted from eq. 2's r(L) before routing, in [0, 1): places
+  /// that much less on the CPU than the model's balance, for a CPU assist
+  /// (hybrid_attention, assist_mode::adaptive) to take back per step from the
+  /// pinned region — in either direction as the CPU engine's speed drifts.
+  /// 0 (the paper's policy) without an assist.
+  double placement_headroom = 0.0;
 
   /// Δ = C_GPU − C_CPU.
   [[nodiscard]] double fixed_overhead_gap_seconds() const noexcept { return gpu_fixed_seconds - cpu_fixed_seconds; }
@@ -184,9 +190,13 @@ class roofline_policy {
     if (p.cost_window_samples < 1)
       throw config_error("roofline_policy: cost_window_samples " + std::to_string(p.cost_window_samples) +
                          " must be >= 1");
+    if (!(p.placement_headroom >= 0.0 && p.placement_headroom < 1.0))
+      throw config_error("roofline_policy: placement_headroom " + detail::format_double(p.placement_headroom) +
+                         " is outside [0, 1)");
   }
 
-  /// r(L) of eq. 2 for L placed tokens (L <= 0 gives the Δ-limited extreme).
+  /// r(L) of eq. 2 for L placed tokens (L <= 0 gives the Δ-limited extreme),
+  /// less roofline_params::placement_headroom, clamped to [0, 1].
   [[nodiscard]] double target_share(index_t total_placed_tokens) const noexcept {
     const double ab = a_ + b_;
     const double delta = p_.fixed_overhead_gap_seconds();
@@ -195,7 +205,7 @@ class roofline_policy {
       r += delta / (ab * double(total_placed_tokens));
     else if (delta != 0.0)
       r = delta > 0 ? 1.0 : 0.0;
-    return std::clamp(r, 0.0, 1.0);
+    return std::clamp(r - p_.placement_headroom, 0.0, 1.0);
   }
 
   /// The converged share p = B/(A+B).
@@ -261,6 +271,46 @@ class roofline_policy {
   std::vector<sample> cpu_window_, gpu_window_;
   window_sum cpu_sum_, gpu_sum_;
 };
+
+/// How the CPU engine helps with the pinned load region, per dense step
+/// (hybrid_attention's "CPU assist"; docs/DECISIONS.md). Placement is not
+/// touched: the assist only picks which engine reads some pinned blocks.
+enum class assist_mode : std::uint8_t {
+  off,       ///< the CPU engine attends the unpinned blocks only (the paper's split)
+  fixed,     ///< it also attends a fixed fraction of each sequence's pinned blocks (tests, benchmarks)
+  adaptive,  ///< that fraction follows the measured per-token times of both sides, each dense step
+};
+
+[[nodiscard]] constexpr const char* to_string(assist_mode m) noexcept {
+  return m == assist_mode::off ? "off" : m == assist_mode::fixed ? "fixed" : "adaptive";
+}
+
+/// CPU assist over the pinned load region (dense steps; a sparse step never assists).
+struct assist_options {
+  assist_mode mode = assist_mode::off;
+  /// fixed mode: the fraction of each sequence's pinned blocks (rounded to
+  /// whole blocks, the newest first) the CPU engine attends, in [0, 1].
+  double fixed_fraction = 0.0;
+  /// adaptive mode: at most this fraction of each sequence's pinned blocks, in
+  /// [0, 1]. Below 1 the GPU keeps streaming, so its cost stays measured.
+  double max_pinned_fraction = 0.5;
+  /// adaptive mode: weight of the newest step in the smoothed per-token times
+  /// (exponential average over layer steps), in (0, 1].
+  double rate_smoothing = 0.25;
+};
+
+/// adaptive assist's balance (pure; exposed for tests): the fraction f of the
+/// `pinned_tokens` the CPU engine should take so that, at `cpu_seconds_per_token`
+/// and `gpu_seconds_per_token`, cpu·(cpu_tokens + f·pinned) = gpu·(1 − f)·pinned;
+/// clamped to [0, max_fraction]; 0 without pinned tokens or without both rates.
+[[nodiscard]] constexpr double assist_balance_fraction(double cpu_seconds_per_token, double gpu_seconds_per_token,
+                                                       index_t cpu_tokens, index_t pinned_tokens,
+                                                       double max_fraction) noexcept {
+  if (pinned_tokens <= 0 || !(cpu_seconds_per_token > 0.0) || !(gpu_seconds_per_token > 0.0)) return 0.0;
+  const double x = (gpu_seconds_per_token * double(pinned_tokens) - cpu_seconds_per_token * double(cpu_tokens)) /
+                   ((cpu_seconds_per_token + gpu_seconds_per_token) * double(pinned_tokens));
+  return x < 0.0 ? 0.0 : x > max_fraction ? max_fraction : x;
+}
 
 static_assert(routing_policy<gpu_only>);
 static_assert(routing_policy<cpu_only>);

@@ -28,6 +28,7 @@ struct loop_config {
   int split_blocks = 4;
   int steps = 100;
   int cpu_threads = 4;
+  assist_options assist{};
 };
 
 /// Prefills `prompts`, decodes `steps` steps checking every layer of every step
@@ -45,7 +46,9 @@ index_t decode_loop(const Layout& L, Policy pol, const std::vector<index_t>& pro
       index_t(prompts.size()) * (longest + c.steps + 2 * c.d_window);
   set_ping_pong_blocks(spec, L, c.ping_pong_blocks);
   device_cache<Layout, Policy> cache(be, L, spec, pol, {}, cache_options{true});
-  device_decode_driver<decltype(cache)> d(cache, attention_options{c.cpu_threads, true}, seed, scale);
+  attention_options ao{c.cpu_threads, true};
+  ao.assist = c.assist;
+  device_decode_driver<decltype(cache)> d(cache, ao, seed, scale);
   std::vector<sequence_id> batch;
   for (index_t p : prompts) batch.push_back(d.add(p));
   const auto placed0 = d.placed(batch);
@@ -54,8 +57,10 @@ index_t decode_loop(const Layout& L, Policy pol, const std::vector<index_t>& pro
     const compare_result r = d.step(batch);
     INFO("step " << s << ": rel_l2 " << r.max_rel_l2 << ", lse excess " << r.max_lse_err << ", non-finite "
                  << r.non_finite << ", streamed " << d.last_report.streamed_tokens << ", cpu "
-                 << d.last_report.cpu_tokens << ", window " << d.last_report.window_tokens);
+                 << d.last_report.cpu_tokens << " (assist " << d.last_report.assist_tokens << "), window "
+                 << d.last_report.window_tokens);
     REQUIRE(r.ok());
+    if (c.assist.mode == assist_mode::fixed && c.assist.fixed_fraction == 1.0) REQUIRE(d.last_report.streamed_tokens == 0);
     REQUIRE(d.check_evicted(batch, placed) == 0);
   }
   index_t evictions = std::numeric_limits<index_t>::max();
@@ -115,6 +120,39 @@ TEST_CASE("MLA DeepSeek-V2-Lite 16 heads: every policy, boundary lengths, >= 3 e
   SUBCASE("fixed_ratio 0.4") { CHECK(decode_loop(L, fixed_ratio(0.4), prompts, c, scale, 8) >= need); }
   SUBCASE("cpu_only (r = 1)") { CHECK(decode_loop(L, cpu_only{}, prompts, c, scale, 9) >= need); }
   SUBCASE("roofline") { CHECK(decode_loop(L, roofline_for_tests(), prompts, c, scale, 10) >= need); }
+}
+
+TEST_CASE("CPU assist on the GPU path: the CPU reads pinned blocks in place, also right after evictions") {
+  // Pinned evictions land asynchronously (d2h stream); an assisted step must
+  // wait for them before the CPU reads: every step is checked against fp64,
+  // and the eviction steps come every D = 32 steps.
+  loop_config c;
+  c.steps = scaled(100, 40, 6);
+  const index_t need = sanitizer_sizes() ? 0 : quick() ? 1 : 3;
+  const G L = presets::qwen3_30b_a3b::layout();
+  const M ML = presets::deepseek_v2_lite::layout();
+  SUBCASE("GQA, gpu_only placement, fixed 0.5") {
+    c.assist = {assist_mode::fixed, 0.5};
+    CHECK(decode_loop(L, gpu_only{}, boundary_prompts, c, gqa_scale, 41) >= need);
+  }
+  SUBCASE("GQA, fixed_ratio 0.4, fixed 1 (nothing streamed)") {
+    c.assist = {assist_mode::fixed, 1.0};
+    CHECK(decode_loop(L, fixed_ratio(0.4), boundary_prompts, c, gqa_scale, 42) >= need);
+  }
+  SUBCASE("GQA, roofline, adaptive") {
+    c.assist.mode = assist_mode::adaptive;
+    CHECK(decode_loop(L, roofline_for_tests(), boundary_prompts, c, gqa_scale, 43) >= need);
+  }
+  SUBCASE("MLA, gpu_only placement, fixed 0.5") {
+    c.assist = {assist_mode::fixed, 0.5};
+    CHECK(decode_loop(ML, gpu_only{}, {1, 16, 31, 32, 33, 90}, c, presets::deepseek_v2_lite::softmax_scale(), 44) >=
+          (quick() ? 0 : need));
+  }
+  SUBCASE("MLA, roofline, adaptive") {
+    c.assist.mode = assist_mode::adaptive;
+    CHECK(decode_loop(ML, roofline_for_tests(), {1, 16, 31, 32, 33, 90}, c, presets::deepseek_v2_lite::softmax_scale(),
+                      45) >= (quick() ? 0 : need));
+  }
 }
 
 TEST_CASE("long prompts through many chunks: block 64, D 128, split 8, 3 buffers") {

@@ -69,6 +69,8 @@ struct run_options {
   sampling_options sampling;
   kv_options kv;
   int threads = 0;  ///< CPU attention engine threads (0 = library default: hardware threads - 1)
+  /// CPU assist over the pinned region (hybrid_attention; off: the paper's split).
+  writescope::assist_options assist{};
   bool record_logits = false;
   /// Teacher forcing (--expect --teacher-force): the token fed back for
   /// sequence i after its s-th generated token is (*forced_tokens)[i][s], not the
@@ -121,10 +123,16 @@ struct generation_result {
   index_t prefill_tokens = 0;
   double prefill_seconds = 0.0;
   std::vector<double> step_seconds;                    ///< wall time of each decode step (TPOT)
+  /// Per decode step, summed over the layers: CPU engine seconds, GPU side
+  /// seconds (cuda_backend: of earlier launches, see step_report) and KV
+  /// tokens the CPU engine attended in the pinned region (CPU assist).
+  std::vector<double> step_cpu_engine_seconds, step_gpu_side_seconds;
+  std::vector<index_t> step_assist_tokens;
   int warmup_sequences = 0;                            ///< CUDA path: throw-away sequences of the warm-up step (0: none)
   double warmup_seconds = 0.0;                         ///< its wall time (before prefill; in no other figure)
   double attention_seconds = 0.0, cpu_engine_seconds = 0.0, gpu_engine_seconds = 0.0;
   index_t cpu_tokens = 0, streamed_tokens = 0, window_tokens = 0;
+  index_t assist_tokens = 0;                           ///< of cpu_tokens: pinned tokens attended by the CPU
   int cpu_batches = 0, gpu_batches = 0;                ///< eviction batches routed during decode
   std::vector<share_point> trajectory;
   std::vector<sequence_summary> sequences;             ///< at the end, before end_sequence
@@ -135,6 +143,20 @@ struct generation_result {
   std::string policy;        ///< at admission
   std::string policy_final;  ///< after the run (roofline: with the online A)
   std::string layout;
+};
+
+/// The attention totals of a result before one decode step; push_step()
+/// appends the step's share of them to the per-step series.
+struct step_totals {
+  double cpu_seconds, gpu_seconds;
+  index_t assist_tokens;
+  explicit step_totals(const generation_result& r)
+      : cpu_seconds(r.cpu_engine_seconds), gpu_seconds(r.gpu_engine_seconds), assist_tokens(r.assist_tokens) {}
+  void push_step(generation_result& r) const {
+    r.step_cpu_engine_seconds.push_back(r.cpu_engine_seconds - cpu_seconds);
+    r.step_gpu_side_seconds.push_back(r.gpu_engine_seconds - gpu_seconds);
+    r.step_assist_tokens.push_back(r.assist_tokens - assist_tokens);
+  }
 };
 
 /// Rejects empty prompts, token ids outside the vocabulary, runs beyond a
@@ -275,6 +297,7 @@ class decoder {
     cache_type cache(backend, layout(), res.spec, std::move(policy), {}, cache_options{o.kv.poison});
     attention_options ao;
     ao.cpu_threads = o.threads;
+    ao.assist = o.assist;
     hybrid_attention<cache_type> hybrid(cache, ao);
     res.block_bytes = cache.format().block_bytes();
     res.token_bytes = layout().token_bytes();
@@ -328,7 +351,9 @@ class decoder {
         std::copy_n(w_.embed.data() + index_t(cur[std::size_t(i)]) * H, H, x.data() + index_t(i) * H);
         pos[std::size_t(i)] = index_t(prompts[std::size_t(i)].size()) + s - 1;
       }
+      const step_totals before(res);
       for (int l = 0; l < c_.num_layers; ++l) layer_forward_decode(l, cache, hybrid, seqs, x, pos, res);
+      before.push_step(res);
       const flush_report fr = cache.flush();
       res.cpu_batches += fr.cpu_batches;
       res.gpu_batches += fr.gpu_batches;
@@ -447,6 +472,7 @@ class decoder {
     res.cpu_engine_seconds += r.cpu_seconds;
     res.gpu_engine_seconds += r.gpu_seconds;
     res.cpu_tokens += r.cpu_tokens;
+    res.assist_tokens += r.assist_tokens;
     res.streamed_tokens += r.streamed_tokens;
     res.window_tokens += r.window_tokens;
     y_.resize(std::size_t(B) * H);

@@ -194,6 +194,10 @@ inline void print_summary(std::FILE* f, const model_config& c, const generation_
   std::fprintf(f, "attention  %.3f s in hybrid steps (CPU engine %.3f s, GPU side %.3f s); KV tokens attended: CPU %lld, streamed %lld, D-window %lld\n",
                r.attention_seconds, r.cpu_engine_seconds, r.gpu_engine_seconds, static_cast<long long>(r.cpu_tokens),
                static_cast<long long>(r.streamed_tokens), static_cast<long long>(r.window_tokens));
+  if (r.assist_tokens > 0)
+    std::fprintf(f, "assist     the CPU engine attended %lld pinned KV tokens in place (%.3f of the pinned tokens attended)\n",
+                 static_cast<long long>(r.assist_tokens),
+                 double(r.assist_tokens) / double(std::max<index_t>(1, r.assist_tokens + r.streamed_tokens)));
   std::fprintf(f, "CPU share  layer group 0 (layers 0-%d, one block table for all layers): %.3f of %lld placed tokens; "
                "decode evictions: %d to CPU, %d to GPU\n",
                L - 1, s.cpu_share, static_cast<long long>([&] {
@@ -261,11 +265,15 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
   j["warmup"] = {{"sequences", r.warmup_sequences}, {"seconds", r.warmup_seconds}};
   if (costs) j["roofline_init"] = costs->to_json();
   j["step_seconds"] = r.step_seconds;
+  j["step_cpu_engine_seconds"] = r.step_cpu_engine_seconds;
+  j["step_gpu_side_seconds"] = r.step_gpu_side_seconds;
+  j["step_assist_tokens"] = r.step_assist_tokens;
   j["cpu_share"] = s.cpu_share;
   j["decode_evictions"] = {{"cpu", r.cpu_batches}, {"gpu", r.gpu_batches}};
   j["attention"] = {{"seconds", r.attention_seconds},     {"cpu_engine_seconds", r.cpu_engine_seconds},
                     {"gpu_side_seconds", r.gpu_engine_seconds}, {"cpu_tokens", r.cpu_tokens},
-                    {"streamed_tokens", r.streamed_tokens}, {"window_tokens", r.window_tokens}};
+                    {"streamed_tokens", r.streamed_tokens}, {"window_tokens", r.window_tokens},
+                    {"assist_tokens", r.assist_tokens}};
   nlohmann::json traj = nlohmann::json::array();
   for (const auto& p : r.trajectory)
     traj.push_back({{"step", p.step}, {"placed_tokens", p.placed_tokens}, {"cpu_share", p.cpu_share}, {"target", p.target}});

@@ -74,4 +74,34 @@ inline runtime_policy parse_policy(const std::string& s, const writescope::roofl
   throw writescope::config_error("--policy " + s + " is not one of roofline, fixed:R, gpu_only, cpu_only");
 }
 
+/// Parses --cpu-assist: "auto" (adaptive when `roofline`, else off), "off",
+/// "adaptive", "fixed:F" with F in [0, 1]. Throws config_error.
+inline writescope::assist_options parse_assist(const std::string& s, bool roofline) {
+  writescope::assist_options o;
+  if (s == "off") return o;
+  if (s == "auto") {
+    o.mode = roofline ? writescope::assist_mode::adaptive : writescope::assist_mode::off;
+    return o;
+  }
+  if (s == "adaptive") {
+    o.mode = writescope::assist_mode::adaptive;
+    return o;
+  }
+  if (s.rfind("fixed:", 0) == 0) {
+    std::size_t used = 0;
+    double f = -1.0;
+    try {
+      f = std::stod(s.substr(6), &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != s.size() - 6 || !(f >= 0.0 && f <= 1.0))
+      throw writescope::config_error("--cpu-assist " + s + ": expected fixed:F with F a number in [0, 1]");
+    o.mode = writescope::assist_mode::fixed;
+    o.fixed_fraction = f;
+    return o;
+  }
+  throw writescope::config_error("--cpu-assist " + s + " is not one of auto, off, adaptive, fixed:F");
+}
+
 }  // namespace ws_moe

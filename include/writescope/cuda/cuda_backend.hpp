@@ -143,6 +143,10 @@ struct cuda_ablation_options {
 /// GPU-side cost of one completed launch (see gpu_engine::take_completed_gpu_cost).
 struct completed_gpu_cost {
   double seconds = 0.0;         ///< stream + attend, merge excluded (CUDA events)
+  /// From the moment the caller's work before the launch was done (the
+  /// compute stream may start) to the end of the attention: `seconds` without
+  /// the copies that ran ahead of it. What the CPU engine's time compares with.
+  double critical_seconds = 0.0;
   index_t streamed_tokens = 0;  ///< KV tokens that launch streamed through ping-pong
 };
 
@@ -604,6 +608,7 @@ class cuda_backend::gpu_engine {
     }
     for (int s = 0; s < 2; ++s) {
       t_start_[std::size_t(s)] = cuda_detail::unique_event::create(true);
+      t_ready_[std::size_t(s)] = cuda_detail::unique_event::create(true);
       t_end_[std::size_t(s)] = cuda_detail::unique_event::create(true);
     }
   }
@@ -839,6 +844,7 @@ class cuda_backend::gpu_engine {
     if (!timing_pending_[s]) return last_seconds_;
     WS_CUDA_TRY(cudaEventSynchronize(t_end_[s].get()));
     WS_CUDA_TRY(cudaEventSynchronize(t_start_[s].get()));
+    WS_CUDA_TRY(cudaEventSynchronize(t_ready_[s].get()));
     read_timing(s);
     return last_seconds_;
   }
@@ -1019,15 +1025,18 @@ class cuda_backend::gpu_engine {
     float ms = 0.0f;
     WS_CUDA_TRY(cudaEventElapsedTime(&ms, t_start_[s].get(), t_end_[s].get()));
     last_seconds_ = std::max(0.0, double(ms) * 1e-3);
+    float critical_ms = 0.0f;
+    WS_CUDA_TRY(cudaEventElapsedTime(&critical_ms, t_ready_[s].get(), t_end_[s].get()));
     timing_pending_[s] = false;
-    fresh_cost_ = {last_seconds_, slot_tokens_[s]};
+    fresh_cost_ = {last_seconds_, std::max(0.0, double(critical_ms) * 1e-3), slot_tokens_[s]};
     fresh_ = true;
   }
 
   double completed_gpu_seconds() {
     for (const int s : {last_slot_ ^ 1, last_slot_}) {  // older first: the newest completed wins
       const auto i = std::size_t(s);
-      if (timing_pending_[i] && cuda_detail::event_done(t_end_[i]) && cuda_detail::event_done(t_start_[i]))
+      if (timing_pending_[i] && cuda_detail::event_done(t_end_[i]) && cuda_detail::event_done(t_start_[i]) &&
+          cuda_detail::event_done(t_ready_[i]))
         read_timing(i);
     }
     return last_seconds_;
@@ -1261,8 +1270,9 @@ class cuda_backend::gpu_engine {
                                   cudaMemcpyDeviceToHost, qstream_.get()));
     cuda_detail::record(q_done_, qstream_.get());
     if (!dbg.skip_caller_event) cuda_detail::wait(comp, launch_ev_);
-    if (!dbg.skip_landing_wait) cuda_detail::wait(h2d, be_->d2h_done_);
     const int slot = timing_slot_;
+    cuda_detail::record(t_ready_[std::size_t(slot)], comp);
+    if (!dbg.skip_landing_wait) cuda_detail::wait(h2d, be_->d2h_done_);
     cuda_detail::record(t_start_[std::size_t(slot)], h2d);
     if (a.poison_workspaces) {
       WS_CUDA_TRY(cudaMemsetAsync(split_o_.data(), 0xff, static_cast<std::size_t>(split_o_.size_bytes()), comp));
@@ -1498,7 +1508,7 @@ class cuda_backend::gpu_engine {
   cuda_detail::unique_stream compute_, qstream_;
   cuda_detail::unique_event launch_ev_, q_done_, compute_done_, cpu_h2d_done_;
   std::array<cuda_detail::unique_event, max_ping_pong_buffers> filled_, consumed_;
-  std::array<cuda_detail::unique_event, 2> t_start_, t_end_;
+  std::array<cuda_detail::unique_event, 2> t_start_, t_ready_, t_end_;
   std::array<bool, 2> timing_pending_{false, false};
   int timing_slot_ = 0;
   int last_slot_ = 0;

@@ -147,6 +147,7 @@ class device_decoder {
                                           typename Exec::pinned_allocator{}, cache_options{o.kv.poison});
     attention_options ao;
     ao.cpu_threads = o.threads;
+    ao.assist = o.assist;
     hybrid_ = std::make_unique<hybrid_attention<cache_type>>(*cache_, ao);
     plan_waves(prompts);
     allocate_workspaces(prompts);
@@ -214,7 +215,9 @@ class device_decoder {
       x_.h2d(ids_, cur.data(), index_t(B) * 4);
       x_.h2d(pos_, pos.data(), index_t(B) * 8);
       embed(B);
+      const step_totals before(res);
       for (int l = 0; l < c_.num_layers; ++l) layer_decode(l, seqs, res);
+      before.push_step(res);
       const flush_report fr = cache_->flush();
       res.cpu_batches += fr.cpu_batches;
       res.gpu_batches += fr.gpu_batches;
@@ -937,6 +940,7 @@ class device_decoder {
     res.cpu_engine_seconds += r.cpu_seconds;
     res.gpu_engine_seconds += r.gpu_seconds;
     res.cpu_tokens += r.cpu_tokens;
+    res.assist_tokens += r.assist_tokens;
     res.streamed_tokens += r.streamed_tokens;
     res.window_tokens += r.window_tokens;
     attention_output(L, B);
