@@ -68,7 +68,7 @@ struct cli {
   double cpu_bw_gbps = 80.0, h2d_bw_gbps = 54.0, cpu_fixed_us = 0.0, gpu_fixed_us = 0.0;
   bool track_gpu_cost = false;
   std::string cpu_assist = "auto";
-  double assist_headroom = 0.05, assist_max_fraction = 0.5;
+  double assist_headroom = 0.05, assist_max_fraction = 0.5, eviction_bounce_mib = 32.0;
   std::string calibration, calibration_preset;
   int threads = 0;
   std::string json_out, expect;
@@ -338,6 +338,8 @@ int run(cli& a) {
   // share for the per-step balance; off under the baselines, which must stay pure.
   o.assist = parse_assist(a.cpu_assist, a.policy == "roofline");
   o.assist.max_pinned_fraction = a.assist_max_fraction;
+  o.assist.initial_cpu_seconds_per_token = costs.params.cpu_cost_per_token_seconds;  // the roofline's A and B
+  o.assist.initial_gpu_seconds_per_token = costs.params.gpu_cost_per_token_seconds;
   writescope::roofline_params params = costs.params;
   if (o.assist.mode == writescope::assist_mode::adaptive && a.policy == "roofline")
     params.placement_headroom = a.assist_headroom;
@@ -361,6 +363,7 @@ int run(cli& a) {
   dopt.max_host_expert_gib = a.max_host_weights_gib;
   dopt.physical_memory_gib = physical_memory_gib();
   dopt.warmup = !a.no_warmup;
+  dopt.eviction_bounce_bytes = writescope::index_t(a.eviction_bounce_mib * double(1 << 20));
   const generation_result r = kind == device_kind::host
                                   ? run_model(c, *src, prompts, std::move(policy), o, hooks)
                                   : run_model_device(kind, c, *src, prompts, std::move(policy), o, dopt, hooks);
@@ -503,6 +506,10 @@ int main(int argc, char** argv) {
                  "with an adaptive assist and the roofline policy: CPU share placed below the roofline's balance, "
                  "left to the per-step assist")
       ->group(g_kv)->capture_default_str()->check(CLI::Range(0.0, 0.99));
+  app.add_option("--eviction-bounce-mib", a.eviction_bounce_mib,
+                 "--device cuda: page-locked bounce buffer for evictions into the unpinned region "
+                 "(0 = direct copies into pageable memory)")
+      ->group(g_kv)->capture_default_str()->check(CLI::Range(0.0, 4096.0));
   app.add_option("--assist-max-fraction", a.assist_max_fraction,
                  "adaptive assist: most of a sequence's pinned blocks the CPU engine takes in one step")
       ->group(g_kv)->capture_default_str()->check(CLI::Range(0.0, 1.0));

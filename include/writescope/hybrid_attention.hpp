@@ -121,6 +121,13 @@ class hybrid_attention {
                          " and max_pinned_fraction " + detail::format_double(a.max_pinned_fraction) +
                          " must lie in [0, 1], rate_smoothing " + detail::format_double(a.rate_smoothing) +
                          " in (0, 1]");
+    auto rate = [](double v) { return v >= 0.0 && std::isfinite(v); };
+    if (!rate(a.initial_cpu_seconds_per_token) || !rate(a.initial_gpu_seconds_per_token))
+      throw config_error("attention_options::assist: initial per-token times (" +
+                         detail::format_double(a.initial_cpu_seconds_per_token) + ", " +
+                         detail::format_double(a.initial_gpu_seconds_per_token) + " s) must be finite and >= 0");
+    assist_cpu_rate_ = a.initial_cpu_seconds_per_token;
+    assist_gpu_rate_ = a.initial_gpu_seconds_per_token;
     if (options_.sparse.reserve) reserve_sparse();
   }
 

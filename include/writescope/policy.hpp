@@ -297,6 +297,11 @@ struct assist_options {
   /// adaptive mode: weight of the newest step in the smoothed per-token times
   /// (exponential average over layer steps), in (0, 1].
   double rate_smoothing = 0.25;
+  /// adaptive mode: the per-token times (seconds per KV token, batch summed)
+  /// to start from before a step has measured them, e.g. the roofline's
+  /// calibrated A and B; 0 = unknown (no assist until both sides measured).
+  double initial_cpu_seconds_per_token = 0.0;
+  double initial_gpu_seconds_per_token = 0.0;
 };
 
 /// adaptive assist's balance (pure; exposed for tests): the fraction f of the

@@ -29,6 +29,7 @@ struct loop_config {
   int steps = 100;
   int cpu_threads = 4;
   assist_options assist{};
+  long long eviction_bounce_bytes = -1;  ///< >= 0: cuda_backend::set_eviction_bounce_bytes
 };
 
 /// Prefills `prompts`, decodes `steps` steps checking every layer of every step
@@ -37,6 +38,7 @@ template <class Layout, class Policy>
 index_t decode_loop(const Layout& L, Policy pol, const std::vector<index_t>& prompts, const loop_config& c,
                     double scale, std::uint64_t seed) {
   cuda_backend be;
+  if (c.eviction_bounce_bytes >= 0) be.set_eviction_bounce_bytes(index_t(c.eviction_bounce_bytes));
   auto spec = small_spec(c.layers, int(prompts.size()), c.block_tokens, c.d_window);
   spec.ping_pong_buffers = c.ping_pong_buffers;
   spec.gpu_split_blocks = c.split_blocks;
@@ -152,6 +154,30 @@ TEST_CASE("CPU assist on the GPU path: the CPU reads pinned blocks in place, als
     c.assist.mode = assist_mode::adaptive;
     CHECK(decode_loop(ML, roofline_for_tests(), {1, 16, 31, 32, 33, 90}, c, presets::deepseek_v2_lite::softmax_scale(),
                       45) >= (quick() ? 0 : need));
+  }
+}
+
+TEST_CASE("evictions into the unpinned region: through the bounce buffer in several groups, and direct") {
+  // Qwen3 32/4, block 16: 32 KiB per block, D = 32 -> one 64 KiB copy per
+  // (sequence, layer) when the two destination blocks are adjacent. Every
+  // evicted block is compared byte for byte (check_evicted) and every step
+  // against fp64.
+  const G L = presets::qwen3_30b_a3b::layout();
+  loop_config c;
+  c.layers = 2;
+  c.steps = scaled(70, 40, 6);
+  const index_t need = sanitizer_sizes() ? 0 : 1;
+  SUBCASE("bounce of 100 KiB: one or two copies per group, many waits") {
+    c.eviction_bounce_bytes = 100 << 10;
+    CHECK(decode_loop(L, cpu_only{}, boundary_prompts, c, gqa_scale, 51) >= need);
+  }
+  SUBCASE("bounce smaller than one copy: direct copies") {
+    c.eviction_bounce_bytes = 16 << 10;
+    CHECK(decode_loop(L, fixed_ratio(0.5), boundary_prompts, c, gqa_scale, 52) >= need);
+  }
+  SUBCASE("bounce disabled (0): direct copies") {
+    c.eviction_bounce_bytes = 0;
+    CHECK(decode_loop(L, cpu_only{}, boundary_prompts, c, gqa_scale, 53) >= need);
   }
 }
 

@@ -274,7 +274,9 @@ class cuda_backend {
   cuda_backend& operator=(const cuda_backend&) = delete;
   ~cuda_backend() {
     cuda_detail::ignore(cudaStreamSynchronize(caller_));
+    cuda_detail::ignore(cudaStreamSynchronize(d2h_.get()));
     staging_ = device_buffer();
+    eviction_bounce_ = host_allocation();
   }
 
   [[nodiscard]] std::string_view name() const noexcept { return name_; }
@@ -432,21 +434,46 @@ class cuda_backend {
   /// can overwrite the slots (WAR). Returns once pageable destinations are
   /// complete (the CPU engine reads them in place); pinned ones land
   /// asynchronously and the next step's streaming waits for them.
+  ///
+  /// Pageable destinations (the unpinned compute region) go through a
+  /// page-locked bounce buffer (set_eviction_bounce_bytes): one DMA per copy
+  /// into it at full speed, one wait, then host threads copy the bytes to
+  /// their blocks. A cudaMemcpyAsync straight into pageable memory is staged
+  /// by the driver and returns only when done, one copy after the other: an
+  /// eviction batch of a 32-sequence DeepSeek-V2-Lite step is 128 of them
+  /// (docs/CUDA-ENGINE.md, session 5). If the bounce buffer cannot be
+  /// page-locked, evictions fall back to direct copies (nothing else changes).
   void copy_blocks_to_host(std::span<const block_copy> copies) {
     if (copies.empty()) return;
     cuda_detail::record(evict_src_, caller_);
     if (!debug_.skip_eviction_wait) cuda_detail::wait(d2h_.get(), evict_src_);
     if (!debug_.skip_block_reuse_wait) cuda_detail::wait(d2h_.get(), h2d_done_);
     bool pageable = false;
+    for (const block_copy& c : copies) pageable = pageable || (c.bytes > 0 && c.dst_kind == memory_kind::pageable_host);
+    const bool bounce = pageable && ensure_eviction_bounce(copies);
     for (const block_copy& c : copies) {
-      if (c.bytes <= 0) continue;
+      if (c.bytes <= 0 || (bounce && c.dst_kind == memory_kind::pageable_host)) continue;
       copy_d2h(c.dst, c.src, c.bytes);
-      pageable = pageable || c.dst_kind == memory_kind::pageable_host;
     }
+    if (bounce) bounce_to_pageable(copies);
     cuda_detail::record(d2h_done_, d2h_.get());
     cuda_detail::wait(caller_, d2h_done_);
     if (pageable) WS_CUDA_TRY(cudaStreamSynchronize(d2h_.get()));
   }
+
+  /// Size of the page-locked bounce buffer for evictions into pageable memory
+  /// (allocated on the first such eviction, at most this size, grown to the
+  /// largest batch seen); 0 = direct copies into pageable memory (the driver
+  /// stages them). Default 32 MiB.
+  void set_eviction_bounce_bytes(index_t bytes) noexcept {
+    eviction_bounce_max_bytes_ = std::max<index_t>(bytes, 0);
+    eviction_bounce_ = host_allocation();
+    eviction_bounce_refused_ = false;
+  }
+  /// Whether evictions into pageable memory go through the bounce buffer (false
+  /// before the first one, with set_eviction_bounce_bytes(0), or after the
+  /// buffer could not be page-locked).
+  [[nodiscard]] bool eviction_bounce_active() const noexcept { return bool(eviction_bounce_); }
 
   /// Device -> host copy ordered after the caller stream; complete on return.
   void copy_to_host_sync(void* dst, const std::byte* src, index_t bytes) {
@@ -491,6 +518,68 @@ class cuda_backend {
     evict_src_ = cuda_detail::unique_event::create();
   }
 
+  // The bounce buffer for this eviction's pageable copies: allocated (or
+  // grown) to their total, capped at eviction_bounce_max_bytes_; false (direct
+  // copies) when disabled, when one copy alone exceeds the cap, or when
+  // page-locking was refused (then never retried).
+  bool ensure_eviction_bounce(std::span<const block_copy> copies) {
+    if (eviction_bounce_max_bytes_ <= 0 || eviction_bounce_refused_) return false;
+    index_t total = 0, largest = 0;
+    for (const block_copy& c : copies)
+      if (c.bytes > 0 && c.dst_kind == memory_kind::pageable_host) {
+        total += c.bytes;
+        largest = std::max(largest, c.bytes);
+      }
+    if (largest > eviction_bounce_max_bytes_) return false;
+    const index_t want = std::min(total, eviction_bounce_max_bytes_);
+    if (eviction_bounce_.size_bytes() >= want) return true;
+    WS_CUDA_TRY(cudaStreamSynchronize(d2h_.get()));  // nothing may still write the old buffer
+    eviction_bounce_ = host_allocation();
+    try {
+      eviction_bounce_ = allocate_staging(want);
+    } catch (const pinned_memory_error&) {
+      eviction_bounce_refused_ = true;
+      return false;
+    }
+    return true;
+  }
+
+  // The pageable copies of an eviction through the bounce buffer, in groups
+  // that fit it: D2H of each copy into its slice (d2h stream, after the waits
+  // copy_blocks_to_host enqueued), one wait, then the host copies, spread over
+  // OpenMP threads where the group is large.
+  void bounce_to_pageable(std::span<const block_copy> copies) {
+    std::byte* const buf = eviction_bounce_.data();
+    const index_t cap = eviction_bounce_.size_bytes();
+    group_.clear();
+    auto drain = [&] {
+      if (group_.empty()) return;
+      WS_CUDA_TRY(cudaStreamSynchronize(d2h_.get()));
+      const int n = int(group_.size());
+      const std::vector<bounce_piece>& g = group_;
+#if defined(_OPENMP)
+      const int threads = std::clamp(int(g.back().offset / (index_t{1} << 20)), 1, 8);
+#  pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+#endif
+      for (int i = 0; i < n; ++i)
+        std::memcpy(g[std::size_t(i)].dst, buf + g[std::size_t(i)].offset, static_cast<std::size_t>(g[std::size_t(i)].bytes));
+      group_.clear();
+    };
+    index_t used = 0;
+    for (const block_copy& c : copies) {
+      if (c.bytes <= 0 || c.dst_kind != memory_kind::pageable_host) continue;
+      if (used + c.bytes > cap) {
+        drain();
+        used = 0;
+      }
+      WS_CUDA_TRY(cudaMemcpyAsync(buf + used, c.src, static_cast<std::size_t>(c.bytes), cudaMemcpyDeviceToHost,
+                                  d2h_.get()));
+      group_.push_back({c.dst, used, c.bytes});
+      used += c.bytes;
+    }
+    drain();
+  }
+
   // Device -> host, split where the host range crosses a page-locked
   // registration (the driver rejects such copies); whole with the K8 mutation
   // switch cuda_debug_options::skip_registration_split.
@@ -523,6 +612,15 @@ class cuda_backend {
   cuda_ablation_options ablation_{};
   index_t max_staging_bytes_ = index_t{64} << 20;
   device_buffer staging_;
+  struct bounce_piece {
+    void* dst;
+    index_t offset;
+    index_t bytes;
+  };
+  index_t eviction_bounce_max_bytes_ = index_t{32} << 20;
+  host_allocation eviction_bounce_;
+  bool eviction_bounce_refused_ = false;
+  std::vector<bounce_piece> group_;
   gpu::scatter_params scatter_{};
   std::vector<std::size_t> host_writes_;
 };

@@ -80,6 +80,9 @@ struct device_options {
   double max_host_expert_gib = 0.0;         ///< refuse more host-resident expert bytes (0 = 80% of RAM)
   double physical_memory_gib = 0.0;         ///< host RAM (for the default above)
   bool warmup = true;                       ///< one untimed decode step on throw-away sequences before prefill
+  /// cuda_backend: page-locked bounce buffer for evictions into the unpinned
+  /// region (cuda_backend::set_eviction_bounce_bytes; 0 = direct pageable copies).
+  index_t eviction_bounce_bytes = index_t{32} << 20;
 };
 
 template <class Layout, class Exec>
@@ -143,6 +146,8 @@ class device_decoder {
     load_dense_weights(on_layer);
 
     // ---- cache, attention engine, workspaces -----------------------------------------
+    if constexpr (requires(backend_type& b) { b.set_eviction_bounce_bytes(index_t{0}); })
+      x_.backend().set_eviction_bounce_bytes(d_.eviction_bounce_bytes);
     cache_ = std::make_unique<cache_type>(x_.backend(), layout(), res.spec, std::move(policy),
                                           typename Exec::pinned_allocator{}, cache_options{o.kv.poison});
     attention_options ao;
