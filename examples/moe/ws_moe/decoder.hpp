@@ -22,6 +22,8 @@
 // HF does). See docs/DECODERS.md for the comparison with transformers.
 #pragma once
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -128,6 +130,9 @@ struct generation_result {
   /// tokens the CPU engine attended in the pinned region (CPU assist).
   std::vector<double> step_cpu_engine_seconds, step_gpu_side_seconds;
   std::vector<index_t> step_assist_tokens;
+  /// Per decode step, for the whole process (getrusage): minor page faults
+  /// and involuntary context switches (a step's outlier on the host shows here).
+  std::vector<long> step_minor_faults, step_involuntary_switches;
   int warmup_sequences = 0;                            ///< CUDA path: throw-away sequences of the warm-up step (0: none)
   double warmup_seconds = 0.0;                         ///< its wall time (before prefill; in no other figure)
   double attention_seconds = 0.0, cpu_engine_seconds = 0.0, gpu_engine_seconds = 0.0;
@@ -150,12 +155,19 @@ struct generation_result {
 struct step_totals {
   double cpu_seconds, gpu_seconds;
   index_t assist_tokens;
+  rusage usage{};
   explicit step_totals(const generation_result& r)
-      : cpu_seconds(r.cpu_engine_seconds), gpu_seconds(r.gpu_engine_seconds), assist_tokens(r.assist_tokens) {}
+      : cpu_seconds(r.cpu_engine_seconds), gpu_seconds(r.gpu_engine_seconds), assist_tokens(r.assist_tokens) {
+    getrusage(RUSAGE_SELF, &usage);
+  }
   void push_step(generation_result& r) const {
     r.step_cpu_engine_seconds.push_back(r.cpu_engine_seconds - cpu_seconds);
     r.step_gpu_side_seconds.push_back(r.gpu_engine_seconds - gpu_seconds);
     r.step_assist_tokens.push_back(r.assist_tokens - assist_tokens);
+    rusage now{};
+    getrusage(RUSAGE_SELF, &now);
+    r.step_minor_faults.push_back(now.ru_minflt - usage.ru_minflt);
+    r.step_involuntary_switches.push_back(now.ru_nivcsw - usage.ru_nivcsw);
   }
 };
 

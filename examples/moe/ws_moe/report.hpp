@@ -268,6 +268,8 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
   j["step_cpu_engine_seconds"] = r.step_cpu_engine_seconds;
   j["step_gpu_side_seconds"] = r.step_gpu_side_seconds;
   j["step_assist_tokens"] = r.step_assist_tokens;
+  j["step_minor_faults"] = r.step_minor_faults;
+  j["step_involuntary_switches"] = r.step_involuntary_switches;
   j["cpu_share"] = s.cpu_share;
   j["decode_evictions"] = {{"cpu", r.cpu_batches}, {"gpu", r.gpu_batches}};
   j["attention"] = {{"seconds", r.attention_seconds},     {"cpu_engine_seconds", r.cpu_engine_seconds},
