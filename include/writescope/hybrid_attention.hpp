@@ -35,6 +35,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <thread>
@@ -66,6 +67,16 @@ struct attention_options {
   sparse_options sparse{};
   /// CPU assist over the pinned region (dense steps; off by default).
   assist_options assist{};
+  /// Host memory the constructor reserves and touches for the CPU engine's
+  /// task partials, at most: enough for the tasks of every block the spec's
+  /// capacities can hold (plus the pinned ones with an assist) of
+  /// max_sequences sequences. 0 (default): nothing resident at init; the
+  /// workspace grows in the step that first needs it, by at least half, its
+  /// new pages touched by the CPU engine's threads together. A decoder that
+  /// wants no page faults on its decode path sets it (ws_decode: 256 MiB;
+  /// without it, DeepSeek-V2-Lite 32 x 32K faulted in 66 MB in its first
+  /// decode step and after an eviction: docs/DECODERS.md, session 5).
+  index_t task_workspace_reserve_bytes = 0;
 };
 
 /// What one step did and how long each side took.
@@ -128,6 +139,7 @@ class hybrid_attention {
                          detail::format_double(a.initial_gpu_seconds_per_token) + " s) must be finite and >= 0");
     assist_cpu_rate_ = a.initial_cpu_seconds_per_token;
     assist_gpu_rate_ = a.initial_gpu_seconds_per_token;
+    reserve_task_workspace();
     if (options_.sparse.reserve) reserve_sparse();
   }
 
@@ -303,6 +315,9 @@ class hybrid_attention {
   }
 
   [[nodiscard]] const attention_options& options() const noexcept { return options_; }
+  /// Tasks the CPU engine's partial workspace holds now (see
+  /// attention_options::task_workspace_reserve_bytes).
+  [[nodiscard]] index_t task_workspace_tasks() const noexcept { return task_capacity_; }
   /// adaptive assist's smoothed per-token times (seconds per KV token; 0 until measured).
   [[nodiscard]] double assist_cpu_seconds_per_token() const noexcept { return assist_cpu_rate_; }
   [[nodiscard]] double assist_gpu_seconds_per_token() const noexcept { return assist_gpu_rate_; }
@@ -475,9 +490,7 @@ class hybrid_attention {
     }
     head_task_begin_.push_back(int(tasks_.size()));
     rep.cpu_tokens = token_heads / hkv;
-    const std::size_t g = std::size_t(cache_->layout().group_size());
-    task_o_.resize(tasks_.size() * g * layout_type::v_dim);
-    task_lse_.resize(tasks_.size() * g);
+    ensure_task_workspace(index_t(tasks_.size()));
     seqs_.assign(seqs.begin(), seqs.end());
   }
 
@@ -528,9 +541,7 @@ class hybrid_attention {
       }
     }
     head_task_begin_.push_back(int(tasks_.size()));
-    const std::size_t g = std::size_t(cache_->layout().group_size());
-    task_o_.resize(tasks_.size() * g * layout_type::v_dim);
-    task_lse_.resize(tasks_.size() * g);
+    ensure_task_workspace(index_t(tasks_.size()));
     seqs_.assign(seqs.begin(), seqs.end());
   }
 
@@ -560,7 +571,7 @@ class hybrid_attention {
       }
       const std::size_t row0 = std::size_t(task.batch_index) * std::size_t(hq) + std::size_t(task.kv_head) * group;
       CpuKernel::run(v.format, task.kv_head, q + row0 * Q, Q, group, scale, segs,
-                     task_o_.data() + std::size_t(t) * group * V, V, task_lse_.data() + std::size_t(t) * group);
+                     task_o_ + std::size_t(t) * group * V, V, task_lse_ + std::size_t(t) * group);
     };
     auto merge_pair = [&](int p) {  // (sequence, kv head): fold its tasks in order
       const int i = p / hkv;
@@ -573,7 +584,7 @@ class hybrid_attention {
         std::fill(o, o + V, 0.0f);
         lse = empty_lse;
         for (int t = t0; t < t1; ++t)
-          merge_state_row(o, lse, task_o_.data() + (std::size_t(t) * group + g) * V,
+          merge_state_row(o, lse, task_o_ + (std::size_t(t) * group + g) * V,
                           task_lse_[std::size_t(t) * group + g], o, &lse, V);
       }
     };
@@ -591,6 +602,49 @@ class hybrid_attention {
 #endif
   }
 
+  // The task partials' workspace at the size of the spec's capacities (capped
+  // by task_workspace_reserve_bytes), touched now by the CPU engine's threads:
+  // a first decode step (and a step after an eviction that adds tasks) would
+  // otherwise fault in tens of MB — 16.8K faults, +40-50 ms on DeepSeek-V2-Lite
+  // 32 x 32K (docs/DECODERS.md, session 5).
+  void reserve_task_workspace() {
+    const partition_spec& spec = cache_->spec();
+    const index_t per_task = std::max(1, spec.cpu_task_blocks);
+    index_t blocks = spec.cpu_capacity_blocks();
+    if (options_.assist.mode != assist_mode::off) blocks += spec.pinned_capacity_blocks();
+    const index_t tasks = (blocks / per_task + 2 * index_t(spec.max_sequences)) * cache_->layout().kv_heads();
+    const index_t task_bytes = task_stride() * index_t(sizeof(float));
+    ensure_task_workspace(std::min(tasks, options_.task_workspace_reserve_bytes / std::max<index_t>(task_bytes, 1)));
+  }
+
+  // Elements of one task's partial outputs + LSEs.
+  [[nodiscard]] index_t task_stride() const noexcept {
+    return index_t(cache_->layout().group_size()) * (layout_type::v_dim + 1);
+  }
+
+  // Grows (never shrinks) the task workspace to `tasks` tasks, by at least half
+  // its size, uninitialized; the new pages are touched by the CPU engine's
+  // threads together, so their faults are spread instead of taken one by one
+  // by whichever task writes first.
+  void ensure_task_workspace(index_t tasks) {
+    if (tasks <= task_capacity_) return;
+    const index_t cap = std::max(tasks, task_capacity_ + task_capacity_ / 2);
+    const index_t g = cache_->layout().group_size();
+    const index_t elems = cap * task_stride();
+    std::unique_ptr<float[]> buf(new float[std::size_t(elems)]);  // default-initialized: no zeroing pass
+    constexpr index_t page_floats = 4096 / index_t(sizeof(float));
+    float* const p = buf.get();
+    const index_t pages = (elems + page_floats - 1) / page_floats;
+#if defined(_OPENMP)
+#  pragma omp parallel for schedule(static) num_threads(options_.cpu_threads) if (pages > 64)
+#endif
+    for (index_t i = 0; i < pages; ++i) p[i * page_floats] = 0.0f;
+    task_buf_ = std::move(buf);
+    task_capacity_ = cap;
+    task_o_ = task_buf_.get();
+    task_lse_ = task_o_ + cap * g * layout_type::v_dim;
+  }
+
   Cache* cache_;
   attention_options options_;
   engine_type engine_;
@@ -598,7 +652,10 @@ class hybrid_attention {
   std::vector<window_ref> windows_;
   std::vector<cpu_task> tasks_;
   std::vector<int> head_task_begin_;
-  std::vector<float> task_o_, task_lse_;
+  std::unique_ptr<float[]> task_buf_;  // [capacity][group][v_dim] partials, then [capacity][group] LSEs
+  index_t task_capacity_ = 0;
+  float* task_o_ = nullptr;
+  float* task_lse_ = nullptr;
   std::vector<sequence_id> seqs_;
   // CPU assist
   std::vector<index_t> assist_blocks_;  // per sequence of the step: its newest pinned blocks the CPU attends

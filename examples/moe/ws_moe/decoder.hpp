@@ -310,6 +310,7 @@ class decoder {
     attention_options ao;
     ao.cpu_threads = o.threads;
     ao.assist = o.assist;
+    ao.task_workspace_reserve_bytes = index_t{256} << 20;  // no page faults in the decode steps (hybrid_attention)
     hybrid_attention<cache_type> hybrid(cache, ao);
     res.block_bytes = cache.format().block_bytes();
     res.token_bytes = layout().token_bytes();

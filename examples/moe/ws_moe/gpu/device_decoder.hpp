@@ -153,6 +153,7 @@ class device_decoder {
     attention_options ao;
     ao.cpu_threads = o.threads;
     ao.assist = o.assist;
+    ao.task_workspace_reserve_bytes = index_t{256} << 20;  // no page faults in the decode steps (hybrid_attention)
     hybrid_ = std::make_unique<hybrid_attention<cache_type>>(*cache_, ao);
     plan_waves(prompts);
     allocate_workspaces(prompts);
