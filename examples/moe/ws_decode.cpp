@@ -67,7 +67,7 @@ struct cli {
   long long ping_pong_blocks = 0;
   double cpu_bw_gbps = 80.0, h2d_bw_gbps = 54.0, cpu_fixed_us = 0.0, gpu_fixed_us = 0.0;
   bool track_gpu_cost = false;
-  std::string cpu_assist = "auto";
+  std::string cpu_assist = "off";
   double assist_headroom = 0.05, assist_max_fraction = 0.5, eviction_bounce_mib = 32.0;
   std::string calibration, calibration_preset;
   int threads = 0;
@@ -333,10 +333,10 @@ int run(cli& a) {
           ? roofline_from_defaults(c, a.cpu_bw_gbps, a.h2d_bw_gbps, a.cpu_fixed_us, a.gpu_fixed_us, a.track_gpu_cost)
           : roofline_from_calibration(writescope::load_calibration(a.calibration), a.calibration, c,
                                       int(prompts.size()), o.threads, a.calibration_preset, a.track_gpu_cost);
-  // CPU assist (hybrid_attention; docs/DECISIONS.md): auto = adaptive under
-  // the roofline policy, whose placement then leaves --assist-headroom of the
-  // share for the per-step balance; off under the baselines, which must stay pure.
-  o.assist = parse_assist(a.cpu_assist, a.policy == "roofline");
+  // CPU assist (hybrid_attention; docs/DECISIONS.md): off by default (the
+  // paper's split, bit-reproducible); adaptive under the roofline policy
+  // places --assist-headroom less on the CPU and leaves it to the per-step balance.
+  o.assist = parse_assist(a.cpu_assist);
   o.assist.max_pinned_fraction = a.assist_max_fraction;
   o.assist.initial_cpu_seconds_per_token = costs.params.cpu_cost_per_token_seconds;  // the roofline's A and B
   o.assist.initial_gpu_seconds_per_token = costs.params.gpu_cost_per_token_seconds;
@@ -499,8 +499,8 @@ int main(int argc, char** argv) {
   app.add_option("--gpu-fixed-us", a.gpu_fixed_us, "roofline C_GPU, per step (without --calibration)")->group(g_kv)->excludes(o_cal);
   app.add_flag("--track-gpu-cost", a.track_gpu_cost, "re-measure B online too")->group(g_kv);
   app.add_option("--cpu-assist", a.cpu_assist,
-                 "CPU engine also attends pinned blocks in place, per step: auto (adaptive with the roofline "
-                 "policy, off otherwise) | off | adaptive | fixed:F (fraction F of each sequence's pinned blocks)")
+                 "the CPU engine also attends pinned blocks in place, per step: off | adaptive (balanced from the "
+                 "measured per-token times) | fixed:F (fraction F of each sequence's pinned blocks)")
       ->group(g_kv)->capture_default_str();
   app.add_option("--assist-headroom", a.assist_headroom,
                  "with an adaptive assist and the roofline policy: CPU share placed below the roofline's balance, "

@@ -74,15 +74,11 @@ inline runtime_policy parse_policy(const std::string& s, const writescope::roofl
   throw writescope::config_error("--policy " + s + " is not one of roofline, fixed:R, gpu_only, cpu_only");
 }
 
-/// Parses --cpu-assist: "auto" (adaptive when `roofline`, else off), "off",
-/// "adaptive", "fixed:F" with F in [0, 1]. Throws config_error.
-inline writescope::assist_options parse_assist(const std::string& s, bool roofline) {
+/// Parses --cpu-assist: "off", "adaptive", "fixed:F" with F in [0, 1].
+/// Throws config_error.
+inline writescope::assist_options parse_assist(const std::string& s) {
   writescope::assist_options o;
   if (s == "off") return o;
-  if (s == "auto") {
-    o.mode = roofline ? writescope::assist_mode::adaptive : writescope::assist_mode::off;
-    return o;
-  }
   if (s == "adaptive") {
     o.mode = writescope::assist_mode::adaptive;
     return o;
@@ -101,7 +97,7 @@ inline writescope::assist_options parse_assist(const std::string& s, bool roofli
     o.fixed_fraction = f;
     return o;
   }
-  throw writescope::config_error("--cpu-assist " + s + " is not one of auto, off, adaptive, fixed:F");
+  throw writescope::config_error("--cpu-assist " + s + " is not one of off, adaptive, fixed:F");
 }
 
 }  // namespace ws_moe
