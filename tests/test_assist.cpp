@@ -54,7 +54,8 @@ index_t assisted_loop(const Layout& L, attention_options opts, const std::vector
   for (index_t p : prompts) batch.push_back(d.add(p));
   index_t assisted = 0;
   for (int s = 0; s < steps; ++s) {
-    const auto [cpu_placed, pinned_placed] = placed_split(cache, batch);
+    const auto split = placed_split(cache, batch);  // no structured binding: clang 14 cannot capture one
+    const index_t cpu_placed = split.first, pinned_placed = split.second;
     index_t want = 0;  // fixed mode: round(f * pinned blocks) per sequence, before the step's flush
     for (sequence_id id : batch) {
       const auto n = index_t(cache.sequence(id).pinned_blocks.size());
@@ -122,7 +123,8 @@ TEST_CASE("adaptive assist: exact, within its cap, both rates measured") {
   decode_driver<decltype(cache)> d(cache, o, 21, gqa_scale);
   std::vector<sequence_id> batch{d.add(300), d.add(40), d.add(129)};
   for (int s = 0; s < 60; ++s) {
-    const auto [cpu_placed, pinned_placed] = placed_split(cache, batch);
+    const auto split = placed_split(cache, batch);  // no structured binding: clang 14 cannot capture one
+    const index_t cpu_placed = split.first, pinned_placed = split.second;
     index_t cap = 0;  // per sequence at most round(0.5 * its pinned blocks)
     for (sequence_id id : batch)
       cap += index_t(std::llround(0.5 * double(cache.sequence(id).pinned_blocks.size()))) * spec.block_tokens;
