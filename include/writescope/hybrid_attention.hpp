@@ -148,7 +148,10 @@ class hybrid_attention {
   ///   scale    softmax scale applied to q·k (the caller's; DeepSeek: incl. mscale²)
   ///   out      [batch][Hq][v_dim] fp32 (+ optional LSE [batch][Hq]), activation space
   /// Throws shape_error / state_error (before any work) for bad input. Feeds
-  /// the measured costs to the cache's policy.
+  /// the measured costs to the cache's policy. With attention_options::assist
+  /// the CPU engine also attends each sequence's newest pinned blocks in place
+  /// (step_report::assist_tokens; cuda_backend: after waiting for pinned
+  /// evictions still landing) and the GPU streams the rest.
   step_report step(int layer, std::span<const sequence_id> seqs, mem_span<const float, activation_space> q,
                    float scale, const step_outputs<activation_space>& out) {
     const auto t_start = std::chrono::steady_clock::now();
@@ -281,6 +284,7 @@ class hybrid_attention {
     // merge, and the policy observes the selected volumes (A and B stay per
     // attended token)
     assist_blocks_.assign(std::size_t(batch), 0);  // a sparse step never assists
+    assisting_ = false;
     launch_cpu_merge(v, layer, seqs, q, scale, out, t_start, rep, [&] { build_sparse_cpu_tasks(v, seqs, rep); });
     return rep;
   }
@@ -438,7 +442,8 @@ class hybrid_attention {
   // prefers the engine's critical time (from the caller's readiness to the end
   // of the attention, excluding copies that ran ahead) where it reports one.
   void update_assist_rates(const cost_sample& s, double gpu_critical_seconds) {
-    if (options_.assist.mode != assist_mode::adaptive) return;
+    // Dense steps only: a sparse step's volumes are selected tokens averaged over heads.
+    if (options_.assist.mode != assist_mode::adaptive || sparse_tasks_) return;
     const double w = options_.assist.rate_smoothing;
     auto blend = [w](double& rate, double sample) { rate = rate > 0.0 ? rate + w * (sample - rate) : sample; };
     if (s.cpu_tokens > 0 && std::isfinite(s.cpu_seconds) && s.cpu_seconds > 0.0)

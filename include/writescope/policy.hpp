@@ -273,8 +273,10 @@ class roofline_policy {
 };
 
 /// How the CPU engine helps with the pinned load region, per dense step
-/// (hybrid_attention's "CPU assist"; docs/DECISIONS.md). Placement is not
-/// touched: the assist only picks which engine reads some pinned blocks.
+/// (hybrid_attention's "CPU assist"; docs/DECISIONS.md). Beyond the paper,
+/// whose engines each read only their own region (§4.1): placement is not
+/// touched and nothing moves; the assist only picks which engine reads some
+/// pinned blocks, which are host memory in the same block format.
 enum class assist_mode : std::uint8_t {
   off,       ///< the CPU engine attends the unpinned blocks only (the paper's split)
   fixed,     ///< it also attends a fixed fraction of each sequence's pinned blocks (tests, benchmarks)
