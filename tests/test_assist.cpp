@@ -125,9 +125,9 @@ TEST_CASE("adaptive assist: exact, within its cap, both rates measured") {
   for (int s = 0; s < 60; ++s) {
     const auto split = placed_split(cache, batch);  // no structured binding: clang 14 cannot capture one
     const index_t cpu_placed = split.first, pinned_placed = split.second;
-    index_t cap = 0;  // per sequence at most round(0.5 * its pinned blocks)
+    index_t cap = 0;  // per sequence at most floor(0.5 * its pinned blocks)
     for (sequence_id id : batch)
-      cap += index_t(std::llround(0.5 * double(cache.sequence(id).pinned_blocks.size()))) * spec.block_tokens;
+      cap += index_t(cache.sequence(id).pinned_blocks.size() / 2) * spec.block_tokens;
     const compare_result r = d.step(batch);
     INFO("step " << s << ": rel_l2 " << r.max_rel_l2 << ", assist " << d.last_report.assist_tokens);
     REQUIRE(r.ok());
@@ -175,4 +175,25 @@ TEST_CASE("assist options out of range: config_error naming the value") {
   o = with_assist(1, assist_mode::adaptive);
   o.assist.rate_smoothing = 0.0;
   CHECK_THROWS_WITH_AS(make(o), doctest::Contains("rate_smoothing 0"), config_error);
+}
+
+TEST_CASE("adaptive assist: the cap holds after rounding, so the GPU keeps streaming") {
+  // One and three pinned blocks and a CPU that looks free: round(0.5 * n) would
+  // take 1 of 1 and 2 of 3 at the cap 0.5; floor takes 0 of 1 and 1 of 3.
+  const G L(8, 2);
+  host_backend be;
+  auto spec = small_spec(1, 2, 16, 16);  // block 16, D 16: a prompt's whole D batches are single blocks
+  set_ping_pong_blocks(spec, L, 6);
+  host_cache<G, gpu_only> cache(be, L, spec, gpu_only{}, {}, cache_options{true});
+  attention_options o = with_assist(1, assist_mode::adaptive);
+  o.assist.max_pinned_fraction = 0.5;
+  o.assist.initial_cpu_seconds_per_token = 1e-12;  // the balance asks for everything
+  o.assist.initial_gpu_seconds_per_token = 1e-6;
+  decode_driver<decltype(cache)> d(cache, o, 5, gqa_scale);
+  std::vector<sequence_id> batch{d.add(16), d.add(48)};
+  REQUIRE(cache.sequence(batch[0]).pinned_blocks.size() == 1);
+  REQUIRE(cache.sequence(batch[1]).pinned_blocks.size() == 3);
+  REQUIRE(d.step(batch).ok());
+  CHECK(d.last_report.assist_tokens == 1 * spec.block_tokens);
+  CHECK(d.last_report.streamed_tokens == 3 * spec.block_tokens);
 }

@@ -389,6 +389,7 @@ class hybrid_attention {
     s.gpu_seconds = rep.gpu_seconds;
     s.gpu_streamed_tokens = rep.streamed_tokens;
     double gpu_critical = 0.0;  // the GPU side's critical seconds where the engine reports them
+    bool gpu_sample_sparse = sparse_tasks_;  // whether the GPU sample is a sparse launch's
     if constexpr (requires(engine_type& e) { e.take_completed_gpu_cost(); }) {
       // An asynchronous engine (cuda_backend) times an earlier launch: pair
       // those seconds with that launch's streamed tokens, and send no GPU
@@ -397,9 +398,10 @@ class hybrid_attention {
       s.gpu_seconds = c.seconds;
       s.gpu_streamed_tokens = c.streamed_tokens;
       if constexpr (requires { c.critical_seconds; }) gpu_critical = c.critical_seconds;
+      if constexpr (requires { c.sparse; }) gpu_sample_sparse = c.sparse;
     }
     s.batch_size = batch;
-    update_assist_rates(s, gpu_critical);
+    update_assist_rates(s, gpu_critical, gpu_sample_sparse);
     cache_->policy().observe(s);
     rep.total_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   }
@@ -432,7 +434,9 @@ class hybrid_attention {
     }
     for (std::size_t i = 0; i < seqs.size(); ++i) {
       const index_t n = index_t(v.sequences[std::size_t(seqs[i])].pinned_blocks.size());
-      const index_t k = std::clamp<index_t>(index_t(std::llround(f * double(n))), 0, n);
+      index_t k = std::clamp<index_t>(index_t(std::llround(f * double(n))), 0, n);
+      if (a.mode == assist_mode::adaptive)  // the cap holds after rounding: the GPU keeps a share to measure
+        k = std::min(k, index_t(std::floor(a.max_pinned_fraction * double(n))));
       assist_blocks_[i] = k;
       assisting_ = assisting_ || k > 0;
     }
@@ -441,15 +445,16 @@ class hybrid_attention {
   // adaptive assist: smoothed seconds per KV token of each side. The GPU side
   // prefers the engine's critical time (from the caller's readiness to the end
   // of the attention, excluding copies that ran ahead) where it reports one.
-  void update_assist_rates(const cost_sample& s, double gpu_critical_seconds) {
-    // Dense steps only: a sparse step's volumes are selected tokens averaged over heads.
-    if (options_.assist.mode != assist_mode::adaptive || sparse_tasks_) return;
+  // Dense samples only: a sparse step's volumes are selected tokens averaged
+  // over heads (and an asynchronous engine's GPU sample may be an earlier launch's).
+  void update_assist_rates(const cost_sample& s, double gpu_critical_seconds, bool gpu_sample_sparse) {
+    if (options_.assist.mode != assist_mode::adaptive) return;
     const double w = options_.assist.rate_smoothing;
     auto blend = [w](double& rate, double sample) { rate = rate > 0.0 ? rate + w * (sample - rate) : sample; };
-    if (s.cpu_tokens > 0 && std::isfinite(s.cpu_seconds) && s.cpu_seconds > 0.0)
+    if (!sparse_tasks_ && s.cpu_tokens > 0 && std::isfinite(s.cpu_seconds) && s.cpu_seconds > 0.0)
       blend(assist_cpu_rate_, s.cpu_seconds / double(s.cpu_tokens));
     const double g = gpu_critical_seconds > 0.0 ? gpu_critical_seconds : s.gpu_seconds;
-    if (s.gpu_streamed_tokens > 0 && std::isfinite(g) && g > 0.0)
+    if (!gpu_sample_sparse && s.gpu_streamed_tokens > 0 && std::isfinite(g) && g > 0.0)
       blend(assist_gpu_rate_, g / double(s.gpu_streamed_tokens));
   }
 

@@ -293,15 +293,18 @@ struct assist_options {
   /// fixed mode: the fraction of each sequence's pinned blocks (rounded to
   /// whole blocks, the newest first) the CPU engine attends, in [0, 1].
   double fixed_fraction = 0.0;
-  /// adaptive mode: at most this fraction of each sequence's pinned blocks, in
-  /// [0, 1]. Below 1 the GPU keeps streaming, so its cost stays measured.
+  /// adaptive mode: at most this fraction of each sequence's pinned blocks
+  /// (rounded down to whole blocks), in [0, 1]. Below 1 the GPU keeps
+  /// streaming, so its cost stays measured.
   double max_pinned_fraction = 0.5;
   /// adaptive mode: weight of the newest step in the smoothed per-token times
   /// (exponential average over layer steps), in (0, 1].
   double rate_smoothing = 0.25;
   /// adaptive mode: the per-token times (seconds per KV token, batch summed)
   /// to start from before a step has measured them, e.g. the roofline's
-  /// calibrated A and B; 0 = unknown (no assist until both sides measured).
+  /// calibrated A and B; 0 = unknown: no assist until both sides have been
+  /// measured, which never happens for the CPU if no sequence has unpinned
+  /// blocks (e.g. gpu_only placement) — give an initial CPU rate there.
   double initial_cpu_seconds_per_token = 0.0;
   double initial_gpu_seconds_per_token = 0.0;
 };

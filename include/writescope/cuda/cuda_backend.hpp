@@ -148,6 +148,7 @@ struct completed_gpu_cost {
   /// the copies that ran ahead of it. What the CPU engine's time compares with.
   double critical_seconds = 0.0;
   index_t streamed_tokens = 0;  ///< KV tokens that launch streamed through ping-pong
+  bool sparse = false;          ///< that launch was a sparse step's (selected blocks)
 };
 
 namespace cuda_detail {
@@ -451,11 +452,11 @@ class cuda_backend {
     bool pageable = false;
     for (const block_copy& c : copies) pageable = pageable || (c.bytes > 0 && c.dst_kind == memory_kind::pageable_host);
     const bool bounce = pageable && ensure_eviction_bounce(copies);
+    if (bounce) bounce_to_pageable(copies);  // first: its waits then cover no pinned copy
     for (const block_copy& c : copies) {
       if (c.bytes <= 0 || (bounce && c.dst_kind == memory_kind::pageable_host)) continue;
       copy_d2h(c.dst, c.src, c.bytes);
     }
-    if (bounce) bounce_to_pageable(copies);
     cuda_detail::record(d2h_done_, d2h_.get());
     cuda_detail::wait(caller_, d2h_done_);
     if (pageable) WS_CUDA_TRY(cudaStreamSynchronize(d2h_.get()));
@@ -471,8 +472,8 @@ class cuda_backend {
     eviction_bounce_refused_ = false;
   }
   /// Whether evictions into pageable memory go through the bounce buffer (false
-  /// before the first one, with set_eviction_bounce_bytes(0), or after the
-  /// buffer could not be page-locked).
+  /// before the first one, with set_eviction_bounce_bytes(0), or when no
+  /// buffer could be page-locked).
   [[nodiscard]] bool eviction_bounce_active() const noexcept { return bool(eviction_bounce_); }
 
   /// Device -> host copy ordered after the caller stream; complete on return.
@@ -518,29 +519,32 @@ class cuda_backend {
     evict_src_ = cuda_detail::unique_event::create();
   }
 
-  // The bounce buffer for this eviction's pageable copies: allocated (or
-  // grown) to their total, capped at eviction_bounce_max_bytes_; false (direct
-  // copies) when disabled, when one copy alone exceeds the cap, or when
-  // page-locking was refused (then never retried).
+  // The bounce buffer for this eviction's pageable copies: grown to their
+  // total (at least doubling, capped at eviction_bounce_max_bytes_); false
+  // (direct copies) when disabled, when one copy alone exceeds the buffer it
+  // can have, or when no buffer could ever be page-locked. A refused growth
+  // keeps the buffer it had (bounce_to_pageable works in groups).
   bool ensure_eviction_bounce(std::span<const block_copy> copies) {
-    if (eviction_bounce_max_bytes_ <= 0 || eviction_bounce_refused_) return false;
+    if (eviction_bounce_max_bytes_ <= 0) return false;
     index_t total = 0, largest = 0;
     for (const block_copy& c : copies)
       if (c.bytes > 0 && c.dst_kind == memory_kind::pageable_host) {
         total += c.bytes;
         largest = std::max(largest, c.bytes);
       }
+    const index_t have = eviction_bounce_.size_bytes();
+    if (have >= std::min(total, eviction_bounce_max_bytes_) || eviction_bounce_refused_) return largest <= have;
     if (largest > eviction_bounce_max_bytes_) return false;
-    const index_t want = std::min(total, eviction_bounce_max_bytes_);
-    if (eviction_bounce_.size_bytes() >= want) return true;
-    WS_CUDA_TRY(cudaStreamSynchronize(d2h_.get()));  // nothing may still write the old buffer
-    eviction_bounce_ = host_allocation();
+    const index_t want = std::min(std::max(total, 2 * have), eviction_bounce_max_bytes_);
+    host_allocation grown;
     try {
-      eviction_bounce_ = allocate_staging(want);
+      grown = allocate_staging(want);
     } catch (const pinned_memory_error&) {
-      eviction_bounce_refused_ = true;
-      return false;
+      eviction_bounce_refused_ = true;  // no retry on every eviction; keep what we have
+      return largest <= have;
     }
+    WS_CUDA_TRY(cudaStreamSynchronize(d2h_.get()));  // nothing may still write the old buffer
+    eviction_bounce_ = std::move(grown);
     return true;
   }
 
@@ -558,7 +562,8 @@ class cuda_backend {
       const int n = int(group_.size());
       const std::vector<bounce_piece>& g = group_;
 #if defined(_OPENMP)
-      const int threads = std::clamp(int(g.back().offset / (index_t{1} << 20)), 1, 8);
+      const index_t bytes = g.back().offset + g.back().bytes;
+      const int threads = std::clamp(int(bytes / (index_t{1} << 20)), 1, std::min(8, n));
 #  pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
 #endif
       for (int i = 0; i < n; ++i)
@@ -1126,7 +1131,7 @@ class cuda_backend::gpu_engine {
     float critical_ms = 0.0f;
     WS_CUDA_TRY(cudaEventElapsedTime(&critical_ms, t_ready_[s].get(), t_end_[s].get()));
     timing_pending_[s] = false;
-    fresh_cost_ = {last_seconds_, std::max(0.0, double(critical_ms) * 1e-3), slot_tokens_[s]};
+    fresh_cost_ = {last_seconds_, std::max(0.0, double(critical_ms) * 1e-3), slot_tokens_[s], slot_sparse_[s]};
     fresh_ = true;
   }
 
@@ -1459,6 +1464,7 @@ class cuda_backend::gpu_engine {
     cuda_detail::record(compute_done_, comp);
     timing_pending_[std::size_t(slot)] = true;
     slot_tokens_[std::size_t(slot)] = a.plan->streamed_blocks * a.format.block_tokens;
+    slot_sparse_[std::size_t(slot)] = a.plan->sparse;
     last_slot_ = slot;
     timing_slot_ = slot ^ 1;
   }
@@ -1612,6 +1618,7 @@ class cuda_backend::gpu_engine {
   int last_slot_ = 0;
   double last_seconds_ = 0.0;
   std::array<index_t, 2> slot_tokens_{0, 0};
+  std::array<bool, 2> slot_sparse_{false, false};
   completed_gpu_cost fresh_cost_{};
   bool fresh_ = false;
   std::vector<void*> step_buffers_raw_;  // ablation: per_step_allocation
