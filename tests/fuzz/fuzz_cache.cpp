@@ -3,8 +3,8 @@
 //
 // The input chooses a small configuration (GQA head dim 64, Hq/Hkv, layers,
 // block size, D, max_sequences, region capacities, pinned growth, ping-pong,
-// split sizes, threads) and a policy (gpu_only, cpu_only, fixed_ratio(r),
-// roofline_policy), then a list of operations: begin_sequence, append_prefill,
+// split sizes, threads, the CPU assist: off, fixed or adaptive) and a policy
+// (gpu_only, cpu_only, fixed_ratio(r), roofline_policy), then a list of operations: begin_sequence, append_prefill,
 // append, step, flush, end_sequence, read_token and "decode rounds" (append +
 // step on every layer, then flush), with valid and deliberately invalid
 // arguments (dead or repeated sequences, bad layers, wrong token counts, null
@@ -611,8 +611,21 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   s.ping_pong_buffers = in.ConsumeIntegralInRange<int>(2, 3);
   const index_t pp_blocks = in.ConsumeIntegralInRange<int>(0, 8);  // fewer than gpu_split_blocks: a config_error
   s.ping_pong_bytes = pp_blocks * block_format<G>{lay, s.block_tokens}.block_bytes();
-  const attention_options opts{in.ConsumeIntegralInRange<int>(1, 2), true};
+  attention_options opts{in.ConsumeIntegralInRange<int>(1, 2), true};
   const std::uint64_t seed = in.ConsumeIntegral<std::uint32_t>();
+  switch (in.ConsumeIntegralInRange<int>(0, 3)) {  // CPU assist over the pinned blocks
+    case 1:
+      opts.assist.mode = assist_mode::fixed;
+      opts.assist.fixed_fraction = in.ConsumeIntegralInRange<int>(0, 4) / 4.0;
+      break;
+    case 2:
+      opts.assist.mode = assist_mode::adaptive;
+      opts.assist.max_pinned_fraction = in.ConsumeIntegralInRange<int>(0, 4) / 4.0;
+      opts.assist.initial_cpu_seconds_per_token = 1e-9 * in.ConsumeIntegralInRange<int>(0, 50);
+      opts.assist.initial_gpu_seconds_per_token = 1e-9 * in.ConsumeIntegralInRange<int>(0, 50);
+      break;
+    default: break;  // off (half the inputs, as before the assist existed)
+  }
   switch (in.ConsumeIntegralInRange<int>(0, 3)) {
     case 0: run_with(in, lay, s, gpu_only{}, opts, seed); break;
     case 1: run_with(in, lay, s, cpu_only{}, opts, seed); break;
