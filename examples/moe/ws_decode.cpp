@@ -68,7 +68,8 @@ struct cli {
   double cpu_bw_gbps = 80.0, h2d_bw_gbps = 54.0, cpu_fixed_us = 0.0, gpu_fixed_us = 0.0;
   bool track_gpu_cost = false;
   std::string cpu_assist = "off";
-  double assist_headroom = 0.05, assist_max_fraction = 0.5, eviction_bounce_mib = 32.0;
+  double placement_headroom = -1.0;  // < 0: 0.05 with an adaptive assist, else 0
+  double assist_max_fraction = 0.5, eviction_bounce_mib = 32.0;
   std::string calibration, calibration_preset;
   int threads = 0;
   std::string json_out, expect;
@@ -334,15 +335,16 @@ int run(cli& a) {
           : roofline_from_calibration(writescope::load_calibration(a.calibration), a.calibration, c,
                                       int(prompts.size()), o.threads, a.calibration_preset, a.track_gpu_cost);
   // CPU assist (hybrid_attention; docs/DECISIONS.md): off by default (the
-  // paper's split, bit-reproducible); adaptive under the roofline policy
-  // places --assist-headroom less on the CPU and leaves it to the per-step balance.
+  // paper's split, bit-reproducible). The roofline policy places
+  // --placement-headroom less on the CPU than its balance: by default 0.05
+  // with an adaptive assist (left to the per-step balance), else 0.
   o.assist = parse_assist(a.cpu_assist);
   o.assist.max_pinned_fraction = a.assist_max_fraction;
   o.assist.initial_cpu_seconds_per_token = costs.params.cpu_cost_per_token_seconds;  // the roofline's A and B
   o.assist.initial_gpu_seconds_per_token = costs.params.gpu_cost_per_token_seconds;
   writescope::roofline_params params = costs.params;
-  if (o.assist.mode == writescope::assist_mode::adaptive && a.policy == "roofline")
-    params.placement_headroom = a.assist_headroom;
+  params.placement_headroom =
+      a.placement_headroom >= 0.0 ? a.placement_headroom : o.assist.mode == writescope::assist_mode::adaptive ? 0.05 : 0.0;
   runtime_policy policy = parse_policy(a.policy, params);
 
   const bool show = !a.no_progress && (a.progress || progress_bar::stderr_is_tty());
@@ -502,10 +504,10 @@ int main(int argc, char** argv) {
                  "the CPU engine also attends pinned blocks in place, per step: off | adaptive (balanced from the "
                  "measured per-token times) | fixed:F (fraction F of each sequence's pinned blocks)")
       ->group(g_kv)->capture_default_str();
-  app.add_option("--assist-headroom", a.assist_headroom,
-                 "with an adaptive assist and the roofline policy: CPU share placed below the roofline's balance, "
-                 "left to the per-step assist")
-      ->group(g_kv)->capture_default_str()->check(CLI::Range(0.0, 0.99));
+  app.add_option("--placement-headroom", a.placement_headroom,
+                 "roofline policy: CPU share placed below the roofline's balance (default: 0.05 with "
+                 "--cpu-assist adaptive, which takes it back per step; else 0)")
+      ->group(g_kv)->check(CLI::Range(0.0, 0.99));
   app.add_option("--eviction-bounce-mib", a.eviction_bounce_mib,
                  "--device cuda: page-locked bounce buffer for evictions into the unpinned region "
                  "(0 = direct copies into pageable memory)")

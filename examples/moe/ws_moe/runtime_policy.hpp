@@ -37,7 +37,12 @@ class runtime_policy {
     if (const auto* r = std::get_if<writescope::roofline_policy>(&p_)) {
       std::snprintf(buf, sizeof buf, "roofline (A=%.3g s/token, B=%.3g s/token, converged r=%.3f)",
                     r->cpu_cost_per_token_seconds(), r->gpu_cost_per_token_seconds(), r->converged_share());
-      return buf;
+      std::string d = buf;
+      if (r->params().placement_headroom > 0.0) {
+        std::snprintf(buf, sizeof buf, ", placed %.3f below it", r->params().placement_headroom);
+        d.insert(d.size() - 1, buf);
+      }
+      return d;
     }
     if (const auto* f = std::get_if<writescope::fixed_ratio>(&p_)) {
       std::snprintf(buf, sizeof buf, "fixed r=%.3f", f->cpu_share());
