@@ -19,6 +19,12 @@
 #               Qwen3MoeForCausalLM, random init, bf16, generate() with the offloaded cache)
 #   qwen3_spill.roofline  Qwen3-30B-A3B, 8 layers, batch 8 x 992, half of the routed
 #               experts (--max-gpu-experts 512) in host memory, run by the CPU
+#   dsv2lite.{headroom,assist}, mixtral.{gpu_only,cpu_only,headroom}  (only when named in RUNS)
+#               the TPOT-tail experiments left by session 5 (docs/DECODERS.md): roofline
+#               placed 0.05 below its balance (--placement-headroom 0.05, the GPU the long
+#               pole), and the adaptive CPU assist (--cpu-assist adaptive)
+#   mixtral_full4.{roofline,gpu_only}  (only when named in RUNS; ~65 s each) all 32 layers at
+#               batch 4 x 32736, 66 new tokens: session 5's full-depth Mixtral shape
 #   *_full.{roofline,gpu_only}  (only when named in RUNS; each takes 2-4 minutes, so raise
 #               RUN_CAP, e.g. 300) every layer of the model: qwen3_full 48 layers x 8 x 32736
 #               (24 GiB of KV), dsv2lite_full 27 layers x 32 x 32736 (31 GiB), mixtral_full
@@ -82,6 +88,15 @@ for pol in roofline gpu_only cpu_only; do
   add "dsv2lite.$pol" ws 0 "--random-weights --config $cfg/deepseek_v2_lite.json --layers 4 --batch 32 --prompt-len $long --max-new-tokens $n --policy $pol"
 done
 add "mixtral.roofline" ws 0 "--random-weights --config $cfg/mixtral_8x7b.json --layers 4 --batch 4 --prompt-len $long --max-new-tokens $n --policy roofline"
+add "dsv2lite.headroom" ws 2 "--random-weights --config $cfg/deepseek_v2_lite.json --layers 4 --batch 32 --prompt-len $long --max-new-tokens $n --policy roofline --placement-headroom 0.05"
+add "dsv2lite.assist" ws 2 "--random-weights --config $cfg/deepseek_v2_lite.json --layers 4 --batch 32 --prompt-len $long --max-new-tokens $n --policy roofline --cpu-assist adaptive"
+for pol in gpu_only cpu_only; do
+  add "mixtral.$pol" ws 2 "--random-weights --config $cfg/mixtral_8x7b.json --layers 4 --batch 4 --prompt-len $long --max-new-tokens $n --policy $pol"
+done
+add "mixtral.headroom" ws 2 "--random-weights --config $cfg/mixtral_8x7b.json --layers 4 --batch 4 --prompt-len $long --max-new-tokens $n --policy roofline --placement-headroom 0.05"
+for pol in roofline gpu_only; do
+  add "mixtral_full4.$pol" ws 2 "--random-weights --config $cfg/mixtral_8x7b.json --batch 4 --prompt-len $long --max-new-tokens 66 --policy $pol"
+done
 add "qwen3_8k.roofline" ws 1 "--random-weights --config $cfg/qwen3_30b_a3b.json --layers 8 --batch 8 --prompt-len 8160 --max-new-tokens $PEER_NEW_TOKENS --policy roofline"
 add "hf.qwen3_8k" hf 1 "--config $cfg/qwen3_30b_a3b.json --layers 8 --batch 8 --prompt-len 8160 --new-tokens $PEER_NEW_TOKENS"
 add "qwen3_spill.roofline" ws 0 "--random-weights --config $cfg/qwen3_30b_a3b.json --layers 8 --batch 8 --prompt-len 992 --max-new-tokens $n --policy roofline --max-gpu-experts 512"
