@@ -19,8 +19,9 @@
 // GPU streaming them. Nothing moves: placement still decides where each byte
 // lives; the assist only decides, per step, which engine reads the newest
 // pinned blocks. In `adaptive` mode the number follows the two sides' measured
-// per-token times so that both finish together; it absorbs the CPU engine's
-// drift from step to step, which a placement fixed at write time cannot.
+// per-token times so that both finish together, to follow the CPU engine's
+// drift from step to step, which a placement fixed at write time cannot (on
+// the H200 VM it measured neutral, −5…+12 %: docs/DECISIONS.md; off by default).
 //
 // Determinism: task and split boundaries depend only on each sequence's own
 // blocks, and every merge runs in a fixed order, so outputs are bit-identical
@@ -118,7 +119,12 @@ class hybrid_attention {
   using engine_type = typename backend_type::template gpu_engine<layout_type>;
 
   /// Binds to `cache` (which must outlive this object) and creates the GPU
-  /// engine with workspaces for up to spec().max_sequences sequences per step.
+  /// engine with workspaces for up to spec().max_sequences sequences per step;
+  /// reserves the CPU engine's task workspace (host memory, at most
+  /// options.task_workspace_reserve_bytes). Throws config_error naming the
+  /// value for assist options out of range (policy.hpp, assist_options),
+  /// std::bad_alloc if the workspace cannot be allocated, and what the
+  /// backend's engine constructor throws; nothing is bound then.
   explicit hybrid_attention(Cache& cache, attention_options options = {})
       : cache_(&cache),
         options_(options),

@@ -462,10 +462,12 @@ class cuda_backend {
     if (pageable) WS_CUDA_TRY(cudaStreamSynchronize(d2h_.get()));
   }
 
-  /// Size of the page-locked bounce buffer for evictions into pageable memory
-  /// (allocated on the first such eviction, at most this size, grown to the
-  /// largest batch seen); 0 = direct copies into pageable memory (the driver
-  /// stages them). Default 32 MiB.
+  /// Size in bytes of the page-locked host bounce buffer for evictions into
+  /// pageable memory, at most (allocated on the first such eviction, grown by
+  /// doubling up to the largest batch seen, capped here); 0 = direct copies
+  /// into pageable memory (the driver stages them). Default 32 MiB. Frees the
+  /// current buffer (after a device synchronize); call it between steps, from
+  /// the thread that drives the cache; never throws.
   void set_eviction_bounce_bytes(index_t bytes) noexcept {
     eviction_bounce_max_bytes_ = std::max<index_t>(bytes, 0);
     eviction_bounce_ = host_allocation();
