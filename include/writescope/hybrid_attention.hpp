@@ -88,6 +88,16 @@ struct step_report {
   /// 0 before the first completes); time a step with a stream sync instead.
   double gpu_seconds = 0.0;
   double total_seconds = 0.0;    ///< the whole step, as the caller sees it
+  /// Host-thread phases of total_seconds, in order (seconds): validation,
+  /// assist choice, stream plan and the GPU launch; the wait for the step's
+  /// queries on the host (cuda_backend: the q copy; with the assist also the
+  /// pinned host writes); then cpu_seconds; then the engine's finish (merge
+  /// enqueued) and the policy's feedback. Sparse steps: launch_seconds
+  /// includes select_seconds. They show what lies on the CPU
+  /// side's critical path besides the engine itself.
+  double launch_seconds = 0.0;
+  double query_wait_seconds = 0.0;
+  double finish_seconds = 0.0;
   index_t cpu_tokens = 0;        ///< KV tokens attended by the CPU engine (assisted pinned tokens included)
   index_t assist_tokens = 0;     ///< of which pinned tokens the CPU engine attended in place (CPU assist)
   index_t streamed_tokens = 0;   ///< KV tokens streamed through ping-pong
@@ -369,6 +379,8 @@ class hybrid_attention {
     args.ping_pong = v.ping_pong;
     args.poison_workspaces = options_.poison_workspaces;
     engine_.launch(args);
+    const auto t_launched = std::chrono::steady_clock::now();
+    rep.launch_seconds = std::chrono::duration<double>(t_launched - t_start).count();
 
     const float* host_q = engine_.host_queries();
     if (assisting_) {  // pinned blocks the CPU reads may still be landing (asynchronous D2H)
@@ -376,9 +388,11 @@ class hybrid_attention {
         cache_->backend().synchronize_host_writes();
     }
     const auto t_cpu = std::chrono::steady_clock::now();
+    rep.query_wait_seconds = std::chrono::duration<double>(t_cpu - t_launched).count();
     build_tasks();
     run_cpu_side(v, batch, host_q, scale);
-    rep.cpu_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_cpu).count();
+    const auto t_cpu_done = std::chrono::steady_clock::now();
+    rep.cpu_seconds = std::chrono::duration<double>(t_cpu_done - t_cpu).count();
 
     rep.gpu_seconds = engine_.finish(out);
     rep.streamed_tokens = plan_.streamed_blocks * cache_->spec().block_tokens;
@@ -405,11 +419,19 @@ class hybrid_attention {
       s.gpu_streamed_tokens = c.streamed_tokens;
       if constexpr (requires { c.critical_seconds; }) gpu_critical = c.critical_seconds;
       if constexpr (requires { c.sparse; }) gpu_sample_sparse = c.sparse;
+      // This step's enqueue (the roofline's K): host time on the CPU side's
+      // path. Dense steps only: a sparse step's launch includes the selection.
+      if (!sparse_tasks_) {
+        s.launch_seconds = rep.launch_seconds;
+        s.launch_streamed_tokens = rep.streamed_tokens;
+      }
     }
     s.batch_size = batch;
     update_assist_rates(s, gpu_critical, gpu_sample_sparse);
     cache_->policy().observe(s);
-    rep.total_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    const auto t_end = std::chrono::steady_clock::now();
+    rep.finish_seconds = std::chrono::duration<double>(t_end - t_cpu_done).count();
+    rep.total_seconds = std::chrono::duration<double>(t_end - t_start).count();
   }
 
   struct cpu_task {

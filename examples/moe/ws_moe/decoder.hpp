@@ -130,12 +130,22 @@ struct generation_result {
   /// tokens the CPU engine attended in the pinned region (CPU assist).
   std::vector<double> step_cpu_engine_seconds, step_gpu_side_seconds;
   std::vector<index_t> step_assist_tokens;
+  /// Per decode step, the host thread's time (seconds) summed over the layers:
+  /// inside hybrid_attention::step (attention), and of that its launch, query
+  /// wait and finish phases (step_report); the MoE router's wait for its
+  /// expert choices on the host (CUDA path; 0 on the host path); the eviction
+  /// flush after the layers. What the step spends outside these is the rest
+  /// of the model's host work and waits.
+  std::vector<double> step_attention_seconds, step_launch_seconds, step_query_wait_seconds, step_finish_seconds,
+      step_router_wait_seconds, step_flush_seconds;
   /// Per decode step, for the whole process (getrusage): minor page faults
   /// and involuntary context switches (a step's outlier on the host shows here).
   std::vector<long> step_minor_faults, step_involuntary_switches;
   int warmup_sequences = 0;                            ///< CUDA path: throw-away sequences of the warm-up step (0: none)
   double warmup_seconds = 0.0;                         ///< its wall time (before prefill; in no other figure)
   double attention_seconds = 0.0, cpu_engine_seconds = 0.0, gpu_engine_seconds = 0.0;
+  double launch_seconds = 0.0, query_wait_seconds = 0.0, finish_seconds = 0.0;  ///< step_report phases, summed
+  double router_wait_seconds = 0.0;  ///< decode steps only (CUDA path)
   index_t cpu_tokens = 0, streamed_tokens = 0, window_tokens = 0;
   index_t assist_tokens = 0;                           ///< of cpu_tokens: pinned tokens attended by the CPU
   int cpu_batches = 0, gpu_batches = 0;                ///< eviction batches routed during decode
@@ -153,17 +163,32 @@ struct generation_result {
 /// The attention totals of a result before one decode step; push_step()
 /// appends the step's share of them to the per-step series.
 struct step_totals {
-  double cpu_seconds, gpu_seconds;
+  double cpu_seconds, gpu_seconds, attention_seconds, launch_seconds, query_wait_seconds, finish_seconds,
+      router_wait_seconds;
   index_t assist_tokens;
   rusage usage{};
   explicit step_totals(const generation_result& r)
-      : cpu_seconds(r.cpu_engine_seconds), gpu_seconds(r.gpu_engine_seconds), assist_tokens(r.assist_tokens) {
+      : cpu_seconds(r.cpu_engine_seconds),
+        gpu_seconds(r.gpu_engine_seconds),
+        attention_seconds(r.attention_seconds),
+        launch_seconds(r.launch_seconds),
+        query_wait_seconds(r.query_wait_seconds),
+        finish_seconds(r.finish_seconds),
+        router_wait_seconds(r.router_wait_seconds),
+        assist_tokens(r.assist_tokens) {
     getrusage(RUSAGE_SELF, &usage);
   }
-  void push_step(generation_result& r) const {
+  /// Appends the step's share of the totals; `flush_seconds`: the step's eviction flush.
+  void push_step(generation_result& r, double flush_seconds) const {
     r.step_cpu_engine_seconds.push_back(r.cpu_engine_seconds - cpu_seconds);
     r.step_gpu_side_seconds.push_back(r.gpu_engine_seconds - gpu_seconds);
     r.step_assist_tokens.push_back(r.assist_tokens - assist_tokens);
+    r.step_attention_seconds.push_back(r.attention_seconds - attention_seconds);
+    r.step_launch_seconds.push_back(r.launch_seconds - launch_seconds);
+    r.step_query_wait_seconds.push_back(r.query_wait_seconds - query_wait_seconds);
+    r.step_finish_seconds.push_back(r.finish_seconds - finish_seconds);
+    r.step_router_wait_seconds.push_back(r.router_wait_seconds - router_wait_seconds);
+    r.step_flush_seconds.push_back(flush_seconds);
     rusage now{};
     getrusage(RUSAGE_SELF, &now);
     r.step_minor_faults.push_back(now.ru_minflt - usage.ru_minflt);
@@ -366,8 +391,9 @@ class decoder {
       }
       const step_totals before(res);
       for (int l = 0; l < c_.num_layers; ++l) layer_forward_decode(l, cache, hybrid, seqs, x, pos, res);
-      before.push_step(res);
+      const auto t_flush = std::chrono::steady_clock::now();
       const flush_report fr = cache.flush();
+      before.push_step(res, std::chrono::duration<double>(std::chrono::steady_clock::now() - t_flush).count());
       res.cpu_batches += fr.cpu_batches;
       res.gpu_batches += fr.gpu_batches;
       if (fr.evicted_sequences > 0) res.trajectory.push_back(share_of(cache, seqs, s));
@@ -482,6 +508,9 @@ class decoder {
     step_outputs<pageable_host_space> so{host_span<float>(out_.data(), index_t(out_.size())), host_span<float>(), nullptr};
     const step_report r = hybrid.step(l, seqs, host_span<const float>(q_.data(), index_t(q_.size())), float(attn_.scale()), so);
     res.attention_seconds += r.total_seconds;
+    res.launch_seconds += r.launch_seconds;
+    res.query_wait_seconds += r.query_wait_seconds;
+    res.finish_seconds += r.finish_seconds;
     res.cpu_engine_seconds += r.cpu_seconds;
     res.gpu_engine_seconds += r.gpu_seconds;
     res.cpu_tokens += r.cpu_tokens;

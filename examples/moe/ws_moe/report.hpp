@@ -129,7 +129,10 @@ inline std::string id_ranges(const std::vector<int>& ids) {
     while (j + 1 < ids.size() && ids[j + 1] == ids[j] + 1) ++j;
     if (!out.empty()) out += ",";
     out += std::to_string(ids[i]);
-    if (j > i) out += "-" + std::to_string(ids[j]);
+    if (j > i) {
+      out += '-';
+      out += std::to_string(ids[j]);
+    }
     i = j + 1;
   }
   return out;
@@ -270,9 +273,17 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
   j["step_assist_tokens"] = r.step_assist_tokens;
   j["step_minor_faults"] = r.step_minor_faults;
   j["step_involuntary_switches"] = r.step_involuntary_switches;
+  j["step_host_phases"] = {{"attention_seconds", r.step_attention_seconds},
+                           {"launch_seconds", r.step_launch_seconds},
+                           {"query_wait_seconds", r.step_query_wait_seconds},
+                           {"finish_seconds", r.step_finish_seconds},
+                           {"router_wait_seconds", r.step_router_wait_seconds},
+                           {"flush_seconds", r.step_flush_seconds}};
   j["cpu_share"] = s.cpu_share;
   j["decode_evictions"] = {{"cpu", r.cpu_batches}, {"gpu", r.gpu_batches}};
   j["attention"] = {{"seconds", r.attention_seconds},     {"cpu_engine_seconds", r.cpu_engine_seconds},
+                    {"launch_seconds", r.launch_seconds},   {"query_wait_seconds", r.query_wait_seconds},
+                    {"finish_seconds", r.finish_seconds},   {"router_wait_seconds", r.router_wait_seconds},
                     {"gpu_side_seconds", r.gpu_engine_seconds}, {"cpu_tokens", r.cpu_tokens},
                     {"streamed_tokens", r.streamed_tokens}, {"window_tokens", r.window_tokens},
                     {"assist_tokens", r.assist_tokens}};
