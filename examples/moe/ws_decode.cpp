@@ -70,6 +70,7 @@ struct cli {
   std::string cpu_assist = "off";
   double placement_headroom = -1.0;  // < 0: 0.05 with an adaptive assist, else 0
   double assist_max_fraction = 0.5, eviction_bounce_mib = 32.0;
+  std::string launch_thread = "off";
   std::string calibration, calibration_preset;
   int threads = 0;
   std::string json_out, expect;
@@ -366,6 +367,7 @@ int run(cli& a) {
   dopt.physical_memory_gib = physical_memory_gib();
   dopt.warmup = !a.no_warmup;
   dopt.eviction_bounce_bytes = writescope::index_t(a.eviction_bounce_mib * double(1 << 20));
+  dopt.launch_thread = a.launch_thread == "on";
   const generation_result r = kind == device_kind::host
                                   ? run_model(c, *src, prompts, std::move(policy), o, hooks)
                                   : run_model_device(kind, c, *src, prompts, std::move(policy), o, dopt, hooks);
@@ -378,6 +380,7 @@ int run(cli& a) {
                    {"fixed_fraction", o.assist.fixed_fraction},
                    {"max_pinned_fraction", o.assist.max_pinned_fraction},
                    {"placement_headroom", params.placement_headroom}};
+    j["launch_thread"] = dopt.launch_thread && kind == device_kind::cuda;
     out << j.dump(2) << "\n";
     if (!out) throw writescope::error("--json " + a.json_out + ": cannot write");
   }
@@ -512,6 +515,10 @@ int main(int argc, char** argv) {
                  "--device cuda: page-locked bounce buffer for evictions into the unpinned region "
                  "(0 = direct copies into pageable memory)")
       ->group(g_kv)->capture_default_str()->check(CLI::Range(0.0, 4096.0));
+  app.add_option("--launch-thread", a.launch_thread,
+                 "--device cuda: on = a launcher thread enqueues each layer's streamed chunks while the "
+                 "CPU engine runs; off = the host thread enqueues them before it starts the CPU engine")
+      ->group(g_kv)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
   app.add_option("--assist-max-fraction", a.assist_max_fraction,
                  "adaptive assist: most of a sequence's pinned blocks the CPU engine takes in one step")
       ->group(g_kv)->capture_default_str()->check(CLI::Range(0.0, 1.0));

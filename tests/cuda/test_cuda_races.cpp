@@ -315,7 +315,8 @@ namespace {
 /// a poison prompt that the pool places in A's recycled blocks (lowest ids
 /// first) — a D2H into blocks A's later chunks still have to stream. Returns
 /// A's result against its own history.
-compare_result recycle_after_submit(bool skip_block_reuse_wait) {
+compare_result recycle_after_submit(bool skip_block_reuse_wait, long long launcher_delay_us = 0,
+                                    bool skip_pending_launch_join = false) {
   const G L(32, 4);
   using cache_t = device_cache<G, gpu_only>;
   cuda_backend be;
@@ -334,6 +335,9 @@ compare_result recycle_after_submit(bool skip_block_reuse_wait) {
 
   be.debug().consumer_delay_cycles = slow_consumer;
   be.debug().skip_block_reuse_wait = skip_block_reuse_wait;
+  be.set_launch_thread(launcher_delay_us > 0);  // the late-launcher cases; the others enqueue in launch()
+  be.debug().launcher_delay_microseconds = launcher_delay_us;
+  be.debug().skip_pending_launch_join = skip_pending_launch_join;
   step.launch(cache, 0, batch, q, gqa_scale);
 
   cache.end_sequence(a);  // A's blocks return to the pool ...
@@ -366,6 +370,75 @@ TEST_CASE("K7/C9: a recycled pinned block overwritten with poison right after th
 
 TEST_CASE("K7/C9 mutation: skip_block_reuse_wait -> poison reaches the output (expected wrong)") {
   CHECK(detected([] { return !recycle_after_submit(true).ok(); }));
+}
+
+// With the launcher thread (cuda_backend::set_launch_thread; the two cases
+// below turn it on) the chunk copies are enqueued after launch() returned; a D2H into host blocks
+// must first join it, or it waits on an h2d_done_ recorded before the copies.
+TEST_CASE("K7/C9: a late launcher thread (20 ms) and a recycled pinned block rewritten right after launch()") {
+  const compare_result r = recycle_after_submit(false, 20'000);
+  INFO("rel_l2 " << r.max_rel_l2 << " lse " << r.max_lse_err);
+  CHECK(r.ok());
+}
+
+TEST_CASE("K7/C9 mutation: skip_pending_launch_join with a late launcher -> poison reaches the output (expected wrong)") {
+  CHECK(detected([] { return !recycle_after_submit(false, 20'000, true).ok(); }));
+}
+
+// -----------------------------------------------------------------------------
+// The launcher thread: same work, same order, own copies of the plan
+// -----------------------------------------------------------------------------
+
+namespace {
+
+/// Two sequences (300 and 177 tokens, all pinned, several chunks over two
+/// buffers) launched by hand with the launcher thread on or off. With
+/// `clobber`, the caller's plan and window list are overwritten right after
+/// launch() returns (the launcher, 5 ms late, must work from its copies).
+/// Returns the merged output (host copy) and its comparison with fp64.
+std::pair<std::vector<float>, compare_result> launcher_step(bool launcher_on, bool clobber) {
+  const G L(32, 4);
+  using cache_t = device_cache<G, gpu_only>;
+  cuda_backend be;
+  be.set_launch_thread(launcher_on);
+  cache_t cache(be, L, race_spec(L, 1, 2, 4, 2), gpu_only{}, {}, cache_options{true});
+  device_decode_driver<cache_t> d(cache, attention_options{4, true}, 77, gqa_scale);
+  const std::vector<sequence_id> batch{d.add(300), d.add(177)};
+  manual_step<cache_t> step(cache);
+  const auto q = d.make_queries(batch);
+  device_scratch out_dev, lse_dev;
+  const int hq = L.num_q_heads();
+  const std::size_t rows = batch.size() * std::size_t(hq);
+  float* out = out_dev.get<float>(rows * G::v_dim, be.caller_stream());
+  float* lse = lse_dev.get<float>(rows, be.caller_stream());
+  be.debug().launcher_delay_microseconds = 5'000;
+  step.launch(cache, 0, batch, q, gqa_scale);
+  CHECK(step.engine.launch_pending() == launcher_on);
+  if (clobber) {
+    step.plan = stream_plan{};
+    step.windows.assign(step.windows.size(), window_ref{nullptr, 0});
+  }
+  step.finish(int(batch.size()), hq, out, lse);
+  CHECK_FALSE(step.engine.launch_pending());
+  be.debug() = {};
+  download(d.out, out, rows * G::v_dim, be.caller_stream());
+  download(d.lse, lse, rows, be.caller_stream());
+  compare_result r;
+  d.compare(0, batch, r);
+  be.synchronize();
+  return {d.out, r};
+}
+
+}  // namespace
+
+TEST_CASE("launcher thread: on and off give bit-identical outputs; the caller's plan may change after launch()") {
+  const auto [on_out, on_r] = launcher_step(true, true);
+  const auto [off_out, off_r] = launcher_step(false, false);
+  INFO("on: rel_l2 " << on_r.max_rel_l2 << "; off: rel_l2 " << off_r.max_rel_l2);
+  CHECK(on_r.ok());
+  CHECK(off_r.ok());
+  REQUIRE(on_out.size() == off_out.size());
+  CHECK(std::memcmp(on_out.data(), off_out.data(), on_out.size() * sizeof(float)) == 0);
 }
 
 // -----------------------------------------------------------------------------

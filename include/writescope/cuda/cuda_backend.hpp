@@ -51,6 +51,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -117,6 +118,13 @@ struct cuda_debug_options {
   /// (cudaErrorInvalidValue, pinned_allocators.hpp) — the mutation test of
   /// test_cuda_pinned also prints what the driver answers to such a copy.
   bool skip_registration_split = false;
+  /// Launcher thread (cuda_backend::set_launch_thread): it sleeps this long
+  /// before each launch's chunk loop (a late launcher).
+  long long launcher_delay_microseconds = 0;
+  /// C9 with the launcher thread: D2H into host blocks (write_blocks,
+  /// copy_blocks_to_host) without first joining the launches whose copies the
+  /// launcher may not have enqueued yet (their h2d_done_ record comes later).
+  bool skip_pending_launch_join = false;
 };
 
 /// Ablation switches (paper §7.4, Fig. 10): each replaces one design point of
@@ -292,6 +300,23 @@ class cuda_backend {
   /// Largest device staging buffer write_blocks uses for host destinations.
   void set_max_staging_bytes(index_t bytes) noexcept { max_staging_bytes_ = std::max<index_t>(bytes, 1); }
 
+  /// Whether a dense launch hands its chunk loop (the H2D copies of the
+  /// streamed chunks, their split attention and folds, the D-window kernel)
+  /// to the engine's launcher thread (off by default). launch() then returns
+  /// after the q copy is enqueued, and the calling thread can wait for q and
+  /// run the CPU engine while the launcher enqueues (milliseconds per layer
+  /// for long sequences: one copy per run, two launches per 128 splits). The
+  /// plan and window list are copied at launch, so the caller's contract is
+  /// unchanged; D2H writes into host blocks first join a pending launch (C9).
+  /// Off: everything is enqueued inside launch(). Measured on the 16-core
+  /// GPU machine (docs/CUDA-ENGINE.md, session 6), the CPU engine's 15
+  /// threads lost as much as the launch gained, hence off; on a host with
+  /// cores to spare it takes the enqueue off the CPU side's path. Sparse
+  /// launches are never handed over. Read at each launch; set between steps
+  /// from the thread that drives the cache.
+  void set_launch_thread(bool on) noexcept { launch_thread_ = on; }
+  [[nodiscard]] bool launch_thread() const noexcept { return launch_thread_; }
+
   /// cudaMalloc of `bytes`; throws resource_error naming `what` and the size.
   device_buffer allocate_device(index_t bytes, const char* what) {
     if (bytes <= 0) return {};
@@ -344,6 +369,7 @@ class cuda_backend {
   void write_blocks(const block_format<Layout>& fmt, const kv_tokens<Layout, device_space>& kv,
                     std::span<const block_write> writes) {
     if (writes.empty()) return;
+    join_pending_launches();  // C9: a launched step's H2D reads are enqueued before h2d_done_ is waited on
     gpu::scatter_params& sp = scatter_;
     bool vec = kv.stride(fmt.layout) % 8 == 0;
     for (int p = 0; p < 2; ++p) {
@@ -445,6 +471,7 @@ class cuda_backend {
   /// (docs/CUDA-ENGINE.md, session 5). If the bounce buffer cannot be
   /// page-locked, evictions fall back to direct copies (nothing else changes).
   void copy_blocks_to_host(std::span<const block_copy> copies) {
+    join_pending_launches();  // C9, as in write_blocks
     if (copies.empty()) return;
     cuda_detail::record(evict_src_, caller_);
     if (!debug_.skip_eviction_wait) cuda_detail::wait(d2h_.get(), evict_src_);
@@ -489,8 +516,10 @@ class cuda_backend {
   /// has landed (inplace_kv_cache::read_token calls it before reading host memory).
   void synchronize_host_writes() { WS_CUDA_TRY(cudaStreamSynchronize(d2h_.get())); }
 
-  /// Waits for the caller, copy and d2h streams.
+  /// Waits for the caller, copy and d2h streams (after any engine's launcher
+  /// thread has enqueued its pending launch).
   void synchronize() {
+    join_pending_launches();
     WS_CUDA_TRY(cudaStreamSynchronize(caller_));
     WS_CUDA_TRY(cudaStreamSynchronize(h2d_.get()));
     WS_CUDA_TRY(cudaStreamSynchronize(d2h_.get()));
@@ -526,6 +555,26 @@ class cuda_backend {
   // (direct copies) when disabled, when one copy alone exceeds the buffer it
   // can have, or when no buffer could ever be page-locked. A refused growth
   // keeps the buffer it had (bounce_to_pageable works in groups).
+  // Engines whose launcher thread may still be enqueueing a launch's copies
+  // (set_launch_thread). Every D2H into host blocks waits on h2d_done_ for
+  // the H2D reads before it (C9); h2d_done_ is recorded at the end of a
+  // launch's chunk loop, so those paths first join the pending launches.
+  struct pending_launch {
+    void* engine;
+    void (*join)(void*);
+  };
+  void join_pending_launches() {
+    if (debug_.skip_pending_launch_join) return;  // mutation test only
+    while (!pending_launches_.empty()) {
+      const pending_launch p = pending_launches_.back();
+      pending_launches_.pop_back();
+      p.join(p.engine);
+    }
+  }
+  void forget_pending_launch(void* engine) noexcept {
+    std::erase_if(pending_launches_, [&](const pending_launch& p) { return p.engine == engine; });
+  }
+
   bool ensure_eviction_bounce(std::span<const block_copy> copies) {
     if (eviction_bounce_max_bytes_ <= 0) return false;
     index_t total = 0, largest = 0;
@@ -618,6 +667,8 @@ class cuda_backend {
   cuda_debug_options debug_{};
   cuda_ablation_options ablation_{};
   index_t max_staging_bytes_ = index_t{64} << 20;
+  bool launch_thread_ = false;
+  std::vector<pending_launch> pending_launches_;
   device_buffer staging_;
   struct bounce_piece {
     void* dst;
@@ -721,6 +772,7 @@ class cuda_backend::gpu_engine {
   gpu_engine& operator=(const gpu_engine&) = delete;
   /// Waits for this engine's work (and the shared copy stream) before freeing.
   ~gpu_engine() {
+    stop_launcher();
     cuda_detail::ignore(cudaStreamSynchronize(be_->caller_));
     cuda_detail::ignore(cudaStreamSynchronize(be_->h2d_.get()));
     free_step_buffers();
@@ -738,6 +790,7 @@ class cuda_backend::gpu_engine {
   /// (the pull kernel reads page-locked memory through its host addresses),
   /// when r.block_bytes is not a positive multiple of 16 or r.pull_ctas < 1.
   void reserve_sparse(const sparse_reservation& r) {
+    join_launch();
     if (r.device_pull) check_device_pull(r);
     const index_t staging = r.device_pull ? 0 : std::max<index_t>(r.chunk_blocks * r.block_bytes, 1);
     const index_t lists = std::max<index_t>(2 * index_t(r.kv_heads) * r.chunk_blocks, 1);
@@ -807,6 +860,7 @@ class cuda_backend::gpu_engine {
   /// block the device would pull (sparse plan, device-pull reservation) that
   /// lies outside the page-locked ranges (pinned_registry).
   void launch(const args_type& a) {
+    join_launch();  // an earlier launch's chunk loop (finish() was skipped after an error)
     validate(a);
     const cuda_debug_options dbg = be_->debug_;
     if (a.plan->sparse) {  // docs/SPARSE.md; the ablation switches apply to dense steps only
@@ -815,19 +869,33 @@ class cuda_backend::gpu_engine {
     }
     last_sparse_ = false;
     const cuda_ablation_options abl = be_->ablation_;
-    const stream_plan& plan = *a.plan;
-    const index_t block_elems = a.format.block_elems();
     const index_t block_bytes = a.format.block_bytes();
-    cudaStream_t h2d = be_->h2d_.get();
-    cudaStream_t comp = compute_.get();
-    if (abl.per_step_allocation) allocate_step_buffers(plan, a.ping_pong.size(), block_bytes);  // ablation only
+    if (abl.per_step_allocation) allocate_step_buffers(*a.plan, a.ping_pong.size(), block_bytes);  // ablation only
     batch_ = a.batch;
     launched_ = true;
 
     // 0-2. Caller event, q to the CPU engine, stream ordering, workspaces.
     const int slot = begin_step(a, dbg);
 
-    // 3. Stream the chunks through ping-pong; attend and fold each.
+    // 3-4. On the launcher thread (cuda_backend::set_launch_thread), or here.
+    if (be_->launch_thread_ && !abl.per_step_allocation && post_launch(a, dbg, abl, slot)) return;
+    stream_chunks(a, dbg, abl);
+    end_step(a, slot);
+  }
+
+  /// Whether a launch's chunk loop is still with the launcher thread (false
+  /// after finish(), gpu_seconds_sync() or take_completed_gpu_cost()).
+  [[nodiscard]] bool launch_pending() const noexcept { return async_pending_; }
+
+ private:
+  // Step 3 of a dense launch: stream the chunks through ping-pong; attend and
+  // fold each. Runs on the launcher thread or inside launch().
+  void stream_chunks(const args_type& a, const cuda_debug_options& dbg, const cuda_ablation_options& abl) {
+    const stream_plan& plan = *a.plan;
+    const index_t block_elems = a.format.block_elems();
+    const index_t block_bytes = a.format.block_bytes();
+    cudaStream_t h2d = be_->h2d_.get();
+    cudaStream_t comp = compute_.get();
     for (const stream_chunk& c : plan.chunks) {
       const auto b = std::size_t(c.buffer);
       bf16* buf = abl.per_step_allocation ? step_buffers_[b] : a.ping_pong[b];
@@ -849,10 +917,115 @@ class cuda_backend::gpu_engine {
       if (!dbg.skip_filled_wait) cuda_detail::wait(comp, filled_[b]);  // RAW
       attend_chunk(a, c, buf, b, nullptr, dbg);
     }
-
-    // 4. D-window attention; timing.
-    end_step(a, slot);
   }
+
+  // The launcher thread (cuda_backend::set_launch_thread). One job at a time:
+  // launch() posts steps 3-4 with copies of the plan, the window list and the
+  // ping-pong pointers; join_launch() waits for them and rethrows what they
+  // threw. The job's fields are written before the post and read by the
+  // launcher after it (the mutex orders them); the launcher's writes to the
+  // engine (attention parameters, timing slots) are read after a join.
+  struct launcher_shared {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool stop = false;
+    bool posted = false;  // a job waits or runs
+    std::exception_ptr error;
+  };
+
+  // Posts steps 3-4; false (the caller enqueues them itself) when the
+  // launcher thread could not be started.
+  bool post_launch(const args_type& a, const cuda_debug_options& dbg, const cuda_ablation_options& abl, int slot) {
+    if (!launcher_.joinable()) {
+      if (launcher_refused_) return false;
+      try {
+        if (!ls_) ls_ = std::make_unique<launcher_shared>();
+        launcher_ = std::thread(&gpu_engine::launcher_main, this);
+      } catch (...) {  // no thread: enqueue on the calling thread from now on
+        launcher_refused_ = true;
+        return false;
+      }
+    }
+    job_plan_ = *a.plan;  // vector assignment keeps capacity: no allocation once warm
+    job_windows_.assign(a.windows.begin(), a.windows.end());
+    job_ping_pong_.assign(a.ping_pong.begin(), a.ping_pong.end());
+    job_args_ = a;
+    job_args_.plan = &job_plan_;
+    job_args_.windows = job_windows_;
+    job_args_.ping_pong = job_ping_pong_;
+    job_dbg_ = dbg;
+    job_abl_ = abl;
+    job_slot_ = slot;
+    be_->pending_launches_.reserve(be_->pending_launches_.size() + 1);  // may throw: before the post
+    {
+      std::lock_guard lk(ls_->mu);
+      ls_->posted = true;
+    }
+    ls_->cv.notify_all();
+    async_pending_ = true;
+    be_->pending_launches_.push_back({this, [](void* e) { static_cast<gpu_engine*>(e)->join_launch(); }});
+    return true;
+  }
+
+  void launcher_main() {
+    detail::widen_thread_affinity();  // not the creator's (possibly OpenMP-bound) core
+    (void)cudaSetDevice(be_->device_);
+    launcher_shared& g = *ls_;
+    for (;;) {
+      {
+        std::unique_lock lk(g.mu);
+        g.cv.wait(lk, [&] { return g.stop || g.posted; });
+        if (!g.posted) return;  // stop, nothing posted
+      }
+      std::exception_ptr err;
+      try {
+        if (job_dbg_.launcher_delay_microseconds > 0)
+          std::this_thread::sleep_for(std::chrono::microseconds(job_dbg_.launcher_delay_microseconds));
+        stream_chunks(job_args_, job_dbg_, job_abl_);
+        end_step(job_args_, job_slot_);
+      } catch (...) {
+        err = std::current_exception();
+      }
+      {
+        std::lock_guard lk(g.mu);
+        g.posted = false;
+        g.error = err;
+      }
+      g.cv.notify_all();
+    }
+  }
+
+ public:
+  /// Waits until the launcher thread has enqueued the last launch's chunk
+  /// loop (no-op when nothing is pending); rethrows what it threw
+  /// (cuda_error). Called by finish() and the other entry points that read
+  /// the launch's state; callable by the owner between launch() and finish().
+  void join_launch() {
+    if (!async_pending_) return;
+    async_pending_ = false;
+    be_->forget_pending_launch(this);
+    std::unique_lock lk(ls_->mu);
+    ls_->cv.wait(lk, [&] { return !ls_->posted; });
+    if (std::exception_ptr e = std::exchange(ls_->error, nullptr)) {
+      lk.unlock();
+      std::rethrow_exception(e);
+    }
+  }
+
+ private:
+  void stop_launcher() noexcept {
+    if (!launcher_.joinable()) return;
+    be_->forget_pending_launch(this);
+    {
+      std::lock_guard lk(ls_->mu);
+      ls_->stop = true;
+    }
+    ls_->cv.notify_all();
+    launcher_.join();  // a posted job completes first
+    async_pending_ = false;
+  }
+
+ public:
 
   /// Host-readable queries of the launched step ([batch][Hq][q_dim], pinned
   /// staging). Waits only for their D2H copy.
@@ -881,6 +1054,11 @@ class cuda_backend::gpu_engine {
   /// the exact value of the last launch.
   double finish(const step_outputs<device_space>& o) {
     if (!launched_) throw state_error("gpu_engine::finish: no step was launched");
+    if (async_pending_) {
+      launched_ = false;  // a failed chunk loop ends the step
+      join_launch();
+      launched_ = true;
+    }
     const index_t rows = index_t(batch_) * hq_;
     if (o.out.size() < rows * V)
       throw shape_error("gpu_engine::finish: out has " + std::to_string(o.out.size()) + " elements, needs " +
@@ -938,6 +1116,7 @@ class cuda_backend::gpu_engine {
   /// returns 0. Each completed launch is reported at most once; older ones that
   /// complete together with a newer one are dropped (B is a sliding average).
   completed_gpu_cost take_completed_gpu_cost() noexcept {
+    if (async_pending_) return {};  // the launch's timing state is the launcher's until joined
     if (!fresh_) return {};
     fresh_ = false;
     return fresh_cost_;
@@ -945,6 +1124,7 @@ class cuda_backend::gpu_engine {
 
   /// Waits for the last launch's GPU side and returns its exact seconds.
   double gpu_seconds_sync() {
+    join_launch();
     const auto s = std::size_t(last_slot_);
     if (!timing_pending_[s]) return last_seconds_;
     WS_CUDA_TRY(cudaEventSynchronize(t_end_[s].get()));
@@ -1627,6 +1807,18 @@ class cuda_backend::gpu_engine {
   std::array<bf16*, max_ping_pong_buffers> step_buffers_{};
   gpu::attend_params attend_{};
   gpu::fold_params fold_{};
+  // Launcher thread (set_launch_thread): the posted job's copies
+  std::unique_ptr<launcher_shared> ls_;
+  std::thread launcher_;
+  bool launcher_refused_ = false;
+  bool async_pending_ = false;
+  stream_plan job_plan_;
+  std::vector<window_ref> job_windows_;
+  std::vector<bf16*> job_ping_pong_;
+  args_type job_args_{};
+  cuda_debug_options job_dbg_{};
+  cuda_ablation_options job_abl_{};
+  int job_slot_ = 0;
   // Sparse pipeline
   std::unique_ptr<gather_shared> gs_;
   std::vector<std::thread> gather_threads_;

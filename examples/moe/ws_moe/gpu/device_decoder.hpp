@@ -83,6 +83,11 @@ struct device_options {
   /// cuda_backend: page-locked bounce buffer for evictions into the unpinned
   /// region (cuda_backend::set_eviction_bounce_bytes; 0 = direct pageable copies).
   index_t eviction_bounce_bytes = index_t{32} << 20;
+  /// cuda_backend: the engine's launcher thread enqueues each layer's streamed
+  /// chunks while this thread runs the CPU engine (cuda_backend::set_launch_thread).
+  /// Off by default: on the 16-core GPU machine the CPU engine lost what the
+  /// launch gained (docs/DECISIONS.md, session 6).
+  bool launch_thread = false;
 };
 
 template <class Layout, class Exec>
@@ -148,6 +153,8 @@ class device_decoder {
     // ---- cache, attention engine, workspaces -----------------------------------------
     if constexpr (requires(backend_type& b) { b.set_eviction_bounce_bytes(index_t{0}); })
       x_.backend().set_eviction_bounce_bytes(d_.eviction_bounce_bytes);
+    if constexpr (requires(backend_type& b) { b.set_launch_thread(true); })
+      x_.backend().set_launch_thread(d_.launch_thread);
     cache_ = std::make_unique<cache_type>(x_.backend(), layout(), res.spec, std::move(policy),
                                           typename Exec::pinned_allocator{}, cache_options{o.kv.poison});
     attention_options ao;
@@ -215,6 +222,10 @@ class device_decoder {
     // ---- decode ------------------------------------------------------------------------
     const int steps = o.max_new_tokens - 1;
     std::vector<index_t> pos(static_cast<std::size_t>(B));
+    struct clear_on_exit {  // moe() sums its router waits into res only while decoding
+      double*& p;
+      ~clear_on_exit() { p = nullptr; }
+    } router_wait_guard{router_wait_ = &res.router_wait_seconds};
     for (int s = 1; s <= steps; ++s) {
       const auto t0 = std::chrono::steady_clock::now();
       for (int i = 0; i < B; ++i) pos[std::size_t(i)] = index_t(prompts[std::size_t(i)].size()) + s - 1;
@@ -223,8 +234,9 @@ class device_decoder {
       embed(B);
       const step_totals before(res);
       for (int l = 0; l < c_.num_layers; ++l) layer_decode(l, seqs, res);
-      before.push_step(res);
+      const auto t_flush = std::chrono::steady_clock::now();
       const flush_report fr = cache_->flush();
+      before.push_step(res, std::chrono::duration<double>(std::chrono::steady_clock::now() - t_flush).count());
       res.cpu_batches += fr.cpu_batches;
       res.gpu_batches += fr.gpu_batches;
       if (fr.evicted_sequences > 0) res.trajectory.push_back(share_of(*cache_, seqs, s));
@@ -751,8 +763,10 @@ class device_decoder {
     x_.run(r, n);
     he_.resize(std::size_t(nk));
     hw_.resize(std::size_t(nk));
-    x_.d2h(he_.data(), sel_e_, nk * 4);
+    const auto t_route = std::chrono::steady_clock::now();
+    x_.d2h(he_.data(), sel_e_, nk * 4);  // waits for the GPU up to the router
     x_.d2h(hw_.data(), sel_w_, nk * 4);
+    if (router_wait_) *router_wait_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t_route).count();
 
     // Group the (token, slot) pairs by expert: packed rows in expert order,
     // tokens ascending inside an expert; each token's slots in expert order.
@@ -943,6 +957,9 @@ class device_decoder {
     const step_report r = hybrid_->step(l, seqs, mem_span<const float, space>(q_, B * hq * QD),
                                         float(c_.softmax_scale()), so);
     res.attention_seconds += r.total_seconds;
+    res.launch_seconds += r.launch_seconds;
+    res.query_wait_seconds += r.query_wait_seconds;
+    res.finish_seconds += r.finish_seconds;
     res.cpu_engine_seconds += r.cpu_seconds;
     res.gpu_engine_seconds += r.gpu_seconds;
     res.cpu_tokens += r.cpu_tokens;
@@ -994,6 +1011,7 @@ class device_decoder {
   std::vector<int> he_, count_, cursor_, srow_, crow_, slot_;
   std::vector<float> hw_, cw_;
   std::vector<host_run> host_runs_;
+  double* router_wait_ = nullptr;  ///< decode: the result's router wait, summed while a step runs
   writescope::host_allocation stage_x_mem_, stage_y_mem_;
   float *stage_x_ = nullptr, *stage_y_ = nullptr;
   index_t stage_cap_ = 0;
