@@ -39,6 +39,8 @@ constexpr const char* usage_text = R"(calibrate — per-token costs A, B and fix
   --min-steps N       timed decode steps per point at least (default 3)
   --first-chunk-mib N first ping-pong fill of a step (the ramp; 0, the default: none)
   --split-blocks N    blocks per GPU partial (partition_spec::gpu_split_blocks; default 4)
+  --block-tokens N    tokens per KV block (default 64); give the decoder's, since K (the host's
+                      enqueue per streamed token) is a cost per block and split
   --out FILE          the calibration file (writescope/calibration.hpp format)
   --json FILE         full report for bench/plot.py (rewritten after every point)
   --budget-seconds S  stop starting new points after S seconds (0: none)
@@ -59,6 +61,7 @@ struct options {
   int min_steps = 3;
   double first_chunk_mib = 0;
   int split_blocks = 4;
+  int block_tokens = 64;
   std::string out, json_path;
   double budget_seconds = 0;
   std::uint64_t seed = 1;
@@ -96,6 +99,10 @@ options parse(int argc, char** argv) {
     } else if (f == "--split-blocks") {
       o.split_blocks = parse_number<int>(f, a.value());
       if (o.split_blocks < 1) throw usage_error("--split-blocks must be >= 1");
+    } else if (f == "--block-tokens") {
+      o.block_tokens = parse_number<int>(f, a.value());
+      if (o.block_tokens < 1 || 256 % o.block_tokens != 0)
+        throw usage_error("--block-tokens " + std::to_string(o.block_tokens) + " must divide 256 (the D-window)");
     } else if (f == "--out") {
       o.out = a.value();
     } else if (f == "--json") {
@@ -128,6 +135,7 @@ struct point {
 
 struct engine_points {
   std::vector<point> cpu, gpu;
+  std::vector<point> launch;  ///< host enqueue seconds of the GPU side (asynchronous engines only)
 };
 
 /// Runs a rig with `policy` at length L and appends its median CPU and/or GPU samples.
@@ -141,6 +149,7 @@ void measure_length(backend_t& be, const options& o, const kv_pool<typename Pres
   rc.cpu_threads = o.threads;
   rc.first_chunk_bytes = index_t(o.first_chunk_mib * 1048576.0);
   rc.gpu_split_blocks = o.split_blocks;
+  rc.block_tokens = o.block_tokens;
   rc.seed = o.seed + std::uint64_t(L) * 7 + std::uint64_t(batch);
   rc.layers = rotation_layers(index_t(batch) * L * Preset::layout().token_bytes(), o.rotation_mib * 1048576.0);
   rig<Preset, Policy> r(be, rc, std::move(policy), pool);
@@ -151,8 +160,12 @@ void measure_length(backend_t& be, const options& o, const kv_pool<typename Pres
   const int steps = std::clamp(int(std::ceil(o.min_time / per_step)), o.min_steps, 256 - 3);
   r.samples().clear();
   const decode_stats st = r.decode(steps, true);
-  std::vector<double> cs, ct, gs, gt;
+  std::vector<double> cs, ct, gs, gt, ls, lt;
   for (const ws::cost_sample& s : r.samples()) {
+    if (s.launch_streamed_tokens > 0) {
+      ls.push_back(s.launch_seconds);
+      lt.push_back(double(s.launch_streamed_tokens));
+    }
     if (s.cpu_tokens > 0) {
       cs.push_back(s.cpu_seconds);
       ct.push_back(double(s.cpu_tokens));
@@ -170,6 +183,11 @@ void measure_length(backend_t& be, const options& o, const kv_pool<typename Pres
     row["cpu_tokens"] = median(ct);
     row["cpu_seconds"] = median(cs);
     row["cpu_ns_per_token"] = median(cs) / median(ct) * 1e9;
+  }
+  if (want_gpu && !ls.empty()) {
+    pts.launch.push_back({L, median(lt), median(ls), int(ls.size())});
+    row["launch_seconds"] = median(ls);
+    row["launch_ns_per_token"] = median(ls) / median(lt) * 1e9;
   }
   if (want_gpu && !gs.empty()) {
     pts.gpu.push_back({L, median(gt), median(gs), int(gs.size())});
@@ -220,9 +238,16 @@ int main(int argc, char** argv) {
     report.doc["tool"] = "calibrate";
     report.doc["machine"] = machine_info(argc, argv);
     report.doc["device"] = device_info();
-    report.doc["options"] = json{{"presets", o.presets}, {"batch", o.batch},       {"lengths", o.lengths},
-                                 {"threads", o.threads}, {"split", o.split},       {"rotation_mib", o.rotation_mib},
-                                 {"min_time", o.min_time}, {"min_steps", o.min_steps}};
+    report.doc["options"] = json{{"presets", o.presets},
+                                 {"batch", o.batch},
+                                 {"lengths", o.lengths},
+                                 {"threads", o.threads},
+                                 {"split", o.split},
+                                 {"block_tokens", o.block_tokens},
+                                 {"split_blocks", o.split_blocks},
+                                 {"rotation_mib", o.rotation_mib},
+                                 {"min_time", o.min_time},
+                                 {"min_steps", o.min_steps}};
     report.doc["points"] = json::array();
     report.doc["entries"] = json::array();
     report.write();
@@ -235,8 +260,8 @@ int main(int argc, char** argv) {
 
     backend_t be;
     progress(bud, "calibrate: %s, %d CPU engine threads, split %s", cal.device.c_str(), o.threads, o.split.c_str());
-    std::printf("%-17s %5s %4s %10s %10s %9s %9s %7s %6s %6s\n", "preset", "batch", "thr", "A ns/tok", "B ns/tok",
-                "C_CPU us", "C_GPU us", "B/(A+B)", "r2 A", "r2 B");
+    std::printf("%-17s %5s %4s %10s %10s %9s %9s %9s %7s %6s %6s\n", "preset", "batch", "thr", "A ns/tok", "B ns/tok",
+                "K ns/tok", "C_CPU us", "C_GPU us", "share", "r2 A", "r2 B");
     bool complete = true;
     for (const std::string& key : o.presets) {
       with_preset(key, [&](auto preset) {
@@ -282,6 +307,11 @@ int main(int argc, char** argv) {
           e.gpu_cost_per_token_seconds = fb.slope;
           e.cpu_fixed_seconds = fa.intercept;
           e.gpu_fixed_seconds = fb.intercept;
+          // K: the enqueue's slope over the streamed tokens (its intercept, the
+          // per-step part, is left out); none from a synchronous engine.
+          double k_fit = 0.0;
+          if (pts.launch.size() >= 2) k_fit = std::max(0.0, fit_engine(pts.launch, "K", bud).slope);
+          e.launch_cost_per_token_seconds = k_fit;
           for (const point& p : pts.cpu) e.points.push_back({"cpu", p.tokens_per_sequence, index_t(p.tokens), p.seconds});
           for (const point& p : pts.gpu) e.points.push_back({"gpu", p.tokens_per_sequence, index_t(p.tokens), p.seconds});
           cal.entries.push_back(e);
@@ -294,9 +324,9 @@ int main(int argc, char** argv) {
           report.doc["entries"].push_back(ej);
           report.write();
           if (!o.out.empty()) ws::save_calibration(o.out, cal);  // after every entry: a cut run keeps what it has
-          std::printf("%-17s %5d %4d %10.4f %10.4f %9.2f %9.2f %7.3f %6.3f %6.3f\n", e.preset.c_str(), batch, o.threads,
-                      fa.slope * 1e9, fb.slope * 1e9, fa.intercept * 1e6, fb.intercept * 1e6, e.converged_share(), fa.r2,
-                      fb.r2);
+          std::printf("%-17s %5d %4d %10.4f %10.4f %9.4f %9.2f %9.2f %7.3f %6.3f %6.3f\n", e.preset.c_str(), batch,
+                      o.threads, fa.slope * 1e9, fb.slope * 1e9, k_fit * 1e9, fa.intercept * 1e6, fb.intercept * 1e6,
+                      e.converged_share(), fa.r2, fb.r2);
           std::fflush(stdout);
         }
       });

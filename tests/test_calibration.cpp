@@ -59,6 +59,7 @@ calibration sample_calibration() {
   calibration_entry q4 = q16;
   q4.batch = 4;
   q4.cpu_cost_per_token_seconds = 3e-11;
+  q4.launch_cost_per_token_seconds = 0.75e-11;  // K (session 6); the other entries have none
   q4.points.clear();
   calibration_entry d16 = q16;
   d16.preset = "DeepSeek-V2-Lite";
@@ -88,8 +89,13 @@ TEST_CASE("calibration files: save/load round trip, lookup by preset alias and n
     CHECK(r.entries[i].gpu_cost_per_token_seconds == c.entries[i].gpu_cost_per_token_seconds);
     CHECK(r.entries[i].cpu_fixed_seconds == c.entries[i].cpu_fixed_seconds);
     CHECK(r.entries[i].gpu_fixed_seconds == c.entries[i].gpu_fixed_seconds);
+    CHECK(r.entries[i].launch_cost_per_token_seconds == c.entries[i].launch_cost_per_token_seconds);
     CHECK(r.entries[i].points.size() == c.entries[i].points.size());
   }
+  // K enters the share as B - K: (3.75 - 0.75) / (3 + 3.75 - 0.75) = 0.5
+  CHECK(r.entries[1].converged_share() == doctest::Approx(0.5));
+  CHECK(r.entries[1].params().launch_cost_per_token_seconds == 0.75e-11);
+  CHECK(roofline_policy(r.entries[1].params()).converged_share() == doctest::Approx(0.5));
   CHECK(r.entries[0].points[1].engine == "gpu");
   CHECK(r.entries[0].points[1].tokens == 131072);
   CHECK(r.entries[0].converged_share() == doctest::Approx(0.6));
@@ -180,6 +186,17 @@ TEST_CASE("calibration loader errors name the file, the entry and the field") {
     j["entries"][1]["batch"] = 0;
     f.write(j.dump());
     expect_checkpoint(f.path, {"entry 1", "batch 0"});
+    j = good;
+    j["entries"][1]["launch_cost_per_token_seconds"] = -1e-12;
+    f.write(j.dump());
+    expect_checkpoint(f.path, {"entry 1", "launch_cost_per_token_seconds -1e-12", ">= 0"});
+  }
+  SUBCASE("a file written before K existed loads with K = 0") {
+    nlohmann::json j = good;
+    for (auto& e : j["entries"]) e.erase("launch_cost_per_token_seconds");
+    f.write(j.dump());
+    const calibration r = load_calibration(f.path);
+    for (const calibration_entry& e : r.entries) CHECK(e.launch_cost_per_token_seconds == 0.0);
   }
   SUBCASE("a preset the file does not calibrate is a config_error listing what it has") {
     save_calibration(f.path, sample_calibration());

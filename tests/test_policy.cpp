@@ -92,6 +92,77 @@ TEST_CASE("roofline target_share follows eq. 2 (hand-computed), clamps, and hand
   }
 }
 
+// The CPU side's path with an enqueue cost K per streamed token,
+// C_CPU + A·r·L + K·(1−r)·L, against the GPU's C_GPU + B·(1−r)·L: the step is
+// their max, minimised over r by brute force (independent of policy.hpp).
+double best_share_brute(double a, double b, double k, double c_cpu, double c_gpu, double L) {
+  double best_r = 0, best_t = 1e300;
+  for (int i = 0; i <= 200000; ++i) {
+    const double r = i / 200000.0;
+    const double t = std::max(c_cpu + a * r * L + k * (1 - r) * L, c_gpu + b * (1 - r) * L);
+    if (t < best_t - 1e-18) {
+      best_t = t;
+      best_r = r;
+    }
+  }
+  return best_r;
+}
+
+TEST_CASE("roofline with an enqueue cost K: B - K replaces B, matching the brute-force optimum of the step") {
+  SUBCASE("K < A, K < B: eq. 2 with B' = B - K, Δ term included") {
+    for (double k : {0.0, 0.5e-9, 1e-9, 1.5e-9}) {
+      CAPTURE(k);
+      roofline_params pr = params(2e-9, 6e-9, 1e-6, 3e-6);
+      pr.launch_cost_per_token_seconds = k;
+      const roofline_policy p(pr);
+      CHECK(p.launch_cost_per_token_seconds() == k);
+      CHECK(p.converged_share() == doctest::Approx((6e-9 - k) / (8e-9 - k)).epsilon(1e-12));
+      CHECK(roofline_converged_share(2e-9, 6e-9, k) == p.converged_share());
+      for (double L : {4000.0, 20000.0, 1e6}) {
+        CAPTURE(L);
+        CHECK(p.target_share(index_t(L)) == doctest::Approx(eq2(2e-9, 6e-9 - k, 2e-6, L)).epsilon(1e-12));
+        CHECK(p.target_share(index_t(L)) == doctest::Approx(best_share_brute(2e-9, 6e-9, k, 1e-6, 3e-6, L)).epsilon(1e-4));
+      }
+    }
+    // K moves the share to the GPU: the CPU side also pays for every streamed token
+    roofline_params pr = params(2e-9, 6e-9);
+    pr.launch_cost_per_token_seconds = 1e-9;
+    CHECK(roofline_policy(pr).converged_share() < roofline_policy(params(2e-9, 6e-9)).converged_share());
+  }
+  SUBCASE("no crossing: K >= A gives r = 1; A > K >= B gives r = 0 (the brute force agrees)") {
+    roofline_params pr = params(2e-9, 6e-9);
+    pr.launch_cost_per_token_seconds = 3e-9;  // >= A
+    CHECK(roofline_policy(pr).target_share(1 << 20) == 1.0);
+    CHECK(best_share_brute(2e-9, 6e-9, 3e-9, 0, 0, 1 << 20) == doctest::Approx(1.0));
+    pr = params(8e-9, 2e-9);
+    pr.launch_cost_per_token_seconds = 3e-9;  // A > K >= B
+    CHECK(roofline_policy(pr).target_share(1 << 20) == 0.0);
+    CHECK(roofline_policy(pr).converged_share() == 0.0);
+    CHECK(best_share_brute(8e-9, 2e-9, 3e-9, 0, 0, 1 << 20) == doctest::Approx(0.0));
+  }
+  SUBCASE("K re-measured online from samples that carry a launch; untouched by the others or when not tracked") {
+    roofline_params pr = params(2e-9, 6e-9, 0, 0, 2);
+    roofline_policy p(pr);
+    cost_sample s;
+    s.cpu_tokens = 1000;
+    s.cpu_seconds = 2e-6;
+    p.observe(s);  // no launch: K stays 0
+    CHECK(p.launch_cost_per_token_seconds() == 0.0);
+    s.launch_streamed_tokens = 4000;
+    s.launch_seconds = 4e-6;  // 1 ns per streamed token
+    p.observe(s);
+    CHECK(p.launch_cost_per_token_seconds() == doctest::Approx(1e-9).epsilon(1e-9));
+    CHECK(p.converged_share() == doctest::Approx(5.0 / 7.0).epsilon(1e-9));
+    s.launch_seconds = 12e-6;  // 3 ns; the window of 2 averages by ratio of sums
+    p.observe(s);
+    CHECK(p.launch_cost_per_token_seconds() == doctest::Approx(2e-9).epsilon(1e-9));
+    pr.track_launch_cost = false;
+    roofline_policy q(pr);
+    q.observe(s);
+    CHECK(q.launch_cost_per_token_seconds() == 0.0);
+  }
+}
+
 TEST_CASE("the marginal-share rule keeps the cumulative share within D/(2L) of a constant target") {
   for (double target : {0.0, 0.1, 0.3, 0.5, 0.77, 1.0}) {
     CAPTURE(target);
@@ -240,6 +311,11 @@ TEST_CASE("policy parameters out of range are config errors naming the value") {
     pr.placement_headroom = bad;
     const std::string want = "placement_headroom " + detail::format_double(bad);
     CHECK_THROWS_WITH_AS(roofline_policy{pr}, doctest::Contains(want.c_str()), config_error);
+  }
+  for (double bad : {-1e-9, std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
+    roofline_params pr = params(1e-9, 1e-9);
+    pr.launch_cost_per_token_seconds = bad;
+    CHECK_THROWS_WITH_AS(roofline_policy{pr}, doctest::Contains("launch_cost_per_token_seconds (K)"), config_error);
   }
 }
 

@@ -18,13 +18,17 @@
 //       { "preset": "Qwen3-30B-A3B", "batch": 16, "cpu_threads": 15,
 //         "cpu_cost_per_token_seconds": 1.9e-11,  "gpu_cost_per_token_seconds": 3.9e-11,
 //         "cpu_fixed_seconds": 6.0e-5,            "gpu_fixed_seconds": 4.0e-5,
+//         "launch_cost_per_token_seconds": 2.7e-9,                          // optional (K; 0)
 //         "points": [ { "engine": "cpu", "tokens_per_sequence": 8192,
 //                       "tokens": 131072, "seconds": 0.0025 }, ... ] },   // optional
 //       ... ] }
 //
 // Costs are seconds: A and B per KV token summed over the batch (the units of
-// roofline_params), C_CPU and C_GPU per step of one layer. Unknown fields are
-// ignored (tools may add fit statistics).
+// roofline_params), C_CPU and C_GPU per step of one layer; K (the host's
+// enqueue of the GPU side per streamed token, roofline_params::
+// launch_cost_per_token_seconds) likewise per token, absent in files written
+// before session 6 (read as 0). Unknown fields are ignored (tools may add fit
+// statistics).
 //
 // Errors: a missing, unreadable or malformed file, or an entry that breaks a
 // rule (A or B not positive and finite, a fixed cost not finite, batch < 1),
@@ -77,19 +81,22 @@ struct calibration_entry {
   double gpu_cost_per_token_seconds = 0.0;  ///< B
   double cpu_fixed_seconds = 0.0;           ///< C_CPU (may be negative: a fit intercept)
   double gpu_fixed_seconds = 0.0;           ///< C_GPU (likewise)
+  double launch_cost_per_token_seconds = 0.0;  ///< K (>= 0; 0 when the file has none)
   std::vector<calibration_point> points;    ///< the measurements (optional)
 
-  /// `base` (window, track_gpu_cost) with this entry's four costs.
+  /// `base` (window, track_gpu_cost, headroom) with this entry's five costs.
   [[nodiscard]] roofline_params params(roofline_params base = {}) const {
     base.cpu_cost_per_token_seconds = cpu_cost_per_token_seconds;
     base.gpu_cost_per_token_seconds = gpu_cost_per_token_seconds;
     base.cpu_fixed_seconds = cpu_fixed_seconds;
     base.gpu_fixed_seconds = gpu_fixed_seconds;
+    base.launch_cost_per_token_seconds = launch_cost_per_token_seconds;
     return base;
   }
-  /// The converged share B/(A+B) of eq. 2.
+  /// The converged share of eq. 2 with these costs (roofline_policy::converged_share).
   [[nodiscard]] double converged_share() const noexcept {
-    return gpu_cost_per_token_seconds / (cpu_cost_per_token_seconds + gpu_cost_per_token_seconds);
+    return roofline_converged_share(cpu_cost_per_token_seconds, gpu_cost_per_token_seconds,
+                                    launch_cost_per_token_seconds);
   }
 };
 
@@ -209,6 +216,14 @@ T calibration_field(const nlohmann::json& obj, const char* key, const std::strin
     x.gpu_cost_per_token_seconds = detail::calibration_field<double>(e, "gpu_cost_per_token_seconds", path, where);
     x.cpu_fixed_seconds = detail::calibration_field<double>(e, "cpu_fixed_seconds", path, where);
     x.gpu_fixed_seconds = detail::calibration_field<double>(e, "gpu_fixed_seconds", path, where);
+    if (e.contains("launch_cost_per_token_seconds")) {
+      x.launch_cost_per_token_seconds =
+          detail::calibration_field<double>(e, "launch_cost_per_token_seconds", path, where);
+      if (!(x.launch_cost_per_token_seconds >= 0.0 && std::isfinite(x.launch_cost_per_token_seconds)))
+        detail::calibration_fail(path, where + ": launch_cost_per_token_seconds " +
+                                           detail::format_double(x.launch_cost_per_token_seconds) +
+                                           " must be >= 0 and finite");
+    }
     if (x.preset.empty()) detail::calibration_fail(path, where + ": empty \"preset\"");
     if (x.batch < 1) detail::calibration_fail(path, where + ": batch " + std::to_string(x.batch) + " must be >= 1");
     auto positive = [](double v) { return v > 0.0 && std::isfinite(v); };
@@ -266,6 +281,7 @@ T calibration_field(const nlohmann::json& obj, const char* key, const std::strin
                      {"gpu_cost_per_token_seconds", e.gpu_cost_per_token_seconds},
                      {"cpu_fixed_seconds", e.cpu_fixed_seconds},
                      {"gpu_fixed_seconds", e.gpu_fixed_seconds},
+                     {"launch_cost_per_token_seconds", e.launch_cost_per_token_seconds},
                      {"converged_share", e.converged_share()}};
     x["points"] = nlohmann::json::array();
     for (const calibration_point& p : e.points)

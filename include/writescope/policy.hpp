@@ -77,6 +77,13 @@ struct cost_sample {
   double gpu_seconds = 0.0;         ///< time of the GPU side (stream + attend), excluding the merge
   index_t gpu_streamed_tokens = 0;  ///< KV tokens streamed through ping-pong (D-window tokens excluded)
   int batch_size = 0;
+  /// Host seconds the step spent before its CPU engine could start, building
+  /// and enqueueing the GPU side (step_report::launch_seconds), and the KV
+  /// tokens that launch streams. Filled for asynchronous engines
+  /// (cuda_backend) on dense steps; 0 otherwise (a synchronous engine's launch
+  /// is its GPU side's work, not an enqueue).
+  double launch_seconds = 0.0;
+  index_t launch_streamed_tokens = 0;
 };
 
 /// Opt-in tag: `using policy_concept = routing_policy_tag;` (STYLE.md §3).
@@ -158,28 +165,52 @@ struct roofline_params {
   /// pinned region — in either direction as the CPU engine's speed drifts.
   /// 0 (the paper's policy) without an assist.
   double placement_headroom = 0.0;
+  /// K: host seconds per streamed token spent building and enqueueing the GPU
+  /// side before the CPU engine starts (cost_sample::launch_seconds). It lies
+  /// on the CPU side's path but grows with the GPU's share, so eq. 2's
+  /// balance uses B − K in place of B (roofline_policy::target_share). 0 = the
+  /// paper's model (an engine whose enqueue is negligible, or done by another
+  /// thread: cuda_backend::set_launch_thread).
+  double launch_cost_per_token_seconds = 0.0;
+  bool track_launch_cost = true;  ///< re-measure K online from the samples that carry it
 
   /// Δ = C_GPU − C_CPU.
   [[nodiscard]] double fixed_overhead_gap_seconds() const noexcept { return gpu_fixed_seconds - cpu_fixed_seconds; }
 };
 
+/// The long-context limit of the roofline's target share (eq. 2 as L → ∞)
+/// for per-token costs A (CPU), B (GPU) and K (the host's enqueue per
+/// streamed token, on the CPU side's path): (B−K)/(A+B−K) when K < A and
+/// K < B; else 1 (K >= A) or 0 (A > K >= B). See roofline_policy.
+[[nodiscard]] constexpr double roofline_converged_share(double a, double b, double k) noexcept {
+  if (k >= a || k >= b) return k >= a ? 1.0 : 0.0;
+  return (b - k) / (a + b - k);
+}
+
 /// The roofline policy (paper §5.2–5.3, eq. 2):
 ///
-///     r(L) = clamp( B/(A+B) + Δ/((A+B)·L), 0, 1 )
+///     r(L) = clamp( B'/(A+B') + Δ/((A+B')·L), 0, 1 ),   B' = B − K
 ///
 /// with L the placed tokens of all live sequences after the batch and the
 /// admissions in progress (route_query::coming_tokens: the length the next
-/// step attends). Each batch is
-/// routed by marginal share toward r(L); A is re-estimated online from measured
-/// CPU time per attended token (sliding ratio-of-sums over the last
-/// `cost_window_samples` steps, fixed cost C_CPU removed), B likewise when
-/// `track_gpu_cost`. Not thread-safe (see file comment).
+/// step attends). K (roofline_params::launch_cost_per_token_seconds) is the
+/// host's enqueue time per streamed token, which delays the CPU side: the
+/// CPU side's path is C_CPU + A·r·L + K·(1−r)·L, the GPU's C_GPU + B·(1−r)·L,
+/// and B' is what moving a token to the GPU saves on the step. K = 0 is the
+/// paper's eq. 2; when K ≥ A or K ≥ B the two paths do not cross and r is 1
+/// (K ≥ A: the CPU side's path shrinks as r grows) or 0 (A > K ≥ B). Each
+/// batch is routed by marginal share toward r(L); A is re-estimated online
+/// from measured CPU time per attended token (sliding ratio-of-sums over the
+/// last `cost_window_samples` steps, fixed cost C_CPU removed), B likewise
+/// when `track_gpu_cost`, K when `track_launch_cost` (samples that carry a
+/// launch). Not thread-safe (see file comment).
 class roofline_policy {
  public:
   using policy_concept = routing_policy_tag;
 
   /// Throws config_error unless A > 0, B > 0 (finite) and cost_window_samples >= 1.
-  explicit roofline_policy(const roofline_params& p) : p_(p), a_(p.cpu_cost_per_token_seconds), b_(p.gpu_cost_per_token_seconds) {
+  explicit roofline_policy(const roofline_params& p)
+      : p_(p), a_(p.cpu_cost_per_token_seconds), b_(p.gpu_cost_per_token_seconds), k_(p.launch_cost_per_token_seconds) {
     auto positive = [](double v) { return v > 0.0 && std::isfinite(v); };
     if (!positive(p.cpu_cost_per_token_seconds) || !positive(p.gpu_cost_per_token_seconds))
       throw config_error("roofline_policy: per-token costs must be positive and finite (A=" +
@@ -193,23 +224,32 @@ class roofline_policy {
     if (!(p.placement_headroom >= 0.0 && p.placement_headroom < 1.0))
       throw config_error("roofline_policy: placement_headroom " + detail::format_double(p.placement_headroom) +
                          " is outside [0, 1)");
+    if (!(p.launch_cost_per_token_seconds >= 0.0 && std::isfinite(p.launch_cost_per_token_seconds)))
+      throw config_error("roofline_policy: launch_cost_per_token_seconds (K) " +
+                         detail::format_double(p.launch_cost_per_token_seconds) + " must be >= 0 and finite");
   }
 
   /// r(L) of eq. 2 for L placed tokens (L <= 0 gives the Δ-limited extreme),
   /// less roofline_params::placement_headroom, clamped to [0, 1].
   [[nodiscard]] double target_share(index_t total_placed_tokens) const noexcept {
-    const double ab = a_ + b_;
-    const double delta = p_.fixed_overhead_gap_seconds();
-    double r = b_ / ab;
-    if (total_placed_tokens > 0)
-      r += delta / (ab * double(total_placed_tokens));
-    else if (delta != 0.0)
-      r = delta > 0 ? 1.0 : 0.0;
+    double r;
+    if (k_ >= a_ || k_ >= b_) {  // no crossing (see the class comment)
+      r = k_ >= a_ ? 1.0 : 0.0;
+    } else {
+      const double be = b_ - k_;
+      const double ab = a_ + be;
+      const double delta = p_.fixed_overhead_gap_seconds();
+      r = be / ab;
+      if (total_placed_tokens > 0)
+        r += delta / (ab * double(total_placed_tokens));
+      else if (delta != 0.0)
+        r = delta > 0 ? 1.0 : 0.0;
+    }
     return std::clamp(r - p_.placement_headroom, 0.0, 1.0);
   }
 
-  /// The converged share p = B/(A+B).
-  [[nodiscard]] double converged_share() const noexcept { return b_ / (a_ + b_); }
+  /// The converged share p = B'/(A+B') (B' = B − K; K = 0: the paper's B/(A+B)).
+  [[nodiscard]] double converged_share() const noexcept { return roofline_converged_share(a_, b_, k_); }
 
   [[nodiscard]] route_decision route(const route_query& q) const noexcept {
     const double r = target_share(q.total_placed_tokens + q.batch_tokens + q.coming_tokens);
@@ -222,12 +262,16 @@ class roofline_policy {
       push(cpu_window_, cpu_sum_, std::max(0.0, s.cpu_seconds - p_.cpu_fixed_seconds), s.cpu_tokens, a_);
     if (p_.track_gpu_cost && s.gpu_streamed_tokens > 0 && std::isfinite(s.gpu_seconds))
       push(gpu_window_, gpu_sum_, std::max(0.0, s.gpu_seconds - p_.gpu_fixed_seconds), s.gpu_streamed_tokens, b_);
+    if (p_.track_launch_cost && s.launch_streamed_tokens > 0 && std::isfinite(s.launch_seconds))
+      push(launch_window_, launch_sum_, std::max(0.0, s.launch_seconds), s.launch_streamed_tokens, k_);
   }
 
   /// Current A (seconds per CPU-attended token).
   [[nodiscard]] double cpu_cost_per_token_seconds() const noexcept { return a_; }
   /// Current B (seconds per streamed token).
   [[nodiscard]] double gpu_cost_per_token_seconds() const noexcept { return b_; }
+  /// Current K (host enqueue seconds per streamed token, on the CPU side's path).
+  [[nodiscard]] double launch_cost_per_token_seconds() const noexcept { return k_; }
   [[nodiscard]] const roofline_params& params() const noexcept { return p_; }
 
  private:
@@ -268,8 +312,9 @@ class roofline_policy {
   roofline_params p_;
   double a_;
   double b_;
-  std::vector<sample> cpu_window_, gpu_window_;
-  window_sum cpu_sum_, gpu_sum_;
+  double k_;
+  std::vector<sample> cpu_window_, gpu_window_, launch_window_;
+  window_sum cpu_sum_, gpu_sum_, launch_sum_;
 };
 
 /// How the CPU engine helps with the pinned load region, per dense step

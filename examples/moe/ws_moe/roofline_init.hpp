@@ -120,20 +120,23 @@ struct roofline_origin {
   std::string file, preset, matched_by;  ///< matched_by: "attention geometry" or "--calibration-preset"
   int entry_batch = 0, run_batch = 0;
   int entry_cpu_threads = 0, run_cpu_threads = 0;
-  double kv_bytes_scale = 1.0;  ///< A and B multiplied by this (1 unless the geometry differs)
+  double kv_bytes_scale = 1.0;  ///< A and B multiplied by this (1 unless the geometry differs; K is per block, kept)
   std::string device, cpu, date_utc;
 
   [[nodiscard]] double converged_share() const noexcept {
-    const double a = params.cpu_cost_per_token_seconds, b = params.gpu_cost_per_token_seconds;
-    return a + b > 0 ? b / (a + b) : 0.0;
+    return writescope::roofline_converged_share(params.cpu_cost_per_token_seconds, params.gpu_cost_per_token_seconds,
+                                                params.launch_cost_per_token_seconds);
   }
 
   /// One line for the summary.
   [[nodiscard]] std::string describe() const {
-    char costs[200];
-    std::snprintf(costs, sizeof costs, "A %.4g ns/token, B %.4g ns/token, C_CPU %.4g us, C_GPU %.4g us, p = B/(A+B) %.3f",
+    char costs[240];
+    std::snprintf(costs, sizeof costs,
+                  "A %.4g ns/token, B %.4g ns/token, K %.4g ns/token, C_CPU %.4g us, C_GPU %.4g us, "
+                  "p = (B-K)/(A+B-K) %.3f",
                   params.cpu_cost_per_token_seconds * 1e9, params.gpu_cost_per_token_seconds * 1e9,
-                  params.cpu_fixed_seconds * 1e6, params.gpu_fixed_seconds * 1e6, converged_share());
+                  params.launch_cost_per_token_seconds * 1e9, params.cpu_fixed_seconds * 1e6,
+                  params.gpu_fixed_seconds * 1e6, converged_share());
     if (!from_file) {
       char b[120];
       std::snprintf(b, sizeof b, "defaults (--cpu-bw-gbps %g, --h2d-bw-gbps %g): ", cpu_bw_gbps, h2d_bw_gbps);
@@ -162,6 +165,7 @@ struct roofline_origin {
                      {"gpu_cost_per_token_seconds", params.gpu_cost_per_token_seconds},
                      {"cpu_fixed_seconds", params.cpu_fixed_seconds},
                      {"gpu_fixed_seconds", params.gpu_fixed_seconds},
+                     {"launch_cost_per_token_seconds", params.launch_cost_per_token_seconds},
                      {"converged_share", converged_share()},
                      {"track_gpu_cost", params.track_gpu_cost}};
     if (from_file) {

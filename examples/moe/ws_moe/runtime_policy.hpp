@@ -31,12 +31,13 @@ class runtime_policy {
 
   [[nodiscard]] const variant_type& get() const noexcept { return p_; }
 
-  /// "roofline (A=…, B=…)", "fixed r=0.25", "gpu_only (r=0)", "cpu_only (r=1)".
+  /// "roofline (A=…, B=…, K=…)", "fixed r=0.25", "gpu_only (r=0)", "cpu_only (r=1)".
   [[nodiscard]] std::string describe() const {
     char buf[160];
     if (const auto* r = std::get_if<writescope::roofline_policy>(&p_)) {
-      std::snprintf(buf, sizeof buf, "roofline (A=%.3g s/token, B=%.3g s/token, converged r=%.3f)",
-                    r->cpu_cost_per_token_seconds(), r->gpu_cost_per_token_seconds(), r->converged_share());
+      std::snprintf(buf, sizeof buf, "roofline (A=%.3g s/token, B=%.3g s/token, K=%.3g s/token, converged r=%.3f)",
+                    r->cpu_cost_per_token_seconds(), r->gpu_cost_per_token_seconds(),
+                    r->launch_cost_per_token_seconds(), r->converged_share());
       std::string d = buf;
       if (r->params().placement_headroom > 0.0) {
         std::snprintf(buf, sizeof buf, ", placed %.3f below it", r->params().placement_headroom);
