@@ -23,6 +23,9 @@
 #               the TPOT-tail experiments left by session 5 (docs/DECODERS.md): roofline
 #               placed 0.05 below its balance (--placement-headroom 0.05, the GPU the long
 #               pole), and the adaptive CPU assist (--cpu-assist adaptive)
+#   dsv2lite_8k.roofline, hf.dsv2lite_8k, mixtral_peer.roofline, hf.mixtral  (only when named in
+#               RUNS) the transformers peer on DeepSeek-V2-Lite (4 layers, 8 x 8160) and Mixtral
+#               (4 layers, 4 x 32736), each after ws_decode at the same shape
 #   mixtral_full4.{roofline,gpu_only}  (only when named in RUNS; ~65 s each) all 32 layers at
 #               batch 4 x 32736, 66 new tokens: session 5's full-depth Mixtral shape
 #   *_full.{roofline,gpu_only}  (only when named in RUNS; each takes 2-4 minutes, so raise
@@ -99,6 +102,13 @@ for pol in roofline gpu_only; do
 done
 add "qwen3_8k.roofline" ws 1 "--random-weights --config $cfg/qwen3_30b_a3b.json --layers 8 --batch 8 --prompt-len 8160 --max-new-tokens $PEER_NEW_TOKENS --policy roofline"
 add "hf.qwen3_8k" hf 1 "--config $cfg/qwen3_30b_a3b.json --layers 8 --batch 8 --prompt-len 8160 --new-tokens $PEER_NEW_TOKENS"
+# the peer on the other two architectures (only when named in RUNS): DeepSeek-V2-Lite at
+# 8 x 8160 (transformers' MLA attention materialises the scores: 32K would not fit), and
+# Mixtral at the mixtral.* shape
+add "dsv2lite_8k.roofline" ws 2 "--random-weights --config $cfg/deepseek_v2_lite.json --layers 4 --batch 8 --prompt-len 8160 --max-new-tokens $PEER_NEW_TOKENS --policy roofline"
+add "hf.dsv2lite_8k" hf 2 "--config $cfg/deepseek_v2_lite.json --layers 4 --batch 8 --prompt-len 8160 --new-tokens $PEER_NEW_TOKENS"
+add "mixtral_peer.roofline" ws 2 "--random-weights --config $cfg/mixtral_8x7b.json --layers 4 --batch 4 --prompt-len $long --max-new-tokens $PEER_NEW_TOKENS --policy roofline"
+add "hf.mixtral" hf 2 "--config $cfg/mixtral_8x7b.json --layers 4 --batch 4 --prompt-len $long --new-tokens $PEER_NEW_TOKENS"
 add "qwen3_spill.roofline" ws 0 "--random-weights --config $cfg/qwen3_30b_a3b.json --layers 8 --batch 8 --prompt-len 992 --max-new-tokens $n --policy roofline --max-gpu-experts 512"
 for pol in roofline gpu_only; do
   add "qwen3_full.$pol" ws 2 "--random-weights --config $cfg/qwen3_30b_a3b.json --batch 8 --prompt-len $long --max-new-tokens $n --policy $pol"
@@ -193,12 +203,13 @@ for name in ("qwen3.roofline", "dsv2lite.roofline", "mixtral.roofline", "qwen3_8
         src = (f"{ri['file']} entry {ri['preset']} batch {ri['entry_batch']}" if ri["source"] == "calibration"
                else f"defaults ({ri.get('cpu_bw_gbps')} / {ri.get('h2d_bw_gbps')} GB/s)")
         print(f"{name}: roofline costs from {src}: A {ri['cpu_cost_per_token_seconds'] * 1e9:.1f} ns, "
-              f"B {ri['gpu_cost_per_token_seconds'] * 1e9:.1f} ns per token, p = {ri['converged_share']:.3f}; "
+              f"B {ri['gpu_cost_per_token_seconds'] * 1e9:.1f} ns, "
+              f"K {ri.get('launch_cost_per_token_seconds', 0.0) * 1e9:.2f} ns per token, p = {ri['converged_share']:.3f}; "
               f"deployed CPU share {s['cpu_share']:.3f}")
 # decode speed-up of roofline over the baselines, per model (all steps; steady state in brackets)
 def steady(s):
     return s.get("decode_steady_tok_s") or s["decode_tok_s"]
-for m in ("qwen3", "dsv2lite"):
+for m in ("qwen3", "dsv2lite", "mixtral"):
     ro, go, co = by.get(m + ".roofline"), by.get(m + ".gpu_only"), by.get(m + ".cpu_only")
     if ro and go and go["decode_tok_s"] > 0:
         line = (f"{m}: roofline decode {ro['decode_tok_s']:.1f} tok/s = {ro['decode_tok_s'] / go['decode_tok_s']:.2f}x "
@@ -207,14 +218,17 @@ for m in ("qwen3", "dsv2lite"):
             line += f", {ro['decode_tok_s'] / co['decode_tok_s']:.2f}x cpu_only (steady {steady(ro) / steady(co):.2f}x)"
         print(line)
 # ws_decode beside transformers at the same shape
-ws, hf = by.get("qwen3_8k.roofline"), by.get("hf.qwen3_8k")
-if ws and hf and not hf.get("error") and hf.get("decode_tok_s"):
-    print(f"qwen3 8 layers, 8 x 8160, {hf.get('new_tokens')} new tokens: ws_decode roofline decode {ws['decode_tok_s']:.1f} tok/s, "
-          f"prefill {ws['prefill_tok_s']:.0f} tok/s; transformers {hf.get('transformers')} generate() "
-          f"({hf.get('cache', {}).get('api')}) decode {hf['decode_tok_s']:.1f} tok/s, prefill {hf['prefill_tok_s']:.0f} tok/s "
-          f"-> decode {ws['decode_tok_s'] / hf['decode_tok_s']:.2f}x, prefill {ws['prefill_tok_s'] / hf['prefill_tok_s']:.2f}x")
-elif hf:
-    print(f"hf.qwen3_8k: {hf.get('error', 'no decode figure')}")
+for wsn, hfn in (("qwen3_8k.roofline", "hf.qwen3_8k"), ("dsv2lite_8k.roofline", "hf.dsv2lite_8k"),
+                 ("mixtral_peer.roofline", "hf.mixtral")):
+    ws, hf = by.get(wsn), by.get(hfn)
+    if ws and hf and not hf.get("error") and hf.get("decode_tok_s"):
+        print(f"{hfn[3:]}: {ws.get('layers')} layers, batch {ws.get('batch')}, {hf.get('new_tokens')} new tokens: "
+              f"ws_decode roofline decode {ws['decode_tok_s']:.1f} tok/s, "
+              f"prefill {ws['prefill_tok_s']:.0f} tok/s; transformers {hf.get('transformers')} generate() "
+              f"({hf.get('cache', {}).get('api')}) decode {hf['decode_tok_s']:.1f} tok/s, prefill {hf['prefill_tok_s']:.0f} tok/s "
+              f"-> decode {ws['decode_tok_s'] / hf['decode_tok_s']:.2f}x, prefill {ws['prefill_tok_s'] / hf['prefill_tok_s']:.2f}x")
+    elif hf:
+        print(f"{hfn}: {hf.get('error', 'no decode figure')}")
 PY
 else
   echo "python3 not found: see scale.json" >"$OUT/scale.txt"
