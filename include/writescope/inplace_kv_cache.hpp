@@ -172,6 +172,10 @@ class inplace_kv_cache {
                                     ? cap_pin
                                     : (spec_.pinned_initial_tokens + spec_.block_tokens - 1) / spec_.block_tokens;
     grow_pinned_to(initial_pin);
+    // Everything page-locked at init: so is the backend's eviction staging
+    // (FAULT-KINDS K8, nothing is pinned inside a step; never throws).
+    if constexpr (requires(Backend& b) { b.reserve_eviction_bounce(); })
+      if (spec_.pinned_initial_tokens < 0 && cap_cpu > 0) backend.reserve_eviction_bounce();
 
     const index_t window_bytes = index_t(spec_.max_sequences) * spec_.window_blocks() * block_bytes * spec_.num_layers;
     d_window_ = backend_->allocate_device(window_bytes, "D-window");

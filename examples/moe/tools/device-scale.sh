@@ -32,8 +32,9 @@
 #               RUN_CAP, e.g. 300) every layer of the model: qwen3_full 48 layers x 8 x 32736
 #               (24 GiB of KV), dsv2lite_full 27 layers x 32 x 32736 (31 GiB), mixtral_full
 #               32 layers x 8 x 32736 (32 GiB; 93 GB of bf16 weights on the GPU)
-# KV plan: block 32, D 64, ping-pong 2 x 64 MiB, GPU splits of 8 blocks (256 tokens,
-# bench/calibrate's default split; session-3 runs before this used 16 blocks). Prompts of 32736 = 511.5 x 64
+# KV plan: block 32, D 64, ping-pong 2 x 64 MiB, GPU splits of ws_decode's default 4 blocks
+# (sessions 3-5 ran 8 or 16; calibrate with --block-tokens 32 --split-blocks 4 to match, since
+# B and K depend on both). Prompts of 32736 = 511.5 x 64
 # (8160 = 127.5 x 64) tokens leave 32 in each D-window, so every sequence
 # evicts at decode steps 32, 96, 160, ...; NEW_TOKENS = 130 gives 129 decode
 # steps: the first (reported alone) and 128 steady-state steps = two eviction
@@ -76,7 +77,7 @@ if [ -n "${CALIBRATION:-}" ]; then
   cal="--calibration $CALIBRATION"
 fi
 cfg=$root/examples/moe/configs
-kv="--block-tokens 32 --d-window 64 --ping-pong-mib 64 --gpu-split-blocks 8 --cpu-task-blocks 16 --no-progress"
+kv="--block-tokens 32 --d-window 64 --ping-pong-mib 64 --cpu-task-blocks 16 --no-progress"
 long=32736
 n=$NEW_TOKENS
 

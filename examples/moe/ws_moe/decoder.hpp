@@ -234,6 +234,12 @@ writescope::partition_spec make_partition_spec(const Layout& layout, int num_lay
   s.cpu_capacity_tokens = std::max<index_t>(cap, k.block_tokens);
   s.pinned_capacity_tokens = std::max<index_t>(cap, k.block_tokens);
   s.pinned_initial_tokens = 0;
+  // Page-locked as prefill places blocks there, in slabs of an eighth of the
+  // capacity (at least one D-window per sequence). A slab is one
+  // registration and breaks a layer's run of blocks: the default (one D per
+  // sequence) gave runs of 8-64 blocks, one H2D copy each, and a host
+  // enqueue of ~1 ms per layer (session 6, step_host_phases).
+  s.pinned_growth_tokens = std::max<index_t>(index_t(s.max_sequences) * k.d_window_tokens, cap / 8);
   s.ping_pong_buffers = k.ping_pong_buffers;
   s.gpu_split_blocks = k.gpu_split_blocks;
   s.cpu_task_blocks = k.cpu_task_blocks;

@@ -500,6 +500,25 @@ class cuda_backend {
     eviction_bounce_ = host_allocation();
     eviction_bounce_refused_ = false;
   }
+  /// Page-locks the bounce buffer now at its full size (set_eviction_bounce_bytes),
+  /// so that no later eviction pins memory: inplace_kv_cache calls it at
+  /// construction when its pinned region is pinned at init
+  /// (pinned_initial_tokens = -1; FAULT-KINDS K8: nothing is page-locked inside
+  /// a step). A refusal is not an error: evictions then copy directly into
+  /// pageable memory, as after set_eviction_bounce_bytes(0). Between steps,
+  /// from the thread that drives the cache; never throws.
+  void reserve_eviction_bounce() noexcept {
+    if (eviction_bounce_max_bytes_ <= 0 || eviction_bounce_refused_ ||
+        eviction_bounce_.size_bytes() >= eviction_bounce_max_bytes_)
+      return;
+    try {
+      host_allocation b = allocate_staging(eviction_bounce_max_bytes_);
+      if (cudaStreamSynchronize(d2h_.get()) != cudaSuccess) return;  // nothing may still write the old buffer
+      eviction_bounce_ = std::move(b);
+    } catch (...) {
+      eviction_bounce_refused_ = true;
+    }
+  }
   /// Whether evictions into pageable memory go through the bounce buffer (false
   /// before the first one, with set_eviction_bounce_bytes(0), or when no
   /// buffer could be page-locked).
