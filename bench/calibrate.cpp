@@ -312,6 +312,8 @@ int main(int argc, char** argv) {
           double k_fit = 0.0;
           if (pts.launch.size() >= 2) k_fit = std::max(0.0, fit_engine(pts.launch, "K", bud).slope);
           e.launch_cost_per_token_seconds = k_fit;
+          e.block_tokens = o.block_tokens;
+          e.gpu_split_blocks = o.split_blocks;
           for (const point& p : pts.cpu) e.points.push_back({"cpu", p.tokens_per_sequence, index_t(p.tokens), p.seconds});
           for (const point& p : pts.gpu) e.points.push_back({"gpu", p.tokens_per_sequence, index_t(p.tokens), p.seconds});
           cal.entries.push_back(e);

@@ -60,6 +60,8 @@ calibration sample_calibration() {
   q4.batch = 4;
   q4.cpu_cost_per_token_seconds = 3e-11;
   q4.launch_cost_per_token_seconds = 0.75e-11;  // K (session 6); the other entries have none
+  q4.block_tokens = 32;                          // the KV plan of the measurement (session 6)
+  q4.gpu_split_blocks = 4;
   q4.points.clear();
   calibration_entry d16 = q16;
   d16.preset = "DeepSeek-V2-Lite";
@@ -90,6 +92,8 @@ TEST_CASE("calibration files: save/load round trip, lookup by preset alias and n
     CHECK(r.entries[i].cpu_fixed_seconds == c.entries[i].cpu_fixed_seconds);
     CHECK(r.entries[i].gpu_fixed_seconds == c.entries[i].gpu_fixed_seconds);
     CHECK(r.entries[i].launch_cost_per_token_seconds == c.entries[i].launch_cost_per_token_seconds);
+    CHECK(r.entries[i].block_tokens == c.entries[i].block_tokens);
+    CHECK(r.entries[i].gpu_split_blocks == c.entries[i].gpu_split_blocks);
     CHECK(r.entries[i].points.size() == c.entries[i].points.size());
   }
   // K enters the share as B - K: (3.75 - 0.75) / (3 + 3.75 - 0.75) = 0.5
@@ -190,13 +194,25 @@ TEST_CASE("calibration loader errors name the file, the entry and the field") {
     j["entries"][1]["launch_cost_per_token_seconds"] = -1e-12;
     f.write(j.dump());
     expect_checkpoint(f.path, {"entry 1", "launch_cost_per_token_seconds -1e-12", ">= 0"});
+    j = good;
+    j["entries"][1]["gpu_split_blocks"] = 0;
+    f.write(j.dump());
+    expect_checkpoint(f.path, {"entry 1", "gpu_split_blocks 0", ">= 1"});
   }
-  SUBCASE("a file written before K existed loads with K = 0") {
+  SUBCASE("a file written before K and the KV plan were recorded loads with zeros") {
     nlohmann::json j = good;
-    for (auto& e : j["entries"]) e.erase("launch_cost_per_token_seconds");
+    for (auto& e : j["entries"]) {
+      e.erase("launch_cost_per_token_seconds");
+      e.erase("block_tokens");
+      e.erase("gpu_split_blocks");
+    }
     f.write(j.dump());
     const calibration r = load_calibration(f.path);
-    for (const calibration_entry& e : r.entries) CHECK(e.launch_cost_per_token_seconds == 0.0);
+    for (const calibration_entry& e : r.entries) {
+      CHECK(e.launch_cost_per_token_seconds == 0.0);
+      CHECK(e.block_tokens == 0);
+      CHECK(e.gpu_split_blocks == 0);
+    }
   }
   SUBCASE("a preset the file does not calibrate is a config_error listing what it has") {
     save_calibration(f.path, sample_calibration());

@@ -334,7 +334,8 @@ int run(cli& a) {
       a.calibration.empty()
           ? roofline_from_defaults(c, a.cpu_bw_gbps, a.h2d_bw_gbps, a.cpu_fixed_us, a.gpu_fixed_us, a.track_gpu_cost)
           : roofline_from_calibration(writescope::load_calibration(a.calibration), a.calibration, c,
-                                      int(prompts.size()), o.threads, a.calibration_preset, a.track_gpu_cost);
+                                      int(prompts.size()), o.threads, a.calibration_preset, a.track_gpu_cost,
+                                      o.kv.block_tokens, o.kv.gpu_split_blocks);
   // CPU assist (hybrid_attention; docs/DECISIONS.md): off by default (the
   // paper's split, bit-reproducible). The roofline policy places
   // --placement-headroom less on the CPU than its balance: by default 0.05

@@ -19,6 +19,7 @@
 //         "cpu_cost_per_token_seconds": 1.9e-11,  "gpu_cost_per_token_seconds": 3.9e-11,
 //         "cpu_fixed_seconds": 6.0e-5,            "gpu_fixed_seconds": 4.0e-5,
 //         "launch_cost_per_token_seconds": 2.7e-9,                          // optional (K; 0)
+//         "block_tokens": 32, "gpu_split_blocks": 4,                         // optional (the KV plan)
 //         "points": [ { "engine": "cpu", "tokens_per_sequence": 8192,
 //                       "tokens": 131072, "seconds": 0.0025 }, ... ] },   // optional
 //       ... ] }
@@ -31,7 +32,8 @@
 // statistics).
 //
 // Errors: a missing, unreadable or malformed file, or an entry that breaks a
-// rule (A or B not positive and finite, a fixed cost not finite, batch < 1),
+// rule (A or B not positive and finite, a fixed cost not finite, batch < 1,
+// K negative, a recorded block size or split below 1),
 // throws checkpoint_error naming the file, the entry and the field; asking for
 // a preset the file does not calibrate throws config_error listing the
 // calibrated presets and batches.
@@ -82,6 +84,11 @@ struct calibration_entry {
   double cpu_fixed_seconds = 0.0;           ///< C_CPU (may be negative: a fit intercept)
   double gpu_fixed_seconds = 0.0;           ///< C_GPU (likewise)
   double launch_cost_per_token_seconds = 0.0;  ///< K (>= 0; 0 when the file has none)
+  /// The KV plan of the measurement (B and K depend on both): tokens per block
+  /// and blocks per GPU split (partition_spec::gpu_split_blocks); 0 = not
+  /// recorded (files written before session 6).
+  int block_tokens = 0;
+  int gpu_split_blocks = 0;
   std::vector<calibration_point> points;    ///< the measurements (optional)
 
   /// `base` (window, track_gpu_cost, headroom) with this entry's five costs.
@@ -216,6 +223,12 @@ T calibration_field(const nlohmann::json& obj, const char* key, const std::strin
     x.gpu_cost_per_token_seconds = detail::calibration_field<double>(e, "gpu_cost_per_token_seconds", path, where);
     x.cpu_fixed_seconds = detail::calibration_field<double>(e, "cpu_fixed_seconds", path, where);
     x.gpu_fixed_seconds = detail::calibration_field<double>(e, "gpu_fixed_seconds", path, where);
+    for (const char* f : {"block_tokens", "gpu_split_blocks"}) {
+      if (!e.contains(f)) continue;
+      const int v = detail::calibration_field<int>(e, f, path, where);
+      if (v < 1) detail::calibration_fail(path, where + ": " + f + " " + std::to_string(v) + " must be >= 1");
+      (std::string_view(f) == "block_tokens" ? x.block_tokens : x.gpu_split_blocks) = v;
+    }
     if (e.contains("launch_cost_per_token_seconds")) {
       x.launch_cost_per_token_seconds =
           detail::calibration_field<double>(e, "launch_cost_per_token_seconds", path, where);
@@ -283,6 +296,8 @@ T calibration_field(const nlohmann::json& obj, const char* key, const std::strin
                      {"gpu_fixed_seconds", e.gpu_fixed_seconds},
                      {"launch_cost_per_token_seconds", e.launch_cost_per_token_seconds},
                      {"converged_share", e.converged_share()}};
+    if (e.block_tokens > 0) x["block_tokens"] = e.block_tokens;
+    if (e.gpu_split_blocks > 0) x["gpu_split_blocks"] = e.gpu_split_blocks;
     x["points"] = nlohmann::json::array();
     for (const calibration_point& p : e.points)
       x["points"].push_back({{"engine", p.engine},

@@ -11,7 +11,8 @@
 //      split into tasks of (sequence, KV head, cpu_task_blocks blocks), and
 //      merge each (sequence, head)'s task partials in task order;
 //   4. the GPU engine merges streamed ⊕ D-window ⊕ CPU into the output;
-//   5. the measured cost of both sides goes to the routing policy (online A).
+//   5. the measured cost of both sides goes to the routing policy (online A; B and, for
+//      an asynchronous engine, the host enqueue K per streamed token — roofline_policy).
 //
 // CPU assist (optional, attention_options::assist; docs/DECISIONS.md): the
 // pinned load region is host memory in the same block format, so the CPU

@@ -558,6 +558,31 @@ TEST_CASE("ws_decode --calibration: the entry of the model's attention geometry,
     REQUIRE(r16.status == 0);
     CHECK(json::parse(std::ifstream(out)).at("roofline_init").at("entry_batch") == 16);
   }
+  SUBCASE("the entry's KV plan and K (session 6): a plan that differs from the run's is named; K enters the share") {
+    json e = entry("Qwen3-30B-A3B", 4, 3.2e-8, 5.0e-8);
+    e["block_tokens"] = 32;
+    e["gpu_split_blocks"] = 4;
+    e["launch_cost_per_token_seconds"] = 1e-8;
+    const fs::path planned = tmp.path / "planned.json", out = tmp.path / "run.json";
+    write_text(planned, file(json::array({e})).dump());
+    const run_result r = run_ws_decode(model + " --calibration " + planned.string() + " --json " + out.string());
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    CHECK(r.output.find("15 CPU engine threads (this run: 1), block 32 tokens (this run: 64), 4-block GPU splits, "
+                        "measured on NVIDIA H200") != npos);
+    CHECK(r.output.find("K 10 ns/token") != npos);
+    const json ri = json::parse(std::ifstream(out)).at("roofline_init");
+    CHECK(ri.at("entry_block_tokens") == 32);
+    CHECK(ri.at("run_block_tokens") == 64);
+    CHECK(ri.at("entry_split_blocks") == 4);
+    CHECK(ri.at("run_split_blocks") == 4);
+    CHECK(ri.at("launch_cost_per_token_seconds").get<double>() == doctest::Approx(1e-8));
+    CHECK(ri.at("converged_share").get<double>() == doctest::Approx(4.0 / 7.2));  // (B-K)/(A+B-K)
+    const run_result same = run_ws_decode(model + " --block-tokens 32 --calibration " + planned.string());
+    INFO(same.output);
+    REQUIRE(same.status == 0);
+    CHECK(same.output.find("block 32 tokens, 4-block GPU splits, measured on") != npos);
+  }
   SUBCASE("without a file: the bandwidth priors, named as defaults") {
     const fs::path out = tmp.path / "run.json";
     const run_result r = run_ws_decode(model + " --cpu-bw-gbps 100 --json " + out.string());

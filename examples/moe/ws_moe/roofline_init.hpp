@@ -120,6 +120,8 @@ struct roofline_origin {
   std::string file, preset, matched_by;  ///< matched_by: "attention geometry" or "--calibration-preset"
   int entry_batch = 0, run_batch = 0;
   int entry_cpu_threads = 0, run_cpu_threads = 0;
+  int entry_block_tokens = 0, run_block_tokens = 0;  ///< the entry's KV plan (0: not recorded) and the run's
+  int entry_split_blocks = 0, run_split_blocks = 0;
   double kv_bytes_scale = 1.0;  ///< A and B multiplied by this (1 unless the geometry differs; K is per block, kept)
   std::string device, cpu, date_utc;
 
@@ -154,6 +156,14 @@ struct roofline_origin {
       s += ", " + std::to_string(entry_cpu_threads) + " CPU engine threads";
       if (entry_cpu_threads != run_cpu_threads) s += " (this run: " + std::to_string(run_cpu_threads) + ")";
     }
+    if (entry_block_tokens > 0) {  // B and K depend on the KV plan: say when the run's differs
+      s += ", block " + std::to_string(entry_block_tokens) + " tokens";
+      if (entry_block_tokens != run_block_tokens) s += " (this run: " + std::to_string(run_block_tokens) + ")";
+    }
+    if (entry_split_blocks > 0) {
+      s += ", " + std::to_string(entry_split_blocks) + "-block GPU splits";
+      if (entry_split_blocks != run_split_blocks) s += " (this run: " + std::to_string(run_split_blocks) + ")";
+    }
     if (!device.empty()) s += ", measured on " + device;
     if (!date_utc.empty()) s += " " + date_utc;
     return s + ": " + costs;
@@ -176,6 +186,10 @@ struct roofline_origin {
       j["run_batch"] = run_batch;
       j["entry_cpu_threads"] = entry_cpu_threads;
       j["run_cpu_threads"] = run_cpu_threads;
+      j["entry_block_tokens"] = entry_block_tokens;
+      j["run_block_tokens"] = run_block_tokens;
+      j["entry_split_blocks"] = entry_split_blocks;
+      j["run_split_blocks"] = run_split_blocks;
       j["kv_bytes_scale"] = kv_bytes_scale;
       j["device"] = device;
       j["cpu"] = cpu;
@@ -205,11 +219,13 @@ inline roofline_origin roofline_from_defaults(const model_config& c, double cpu_
 
 /// The costs of calibration `cal` (read from `path`) for model `c` at `batch`
 /// sequences (see the file comment for the rule). `forced_preset` (may be
-/// empty): --calibration-preset. `engine_threads`: this run's CPU engine
-/// threads (reported next to the entry's). Throws config_error.
+/// empty): --calibration-preset. `engine_threads`, `block_tokens`,
+/// `split_blocks`: this run's CPU engine threads and KV plan (reported next to
+/// the entry's). Throws config_error.
 inline roofline_origin roofline_from_calibration(const writescope::calibration& cal, const std::string& path,
                                                  const model_config& c, int batch, int engine_threads,
-                                                 const std::string& forced_preset, bool track_gpu_cost) {
+                                                 const std::string& forced_preset, bool track_gpu_cost,
+                                                 int block_tokens = 0, int split_blocks = 0) {
   const attention_geometry g = geometry_of(c);
   const std::vector<calibrated_preset> presets = calibrated_presets();
   const calibrated_preset* match = nullptr;
@@ -253,6 +269,10 @@ inline roofline_origin roofline_from_calibration(const writescope::calibration& 
   o.run_batch = batch;
   o.entry_cpu_threads = e->cpu_threads;
   o.run_cpu_threads = engine_threads;
+  o.entry_block_tokens = e->block_tokens;
+  o.run_block_tokens = block_tokens;
+  o.entry_split_blocks = e->gpu_split_blocks;
+  o.run_split_blocks = split_blocks;
   o.device = cal.device;
   o.cpu = cal.cpu;
   o.date_utc = cal.date_utc;
