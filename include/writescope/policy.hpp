@@ -232,14 +232,10 @@ class roofline_policy {
   /// r(L) of eq. 2 for L placed tokens (L <= 0 gives the Δ-limited extreme),
   /// less roofline_params::placement_headroom, clamped to [0, 1].
   [[nodiscard]] double target_share(index_t total_placed_tokens) const noexcept {
-    double r;
-    if (k_ >= a_ || k_ >= b_) {  // no crossing (see the class comment)
-      r = k_ >= a_ ? 1.0 : 0.0;
-    } else {
-      const double be = b_ - k_;
-      const double ab = a_ + be;
+    double r = roofline_converged_share(a_, b_, k_);  // 0 or 1 where the paths do not cross
+    if (k_ < a_ && k_ < b_) {
+      const double ab = a_ + b_ - k_;
       const double delta = p_.fixed_overhead_gap_seconds();
-      r = be / ab;
       if (total_placed_tokens > 0)
         r += delta / (ab * double(total_placed_tokens));
       else if (delta != 0.0)

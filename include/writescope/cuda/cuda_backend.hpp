@@ -1065,7 +1065,9 @@ class cuda_backend::gpu_engine {
 
   /// Uploads the CPU partial (tiny) and merges (streamed ⊕ D-window) ⊕ CPU into
   /// `o` (device) on the caller stream; does not block the host (unless
-  /// o.debug is set: then it waits and copies every partial to the host).
+  /// o.debug is set: then it waits and copies every partial to the host; with
+  /// the launcher thread it first waits until the launch is enqueued, and
+  /// rethrows the launcher's cuda_error, which ends the step).
   /// Returns the GPU side's seconds (CUDA events: start of streaming to the
   /// end of the D-window kernel, merge excluded) of the most recent launch of
   /// this engine whose work has completed — usually the previous layer's, so
@@ -1073,11 +1075,6 @@ class cuda_backend::gpu_engine {
   /// the exact value of the last launch.
   double finish(const step_outputs<device_space>& o) {
     if (!launched_) throw state_error("gpu_engine::finish: no step was launched");
-    if (async_pending_) {
-      launched_ = false;  // a failed chunk loop ends the step
-      join_launch();
-      launched_ = true;
-    }
     const index_t rows = index_t(batch_) * hq_;
     if (o.out.size() < rows * V)
       throw shape_error("gpu_engine::finish: out has " + std::to_string(o.out.size()) + " elements, needs " +
@@ -1086,6 +1083,7 @@ class cuda_backend::gpu_engine {
       throw shape_error("gpu_engine::finish: lse has " + std::to_string(o.lse.size()) + " elements, needs " +
                         std::to_string(rows));
     launched_ = false;
+    join_launch();  // the launcher's chunk loop (set_launch_thread); its error ends the step
     gather_ = {};
     if (last_sparse_) {  // the gather threads read the plan: wait until they are done with it
       wait_gathers();
