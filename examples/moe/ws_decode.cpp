@@ -70,7 +70,8 @@ struct cli {
   std::string cpu_assist = "off";
   double placement_headroom = -1.0;  // < 0: 0.05 with an adaptive assist, else 0
   double assist_max_fraction = 0.5, eviction_bounce_mib = 32.0;
-  std::string launch_thread = "off";
+  std::string launch_thread = "off", grouped_experts = "on";
+  int grouped_expert_max_rows = 32;
   std::string calibration, calibration_preset;
   int threads = 0;
   std::string json_out, expect;
@@ -369,6 +370,8 @@ int run(cli& a) {
   dopt.warmup = !a.no_warmup;
   dopt.eviction_bounce_bytes = writescope::index_t(a.eviction_bounce_mib * double(1 << 20));
   dopt.launch_thread = a.launch_thread == "on";
+  dopt.grouped_experts = a.grouped_experts == "on";
+  dopt.grouped_expert_max_rows = a.grouped_expert_max_rows;
   const generation_result r = kind == device_kind::host
                                   ? run_model(c, *src, prompts, std::move(policy), o, hooks)
                                   : run_model_device(kind, c, *src, prompts, std::move(policy), o, dopt, hooks);
@@ -446,6 +449,13 @@ int main(int argc, char** argv) {
   app.add_option("--max-gpu-experts", a.max_gpu_experts,
                  "at most this many routed experts (all layers) on the GPU, the rest on the CPU (-1 = no cap)")
       ->group(g_dev);
+  app.add_option("--grouped-experts", a.grouped_experts,
+                 "CUDA path: on = a MoE layer's device experts run in two launches (gate-up, down) when no expert has "
+                 "more than --grouped-expert-max-rows rows (decode); off = one cuBLAS product per expert and matrix")
+      ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--grouped-expert-max-rows", a.grouped_expert_max_rows,
+                 "CUDA path: most rows an expert may have for the grouped launches (each 8 rows read the weights once more)")
+      ->group(g_dev)->capture_default_str()->check(CLI::Range(1, 4096));
   app.add_option("--prefill-chunk-tokens", a.prefill_chunk_tokens,
                  "CUDA path: prefill whole sequences in waves of at most this many tokens")
       ->group(g_dev)->capture_default_str()->check(CLI::PositiveNumber);

@@ -266,3 +266,93 @@ TEST_CASE("random weights: the device generator is the host path's") {
   for (float v : {0.0f, -1.0f, 3.14159f, 1e-30f, 65504.0f})
     CHECK(gpu::float_to_bf16(v) == writescope::bf16::from_float(v).bits);
 }
+
+namespace {
+
+/// A grouped-expert problem: E experts with bf16 weights [out][in] (gate and
+/// up), packed row offsets with an empty expert, one expert of more than 8
+/// rows (two passes of the CUDA kernel) and one expert in host memory (null).
+struct expert_problem {
+  int E = 5, out = 16, in = 24;
+  std::vector<int> offsets = {0, 3, 3, 12, 13, 20};
+  int host_expert = 3;
+  std::vector<std::vector<std::uint16_t>> gate, up;
+  std::vector<float> x;
+  explicit expert_problem(std::uint64_t seed) {
+    for (int e = 0; e < E; ++e) {
+      std::vector<std::uint16_t> g(std::size_t(out) * in), u(g.size());
+      const auto gf = randn(g.size(), seed + 2 * std::uint64_t(e), 0.3f), uf = randn(g.size(), seed + 2 * std::uint64_t(e) + 1, 0.3f);
+      for (std::size_t i = 0; i < g.size(); ++i) {
+        g[i] = gpu::float_to_bf16(gf[i]);
+        u[i] = gpu::float_to_bf16(uf[i]);
+      }
+      gate.push_back(std::move(g));
+      up.push_back(std::move(u));
+    }
+    x = randn(std::size_t(offsets.back()) * in, seed + 100);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("expert_gemv_reference equals one GEMM per expert, skips host experts") {
+  const expert_problem P(7);
+  const int rows = P.offsets.back();
+  std::vector<const void*> wg(std::size_t(P.E)), wu(std::size_t(P.E));
+  for (int e = 0; e < P.E; ++e) {
+    wg[std::size_t(e)] = e == P.host_expert ? nullptr : P.gate[std::size_t(e)].data();
+    wu[std::size_t(e)] = e == P.host_expert ? nullptr : P.up[std::size_t(e)].data();
+  }
+  for (const int round_x : {0, 1}) {
+    for (const bool gate_up : {true, false}) {
+      CAPTURE(round_x);
+      CAPTURE(gate_up);
+      const float poison = -1.25e30f;
+      std::vector<float> y(std::size_t(rows) * P.out, poison);
+      gpu::expert_gemv_params p;
+      p.w = wg.data();
+      p.up = gate_up ? wu.data() : nullptr;
+      p.offsets = P.offsets.data();
+      p.experts = P.E;
+      p.out = P.out;
+      p.in = P.in;
+      p.x = P.x.data();
+      p.x_stride = P.in;
+      p.y = y.data();
+      p.y_stride = P.out;
+      p.round_x = round_x;
+      gpu::expert_gemv_reference(p);
+      // the per-expert path: bf16 GEMM operands (round_x) or fp32 with the weights widened
+      for (int e = 0; e < P.E; ++e) {
+        const int r0 = P.offsets[std::size_t(e)], m = P.offsets[std::size_t(e) + 1] - r0;
+        if (e == P.host_expert) {  // not written
+          for (std::size_t i = std::size_t(r0) * P.out; i < std::size_t(r0 + m) * P.out; ++i) REQUIRE(y[i] == poison);
+          continue;
+        }
+        if (m == 0) continue;
+        std::vector<float> g(std::size_t(m) * P.out), u(g.size());
+        std::vector<std::uint16_t> xb(std::size_t(m) * P.in);
+        std::vector<float> wgf(P.gate[std::size_t(e)].size()), wuf(wgf.size());
+        for (std::size_t i = 0; i < wgf.size(); ++i) {
+          wgf[i] = gpu::bf16_to_float(P.gate[std::size_t(e)][i]);
+          wuf[i] = gpu::bf16_to_float(P.up[std::size_t(e)][i]);
+        }
+        const float* xe = P.x.data() + std::size_t(r0) * P.in;
+        for (std::size_t i = 0; i < xb.size(); ++i) xb[i] = gpu::float_to_bf16(xe[i]);
+        auto product = [&](const std::vector<std::uint16_t>& w16, const std::vector<float>& w32, float* out) {
+          if (round_x)
+            gpu::reference_gemm(gpu::linear_desc(w16.data(), wtype::bf16, P.out, P.in, xb.data(), m, out, P.out));
+          else
+            gpu::reference_gemm(gpu::linear_desc(w32.data(), wtype::f32, P.out, P.in, xe, m, out, P.out));
+        };
+        product(P.gate[std::size_t(e)], wgf, g.data());
+        product(P.up[std::size_t(e)], wuf, u.data());
+        if (gate_up)
+          for (std::size_t i = 0; i < g.size(); ++i) gpu::silu_mul_op{g.data(), u.data()}(idx(i));
+        for (int r = 0; r < m; ++r)
+          for (int o = 0; o < P.out; ++o)
+            REQUIRE(y[std::size_t(r0 + r) * P.out + o] == g[std::size_t(r) * P.out + o]);
+      }
+    }
+  }
+}

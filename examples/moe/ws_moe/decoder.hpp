@@ -113,6 +113,11 @@ struct device_report {
   std::vector<std::vector<int>> host_experts;  ///< per layer, the experts kept in host memory
   double cpu_expert_seconds = 0.0;   ///< host time in CPU experts
   index_t cpu_expert_rows = 0;       ///< token rows computed by CPU experts
+  /// The device experts' kernels: "grouped" (one launch for gate‖up, one for
+  /// down per MoE layer when few rows per expert) or why they run per expert.
+  std::string expert_kernels;
+  index_t grouped_moe_passes = 0;    ///< MoE layer passes through the grouped kernels
+  index_t per_expert_moe_passes = 0; ///< MoE layer passes with one cuBLAS product per expert
   int prefill_waves = 0;             ///< groups of sequences prefilled together
   index_t prefill_block_rows = 0;    ///< query rows per prefill attention block
 };

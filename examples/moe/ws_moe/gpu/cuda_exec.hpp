@@ -106,6 +106,7 @@ class cuda_exec {
   }
   void rms_norm(const rms_norm_params& p) { launch_rms_norm(p, stream_.get()); }
   void causal_softmax(const softmax_params& p) { launch_causal_softmax(p, stream_.get()); }
+  void expert_gemv(const expert_gemv_params& p) { launch_expert_gemv(p, stream_.get()); }
 
   void gemm(const gemm_desc& d, const char* what) {
     check_gemm(d, what);

@@ -28,9 +28,12 @@
 //
 // MoE: the router (fp32) and top-k run on the device; the (token, expert)
 // pairs are copied to the host, grouped by expert there, and the tokens
-// gathered on the device in expert order; each active expert runs as three
-// GEMMs on its rows (GPU experts) or on the CPU (host experts, OpenMP, bf16
-// weights widened per row, overlapped with the GPU experts); one combine kernel
+// gathered on the device in expert order. GPU experts: with few rows per
+// expert (decode) all of a layer's run in two launches (launch_expert_gemv:
+// gate‖up with SiLU, then down — the per-expert launches cost DeepSeek-V2-Lite
+// ~1,100 launches a step); otherwise each active expert runs as three GEMMs
+// on its rows. Host experts run on the CPU (OpenMP, bf16 weights widened per
+// row, overlapped with the GPU experts). One combine kernel
 // sums each token's k expert outputs in ascending expert order, as the host
 // path does; shared experts are added after.
 //
@@ -46,6 +49,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <initializer_list>
 #include <limits>
@@ -88,6 +92,12 @@ struct device_options {
   /// Off by default: on the 16-core GPU machine the CPU engine lost what the
   /// launch gained (docs/DECISIONS.md, session 6).
   bool launch_thread = false;
+  /// Decode MoE layers run their device experts in two launches (gate‖up with
+  /// SiLU, then down: launch_expert_gemv) instead of one cuBLAS product per
+  /// expert and matrix, when the experts are bf16 and no expert has more than
+  /// grouped_expert_max_rows rows (docs/DECODERS.md, session 7).
+  bool grouped_experts = true;
+  int grouped_expert_max_rows = 32;
 };
 
 template <class Layout, class Exec>
@@ -190,7 +200,7 @@ class device_decoder {
     res.tokens.assign(std::size_t(B), {});
     if (o.record_logits) res.logits.assign(std::size_t(B), {});
     sampler pick(o.sampling, B);
-    std::vector<float> logits(static_cast<std::size_t>(B) * static_cast<std::size_t>(V));
+    const float* logits = nullptr;  // the page-locked copy of the last head() (logits_host_)
     std::vector<int> cur(static_cast<std::size_t>(B));
 
     // ---- admission + prefill ---------------------------------------------------------
@@ -211,8 +221,8 @@ class device_decoder {
       for (int i = 0; i < ns; ++i) last[std::size_t(i)] = int(wv.offset[std::size_t(i) + 1] - 1);
       x_.h2d(last_rows_, last.data(), index_t(ns) * 4);
       x_.run(gpu::gather_rows_op{x_buf_, c_.hidden_size, last_rows_, c_.hidden_size, y2_}, index_t(ns) * c_.hidden_size);
-      head(y2_, ns, logits.data());
-      for (int i = 0; i < ns; ++i) take(res, pick, wv.begin + i, logits.data() + index_t(i) * V, cur, o);
+      logits = head(y2_, ns);
+      for (int i = 0; i < ns; ++i) take(res, pick, wv.begin + i, logits + index_t(i) * V, cur, o);
     }
     res.prefill_tokens = 0;
     for (const auto& p : prompts) res.prefill_tokens += index_t(p.size());
@@ -240,8 +250,8 @@ class device_decoder {
       res.cpu_batches += fr.cpu_batches;
       res.gpu_batches += fr.gpu_batches;
       if (fr.evicted_sequences > 0) res.trajectory.push_back(share_of(*cache_, seqs, s));
-      head(x_buf_, B, logits.data());
-      for (int i = 0; i < B; ++i) take(res, pick, i, logits.data() + index_t(i) * V, cur, o);
+      logits = head(x_buf_, B);
+      for (int i = 0; i < B; ++i) take(res, pick, i, logits + index_t(i) * V, cur, o);
       res.step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       if (o.progress) o.progress(phase::decode, s, steps);
     }
@@ -256,6 +266,8 @@ class device_decoder {
     res.policy_final = cache_->policy().describe();
     res.device.cpu_expert_seconds = cpu_expert_seconds_;
     res.device.cpu_expert_rows = cpu_expert_rows_;
+    res.device.grouped_moe_passes = grouped_passes_;
+    res.device.per_expert_moe_passes = per_expert_passes_;
     for (sequence_id id : seqs) cache_->end_sequence(id);
     return res;
   }
@@ -425,9 +437,12 @@ class device_decoder {
       router_logits_ = buffer<float>(T * E, "router logits");
       sel_e_ = buffer<int>(T * k, "routing: experts");
       sel_w_ = buffer<float>(T * k, "routing: weights");
-      src_rows_ = buffer<int>(T * k, "routing: gather rows");
-      comb_rows_ = buffer<int>(T * k, "routing: combine rows");
-      comb_w_ = buffer<float>(T * k, "routing: combine weights");
+      // one upload per MoE layer: gather rows, combine rows, combine weights, expert row offsets
+      route_dev_ = buffer<int>(3 * T * k + E + 1, "routing: rows, weights, expert offsets");
+      if (d_.grouped_experts) {
+        grouped_rows_cap_ = index_t(B) * k;  // decode steps only
+        eg_ = buffer<float>(grouped_rows_cap_ * c_.moe_intermediate_size, "grouped experts: gate-up outputs");
+      }
       xg_ = buffer<float>(T * k * H, "expert inputs");
       yg_ = buffer<float>(T * k * H, "expert outputs");
     }
@@ -449,6 +464,10 @@ class device_decoder {
     last_rows_ = buffer<int>(B, "last prompt rows");
     head_n_ = buffer<float>(index_t(B) * H, "final norm");
     logits_ = buffer<float>(index_t(B) * c_.vocab_size, "logits");
+    // Page-locked: the per-step copy of B x vocab fp32 logits (13 MiB for
+    // DeepSeek-V2-Lite at batch 32) runs at the link's rate, not a pageable one.
+    logits_host_mem_ = x_.host_staging(index_t(B) * c_.vocab_size * 4);
+    logits_host_ = reinterpret_cast<float*>(logits_host_mem_.data());
     (void)hkv;
   }
 
@@ -514,6 +533,51 @@ class device_decoder {
     rep.experts_host = int(total - placed);
     rep.experts_gpu_bytes = ld.bytes();
     any_host_experts_ = placed < total;
+    rep.expert_kernels = build_expert_tables(moe_layers);
+  }
+
+  /// The device pointer tables of the grouped expert kernels (one per MoE
+  /// layer and matrix; null for a host expert), or why the experts run per
+  /// expert: grouping off, no device expert, or a device expert the kernel
+  /// cannot read (not bf16, a bias, a row not 16-byte aligned).
+  std::string build_expert_tables(const std::vector<int>& moe_layers) {
+    if (!d_.grouped_experts) return "one cuBLAS product per expert (--grouped-experts off)";
+    const index_t H = c_.hidden_size, I = c_.moe_intermediate_size;
+    if (H % 8 != 0 || I % 8 != 0) return "one cuBLAS product per expert (hidden or expert width not a multiple of 8)";
+    auto readable = [](const gpu::dlinear& w) {
+      return w.w.type == wtype::bf16 && w.bias == nullptr && reinterpret_cast<std::uintptr_t>(w.w.p) % 16 == 0;
+    };
+    bool any = false;
+    for (int l : moe_layers) {
+      const gpu::dlayer& L = m_.layers[std::size_t(l)];
+      for (int e = 0; e < c_.num_experts; ++e) {
+        if (L.on_host[std::size_t(e)]) continue;
+        const gpu::dmlp& m = L.experts[std::size_t(e)];
+        if (!readable(m.gate) || !readable(m.up) || !readable(m.down))
+          return "one cuBLAS product per expert (an expert's weights are not bf16)";
+        any = true;
+      }
+    }
+    if (!any) return "none on the device";
+    const index_t E = c_.num_experts;
+    std::vector<const void*> tab(std::size_t(3 * E));
+    for (int l : moe_layers) {
+      gpu::dlayer& L = m_.layers[std::size_t(l)];
+      for (int e = 0; e < c_.num_experts; ++e) {
+        const bool dev = !L.on_host[std::size_t(e)];
+        const gpu::dmlp& m = L.experts[std::size_t(e)];
+        tab[std::size_t(e)] = dev ? m.gate.w.p : nullptr;
+        tab[std::size_t(E + e)] = dev ? m.up.w.p : nullptr;
+        tab[std::size_t(2 * E + e)] = dev ? m.down.w.p : nullptr;
+      }
+      auto* t = static_cast<const void**>(x_.alloc(3 * E * index_t(sizeof(void*)), "grouped experts: weight tables"));
+      workspace_bytes_ += 3 * E * index_t(sizeof(void*));
+      x_.h2d(t, tab.data(), 3 * E * index_t(sizeof(void*)));
+      L.expert_tables = t;
+    }
+    grouped_ok_ = true;
+    return "grouped (gate-up and down: one launch each per MoE layer, at most " +
+           std::to_string(d_.grouped_expert_max_rows) + " rows per expert; more: one cuBLAS product per expert)";
   }
 
   /// One decode step of the whole model (embedding, every layer with its
@@ -544,12 +608,12 @@ class device_decoder {
     embed(n);
     generation_result scratch;
     for (int l = 0; l < c_.num_layers; ++l) layer_decode(l, seqs, scratch);
-    std::vector<float> logits(static_cast<std::size_t>(n) * static_cast<std::size_t>(c_.vocab_size));
-    head(x_buf_, n, logits.data());
+    (void)head(x_buf_, n);
     x_.sync();
     for (sequence_id id : seqs) cache_->end_sequence(id);
     cpu_expert_seconds_ = 0.0;
     cpu_expert_rows_ = 0;
+    grouped_passes_ = per_expert_passes_ = 0;
   }
 
   // ---------------------------------------------------------------------------
@@ -613,11 +677,14 @@ class device_decoder {
     x_.run(gpu::embed_op{m_.embed.p, m_.embed.type, ids_, c_.hidden_size, x_buf_}, n * c_.hidden_size);
   }
 
-  /// Final norm + LM head of n rows at `in` [n][hidden]; logits copied to `host` [n][vocab].
-  void head(const float* in, index_t n, float* host) {
+  /// Final norm + LM head of n rows at `in` [n][hidden]; returns the logits
+  /// [n][vocab] copied to page-locked host memory (valid until the next call).
+  const float* head(const float* in, index_t n) {
     rms_norm(in, c_.hidden_size, m_.final_norm, n, c_.hidden_size, head_n_, c_.hidden_size);
     linear(m_.lm_head, head_n_, n, logits_);
-    x_.d2h(host, logits_, n * c_.vocab_size * 4);
+    x_.d2h_async(logits_host_, logits_, n * c_.vocab_size * 4);
+    x_.sync();
+    return logits_host_;
   }
 
   void take(generation_result& res, sampler& pick, int i, const float* lg, std::vector<int>& cur, const run_options& o) {
@@ -795,10 +862,18 @@ class device_decoder {
         cw_[std::size_t(t * k + j)] = hw_[std::size_t(i)];
       }
     }
-    x_.h2d(src_rows_, srow_.data(), nk * 4);
-    x_.h2d(comb_rows_, crow_.data(), nk * 4);
-    x_.h2d(comb_w_, cw_.data(), nk * 4);
-    x_.run(gpu::gather_rows_op{h_, H, src_rows_, int(H), xg_}, nk * H);
+    // One upload: [gather rows nk][combine rows nk][combine weights nk][expert offsets E+1].
+    route_host_.resize(std::size_t(3 * nk + E + 1));
+    std::copy(srow_.begin(), srow_.end(), route_host_.begin());
+    std::copy(crow_.begin(), crow_.end(), route_host_.begin() + nk);
+    std::memcpy(route_host_.data() + 2 * nk, cw_.data(), std::size_t(nk) * 4);
+    std::copy(count_.begin(), count_.end(), route_host_.begin() + 3 * nk);
+    x_.h2d(route_dev_, route_host_.data(), index_t(route_host_.size()) * 4);
+    const int* src_rows = route_dev_;
+    const int* comb_rows = route_dev_ + nk;
+    const float* comb_w = reinterpret_cast<const float*>(route_dev_ + 2 * nk);
+    const int* offsets = route_dev_ + 3 * nk;
+    x_.run(gpu::gather_rows_op{h_, H, src_rows, int(H), xg_}, nk * H);
 
     // Host experts: their input rows go to page-locked staging first ...
     index_t host_rows = 0;
@@ -818,11 +893,41 @@ class device_decoder {
       x_.record();
     }
     // ... while the GPU runs its experts ...
-    for (int e = 0; e < E; ++e) {
-      const index_t m = count_[std::size_t(e) + 1] - count_[std::size_t(e)];
-      if (m == 0 || L.on_host[std::size_t(e)]) continue;
-      const index_t row = count_[std::size_t(e)];
-      mlp(L.experts[std::size_t(e)], xg_ + row * H, m, yg_ + row * H);
+    index_t most = 0;
+    for (int e = 0; e < E; ++e) most = std::max<index_t>(most, count_[std::size_t(e) + 1] - count_[std::size_t(e)]);
+    if (grouped_ok_ && nk <= grouped_rows_cap_ && most <= d_.grouped_expert_max_rows) {
+      const index_t I = c_.moe_intermediate_size;
+      gpu::expert_gemv_params gp;
+      gp.w = L.expert_tables;
+      gp.up = L.expert_tables + E;
+      gp.offsets = offsets;
+      gp.experts = E;
+      gp.out = int(I);
+      gp.in = int(H);
+      gp.x = xg_;
+      gp.x_stride = H;
+      gp.y = eg_;
+      gp.y_stride = I;
+      gp.round_x = prec_ == wtype::bf16 ? 1 : 0;
+      x_.expert_gemv(gp);  // eg_ = silu(x Wg) * (x Wu)
+      gp.w = L.expert_tables + 2 * E;
+      gp.up = nullptr;
+      gp.out = int(H);
+      gp.in = int(I);
+      gp.x = eg_;
+      gp.x_stride = I;
+      gp.y = yg_;
+      gp.y_stride = H;
+      x_.expert_gemv(gp);  // yg_ = eg_ Wd
+      ++grouped_passes_;
+    } else {
+      for (int e = 0; e < E; ++e) {
+        const index_t m = count_[std::size_t(e) + 1] - count_[std::size_t(e)];
+        if (m == 0 || L.on_host[std::size_t(e)]) continue;
+        const index_t row = count_[std::size_t(e)];
+        mlp(L.experts[std::size_t(e)], xg_ + row * H, m, yg_ + row * H);
+      }
+      ++per_expert_passes_;
     }
     // ... and the CPU runs the host experts, whose outputs go back to their rows.
     if (host_rows > 0) {
@@ -835,7 +940,7 @@ class device_decoder {
       for (const host_run& hr : host_runs_)
         x_.h2d_async(yg_ + hr.row * H, stage_y_ + hr.stage_row * H, hr.rows * H * 4);
     }
-    x_.run(gpu::combine_op{yg_, comb_rows_, comb_w_, k, int(H), y_}, n * H);
+    x_.run(gpu::combine_op{yg_, comb_rows, comb_w, k, int(H), y_}, n * H);
     if (L.has_shared) {
       mlp(L.shared, h_, n, y2_);
       x_.run(gpu::add_op{y_, y2_}, n * H);
@@ -994,8 +1099,10 @@ class device_decoder {
   std::array<float*, 2> kvf_{};
   std::array<writescope::bf16*, 2> kvb_{};
   float *g_ = nullptr, *u_ = nullptr;
-  float *router_logits_ = nullptr, *sel_w_ = nullptr, *comb_w_ = nullptr, *xg_ = nullptr, *yg_ = nullptr;
-  int *sel_e_ = nullptr, *src_rows_ = nullptr, *comb_rows_ = nullptr, *last_rows_ = nullptr;
+  float *router_logits_ = nullptr, *sel_w_ = nullptr, *xg_ = nullptr, *yg_ = nullptr, *eg_ = nullptr;
+  int *sel_e_ = nullptr, *route_dev_ = nullptr, *last_rows_ = nullptr;
+  index_t grouped_rows_cap_ = 0;  ///< rows eg_ holds (decode batch × experts per token)
+  bool grouped_ok_ = false;       ///< build_expert_tables() made the tables
   std::uint16_t* act16_ = nullptr;
   index_t act16_cap_ = 0;
   float* wide_ = nullptr;
@@ -1004,12 +1111,16 @@ class device_decoder {
   float* s_ = nullptr;
   void* p_ = nullptr;
   float *op_ = nullptr, *head_n_ = nullptr, *logits_ = nullptr;
+  writescope::host_allocation logits_host_mem_;  ///< page-locked [batch][vocab] (host_staging)
+  float* logits_host_ = nullptr;
 
   // host-side state
   std::vector<int> ids_host_;
   std::vector<index_t> pos_host_;
   std::vector<int> he_, count_, cursor_, srow_, crow_, slot_;
   std::vector<float> hw_, cw_;
+  std::vector<int> route_host_;
+  index_t grouped_passes_ = 0, per_expert_passes_ = 0;
   std::vector<host_run> host_runs_;
   double* router_wait_ = nullptr;  ///< decode: the result's router wait, summed while a step runs
   writescope::host_allocation stage_x_mem_, stage_y_mem_;

@@ -86,6 +86,9 @@ struct dlayer {
   std::vector<dmlp> experts;         ///< [E]; empty matrices for host experts
   std::vector<char> on_host;         ///< [E]: expert kept in host memory
   std::vector<hmlp> host_experts;    ///< [E]; filled for host experts only
+  /// Device array [3][E] of the experts' gate, up and down weight pointers
+  /// (null for host experts) for the grouped kernels; null when not built.
+  const void* const* expert_tables = nullptr;
   bool has_shared = false;
   dmlp shared;                       ///< DeepSeek shared experts
 };

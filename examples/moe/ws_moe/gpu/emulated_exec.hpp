@@ -81,6 +81,8 @@ class emulated_exec {
     }
   }
 
+  void expert_gemv(const expert_gemv_params& p) { expert_gemv_reference(p); }
+
   void gemm(const gemm_desc& d, const char* what) {
     check_gemm(d, what);
     reference_gemm(d);

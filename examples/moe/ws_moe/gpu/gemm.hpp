@@ -86,6 +86,32 @@ inline void reference_gemm(const gemm_desc& d) {
   }
 }
 
+/// The host reference of expert_gemv_params (emulated executor and tests):
+/// each product accumulated in double and rounded to fp32 once, like
+/// reference_gemm, so that it equals the per-expert GEMM path bit for bit.
+inline void expert_gemv_reference(const expert_gemv_params& p) {
+  for (int e = 0; e < p.experts; ++e) {
+    if (p.w[e] == nullptr) continue;
+    const auto* w = static_cast<const std::uint16_t*>(p.w[e]);
+    const auto* u = p.up ? static_cast<const std::uint16_t*>(p.up[e]) : nullptr;
+    const idx r0 = p.offsets[e], r1 = p.offsets[e + 1];
+#pragma omp parallel for schedule(static)
+    for (idx r = r0; r < r1; ++r) {
+      const float* x = p.x + r * p.x_stride;
+      for (int o = 0; o < p.out; ++o) {
+        double g = 0.0, v = 0.0;
+        for (int l = 0; l < p.in; ++l) {
+          const double xv = double(expert_input(x[l], p.round_x));
+          g += xv * double(bf16_to_float(w[idx(o) * p.in + l]));
+          if (u) v += xv * double(bf16_to_float(u[idx(o) * p.in + l]));
+        }
+        p.y[r * p.y_stride + o] = u ? silu(float(g)) * float(v) : float(g);
+      }
+    }
+  }
+}
+
+
 // -----------------------------------------------------------------------------
 // Builders
 // -----------------------------------------------------------------------------

@@ -419,4 +419,39 @@ struct softmax_params {
   return p.t0 + local / p.group + 1;
 }
 
+// -----------------------------------------------------------------------------
+// Grouped experts (decode)
+// -----------------------------------------------------------------------------
+
+/// The routed experts of one MoE layer in one launch (decode: a few rows per
+/// expert). Rows are packed in expert order (device_decoder::moe): expert e
+/// owns rows [offsets[e], offsets[e+1]). For every expert whose table entry is
+/// not null, and every row r of it, o < out:
+///   up == nullptr:  y[r][o] = x_r · w[e][o]
+///   otherwise:      y[r][o] = silu(x_r · w[e][o]) * (x_r · up[e][o])   (gate ‖ up, SiLU-gated)
+/// x fp32 [rows][in] (row stride x_stride), w/up bf16 row-major [out][in]
+/// (PyTorch's layout), y fp32 [rows][out] (row stride y_stride). Rows of a
+/// null entry (an expert kept in host memory) are not written. round_x: every
+/// x element is rounded to bf16 first — what the bf16 GEMM path hands cuBLAS
+/// (act_bf16); 0 keeps fp32 inputs (fp32 precision with bf16 weights widened).
+/// The CUDA kernel needs in % 8 == 0, x_stride % 4 == 0 and 16-byte-aligned
+/// x and weight rows (device_decoder checks them before choosing this path).
+struct expert_gemv_params {
+  const void* const* w = nullptr;   ///< [experts] device pointers (null: skipped)
+  const void* const* up = nullptr;  ///< [experts] or null (plain product)
+  const int* offsets = nullptr;     ///< [experts + 1] packed row offsets, ascending
+  int experts = 0;
+  int out = 0, in = 0;
+  const float* x = nullptr;
+  idx x_stride = 0;
+  float* y = nullptr;
+  idx y_stride = 0;
+  int round_x = 0;
+};
+
+/// x element as the GEMM sees it (rounded to bf16 when round_x).
+[[nodiscard]] WS_MOE_HD inline float expert_input(float v, int round_x) {
+  return round_x ? bf16_to_float(float_to_bf16(v)) : v;
+}
+
 }  // namespace ws_moe::gpu

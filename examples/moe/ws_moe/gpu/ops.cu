@@ -1,8 +1,11 @@
 // ws_moe/gpu/ops.cu — the CUDA path's model kernels (nvcc only): a grid-stride
-// launcher for the element-wise functors of kernel_math.hpp and the two row
-// reductions (RMSNorm, causal softmax of prefill scores). The math of every
+// launcher for the element-wise functors of kernel_math.hpp, the two row
+// reductions (RMSNorm, causal softmax of prefill scores) and the grouped
+// experts of a decode step. The math of every
 // element is in kernel_math.hpp, shared with the host emulation.
 #include <cuda_runtime.h>
+
+#include <string>
 
 #include <writescope/cuda/cuda_error.hpp>
 
@@ -79,6 +82,78 @@ __global__ void __launch_bounds__(threads) causal_softmax_kernel(const softmax_p
   }
 }
 
+// Grouped experts (kernel_math.hpp expert_gemv_params): one warp per output
+// element column o of one expert (blockIdx.y), `rows_per_pass` of the expert's
+// rows at a time. Each lane reads 8 consecutive bf16 weights (16 bytes) per
+// step, so a warp streams a weight row in 512-byte coalesced pieces; the few x
+// rows come through L1 (every warp of the block reads the same ones). fp32
+// accumulation; the warp's partial sums meet in a butterfly reduction.
+constexpr int gemv_warps = threads / 32;
+constexpr int rows_per_pass = 8;
+
+__device__ inline void unpack_bf16x8(const uint4 v, float* f) {
+  const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
+__device__ inline float warp_sum(float v) {
+#pragma unroll
+  for (int s = 16; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffffu, v, s);
+  return v;
+}
+
+template <bool GateUp>
+__global__ void __launch_bounds__(threads) expert_gemv_kernel(const expert_gemv_params p) {
+  const int e = int(blockIdx.y);
+  const void* wp = p.w[e];
+  if (wp == nullptr) return;
+  const int r0 = p.offsets[e], r1 = p.offsets[e + 1];
+  const int o = int(blockIdx.x) * gemv_warps + int(threadIdx.x) / 32;
+  if (r1 <= r0 || o >= p.out) return;
+  const int lane = int(threadIdx.x) % 32;
+  const auto* w = static_cast<const std::uint16_t*>(wp) + idx(o) * p.in;
+  const std::uint16_t* u = nullptr;
+  if constexpr (GateUp) u = static_cast<const std::uint16_t*>(p.up[e]) + idx(o) * p.in;
+  for (int rb = r0; rb < r1; rb += rows_per_pass) {
+    const int nr = min(rows_per_pass, r1 - rb);
+    float ag[rows_per_pass], au[rows_per_pass];
+#pragma unroll
+    for (int r = 0; r < rows_per_pass; ++r) ag[r] = au[r] = 0.0f;
+    for (int c = lane * 8; c < p.in; c += 32 * 8) {
+      float wf[8], uf[8];
+      unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(w + c)), wf);
+      if constexpr (GateUp) unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(u + c)), uf);
+#pragma unroll
+      for (int r = 0; r < rows_per_pass; ++r) {
+        if (r < nr) {
+          const float4* xr = reinterpret_cast<const float4*>(p.x + idx(rb + r) * p.x_stride + c);
+          const float4 a = xr[0], b = xr[1];
+          const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const float xi = expert_input(xv[i], p.round_x);
+            ag[r] = fmaf(xi, wf[i], ag[r]);
+            if constexpr (GateUp) au[r] = fmaf(xi, uf[i], au[r]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < rows_per_pass; ++r) {
+      if (r < nr) {
+        const float g = warp_sum(ag[r]);
+        float v = g;
+        if constexpr (GateUp) v = silu(g) * warp_sum(au[r]);
+        if (lane == 0) p.y[idx(rb + r) * p.y_stride + o] = v;
+      }
+    }
+  }
+}
+
 }  // namespace
 
 template <class Op>
@@ -99,6 +174,20 @@ void launch_causal_softmax(const softmax_params& p, cudaStream_t stream) {
   if (p.rows_total <= 0 || p.keys <= 0) return;
   if (p.rows_total > idx(0x7fffffff)) throw writescope::config_error("causal_softmax: more than 2^31-1 rows in one launch");
   causal_softmax_kernel<<<unsigned(p.rows_total), threads, 0, stream>>>(p);
+  WS_CUDA_CHECK_LAST();
+}
+
+void launch_expert_gemv(const expert_gemv_params& p, cudaStream_t stream) {
+  if (p.experts <= 0 || p.out <= 0) return;
+  if (p.in <= 0 || p.in % 8 != 0 || p.x_stride % 4 != 0)
+    throw writescope::config_error("expert_gemv: in (" + std::to_string(p.in) + ") must be a positive multiple of 8 and x_stride (" +
+                                   std::to_string(p.x_stride) + ") a multiple of 4");
+  if (p.experts > 65535) throw writescope::config_error("expert_gemv: more than 65535 experts in one launch");
+  const dim3 grid(unsigned((p.out + gemv_warps - 1) / gemv_warps), unsigned(p.experts));
+  if (p.up != nullptr)
+    expert_gemv_kernel<true><<<grid, threads, 0, stream>>>(p);
+  else
+    expert_gemv_kernel<false><<<grid, threads, 0, stream>>>(p);
   WS_CUDA_CHECK_LAST();
 }
 

@@ -25,4 +25,10 @@ void launch_rms_norm(const rms_norm_params& p, cudaStream_t stream);
 /// Causal softmax of a prefill score block, one CTA per row.
 void launch_causal_softmax(const softmax_params& p, cudaStream_t stream);
 
+/// The routed experts of one MoE layer, all in one launch (kernel_math.hpp
+/// expert_gemv_params): grid (out / 8, experts), a warp per output column.
+/// Throws config_error when in is not a multiple of 8 or x_stride not of 4
+/// (the 16-byte loads); the pointers must be 16-byte aligned.
+void launch_expert_gemv(const expert_gemv_params& p, cudaStream_t stream);
+
 }  // namespace ws_moe::gpu

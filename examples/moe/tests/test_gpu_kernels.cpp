@@ -1,0 +1,145 @@
+// The CUDA path's grouped-expert kernel (ops.cu launch_expert_gemv) on the
+// device against its host reference (gemm.hpp expert_gemv_reference, which
+// test_gpu_math pins to the per-expert GEMM path bit for bit). Label "gpu":
+// exits 77 (SKIPPED) without a device, like tests/cuda.
+//
+// Shapes: out not a multiple of the 8 warps of a block, experts of 0, 1, 8, 9
+// and 33 rows (one, two and five passes of the kernel's 8-row loop), one
+// expert in host memory (null table entry) whose rows must stay poisoned, and
+// rows of the output outside every expert poisoned too.
+#include <doctest/doctest.h>
+
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include <writescope/cuda/cuda_error.hpp>
+
+#include "ws_moe/gpu/gemm.hpp"
+#include "ws_moe/gpu/kernel_math.hpp"
+#include "ws_moe/gpu/ops.hpp"
+
+using namespace ws_moe;
+using gpu::idx;
+
+namespace {
+
+template <class T>
+struct device_array {
+  T* p = nullptr;
+  std::size_t n = 0;
+  explicit device_array(const std::vector<T>& h) : n(h.size()) {
+    WS_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&p), n * sizeof(T)));
+    WS_CUDA_TRY(cudaMemcpy(p, h.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  device_array(const device_array&) = delete;
+  device_array& operator=(const device_array&) = delete;
+  ~device_array() { (void)cudaFree(p); }
+  std::vector<T> get() const {
+    std::vector<T> h(n);
+    WS_CUDA_TRY(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+std::vector<std::uint16_t> random_bf16(std::size_t n, std::uint64_t seed, float scale) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<std::uint16_t> v(n);
+  for (auto& x : v) x = gpu::float_to_bf16(d(rng));
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("launch_expert_gemv equals expert_gemv_reference (gate-up and plain, bf16 and fp32 inputs)") {
+  const int E = 6, out = 76, in = 264;                   // out % 8 != 0; in % 8 == 0, not a power of two
+  const std::vector<int> offsets = {0, 1, 1, 10, 43, 51, 59};  // rows 1, 0, 9, 33, 8, 8
+  const int host_expert = 4;
+  const int rows = offsets.back() + 3;  // 3 rows past every expert: never written
+  std::vector<std::vector<std::uint16_t>> g, u;
+  for (int e = 0; e < E; ++e) {
+    g.push_back(random_bf16(std::size_t(out) * in, 10 + std::uint64_t(e), 0.1f));
+    u.push_back(random_bf16(std::size_t(out) * in, 20 + std::uint64_t(e), 0.1f));
+  }
+  std::vector<float> x(std::size_t(rows) * in);
+  {
+    std::mt19937_64 rng(3);
+    std::normal_distribution<float> d(0.0f, 1.0f);
+    for (float& v : x) v = d(rng);
+  }
+  std::vector<std::unique_ptr<device_array<std::uint16_t>>> dg, du;
+  std::vector<const void*> tg(static_cast<std::size_t>(E)), tu(static_cast<std::size_t>(E));
+  for (int e = 0; e < E; ++e) {
+    dg.push_back(std::make_unique<device_array<std::uint16_t>>(g[std::size_t(e)]));
+    du.push_back(std::make_unique<device_array<std::uint16_t>>(u[std::size_t(e)]));
+    tg[std::size_t(e)] = e == host_expert ? nullptr : dg.back()->p;
+    tu[std::size_t(e)] = e == host_expert ? nullptr : du.back()->p;
+  }
+  const device_array<const void*> dtg(tg), dtu(tu);
+  const device_array<int> doff(offsets);
+  const device_array<float> dx(x);
+  const float poison = -3.5e33f;
+  for (const int round_x : {0, 1})
+    for (const bool gate_up : {true, false}) {
+      CAPTURE(round_x);
+      CAPTURE(gate_up);
+      device_array<float> dy(std::vector<float>(std::size_t(rows) * out, poison));
+      gpu::expert_gemv_params p;
+      p.w = dtg.p;
+      p.up = gate_up ? dtu.p : nullptr;
+      p.offsets = doff.p;
+      p.experts = E;
+      p.out = out;
+      p.in = in;
+      p.x = dx.p;
+      p.x_stride = in;
+      p.y = dy.p;
+      p.y_stride = out;
+      p.round_x = round_x;
+      gpu::launch_expert_gemv(p, nullptr);
+      WS_CUDA_TRY(cudaDeviceSynchronize());
+      const std::vector<float> got = dy.get();
+      // the host reference on host copies of the same tables
+      std::vector<const void*> hg(static_cast<std::size_t>(E)), hu(static_cast<std::size_t>(E));
+      for (int e = 0; e < E; ++e) {
+        hg[std::size_t(e)] = e == host_expert ? nullptr : g[std::size_t(e)].data();
+        hu[std::size_t(e)] = e == host_expert ? nullptr : u[std::size_t(e)].data();
+      }
+      std::vector<float> ref(got.size(), poison);
+      gpu::expert_gemv_params q = p;
+      q.w = hg.data();
+      q.up = gate_up ? hu.data() : nullptr;
+      q.offsets = offsets.data();
+      q.x = x.data();
+      q.y = ref.data();
+      gpu::expert_gemv_reference(q);
+      double worst = 0.0;
+      for (std::size_t i = 0; i < got.size(); ++i) {
+        if (ref[i] == poison) {
+          REQUIRE(got[i] == poison);  // host expert's rows and rows outside every expert: unwritten
+          continue;
+        }
+        REQUIRE(std::isfinite(got[i]));
+        worst = std::max(worst, std::fabs(double(got[i]) - double(ref[i])) / (1.0 + std::fabs(double(ref[i]))));
+      }
+      MESSAGE("max relative difference " << worst);
+      CHECK(worst < 2e-5);  // fp32 accumulation of 264 products against double
+    }
+}
+
+TEST_CASE("launch_expert_gemv refuses an input width it cannot load in 16-byte pieces") {
+  gpu::expert_gemv_params p;
+  p.experts = 1;
+  p.out = 8;
+  p.in = 12;  // not a multiple of 8
+  p.x_stride = 12;
+  CHECK_THROWS_AS(gpu::launch_expert_gemv(p, nullptr), writescope::config_error);
+  p.in = 16;
+  p.x_stride = 18;  // rows not 16-byte aligned
+  CHECK_THROWS_AS(gpu::launch_expert_gemv(p, nullptr), writescope::config_error);
+}
