@@ -4,8 +4,8 @@
 # the per-step series of the summary against each other: one entry per decode
 # step in every series; no negative time; inside each step, the host phases of
 # hybrid_attention::step (launch + query wait + CPU engine + finish) add up to
-# the attention time, and the attention, the router's wait and the eviction
-# flush fit in the step (a timer that double counts, a phase summed over the wrong
+# the attention time, and the attention, the router's wait, the eviction
+# flush and the LM head with sampling fit in the step (a timer that double counts, a phase summed over the wrong
 # layers or steps, or a series of the wrong length fails here).
 string(REPLACE "^^" ";" cmd "${CMD}")
 file(REMOVE "${JSON}")
@@ -26,7 +26,7 @@ foreach(s IN LISTS series)
     message(FATAL_ERROR "${s} has ${n} entries, step_seconds ${steps}")
   endif()
 endforeach()
-set(phases attention_seconds launch_seconds query_wait_seconds finish_seconds router_wait_seconds flush_seconds)
+set(phases attention_seconds launch_seconds query_wait_seconds finish_seconds router_wait_seconds flush_seconds head_seconds)
 foreach(p IN LISTS phases)
   string(JSON n LENGTH "${j}" step_host_phases ${p})
   if(NOT n EQUAL steps)
@@ -86,7 +86,7 @@ foreach(i RANGE ${last})
     endif()
   endforeach()
   foreach(x step cpu v_attention_seconds v_launch_seconds v_query_wait_seconds v_finish_seconds
-            v_router_wait_seconds v_flush_seconds slack)
+            v_router_wait_seconds v_flush_seconds v_head_seconds slack)
     to_ns("${${x}}" ns_${x})
   endforeach()
   # the four phases are consecutive intervals of one clock: they add up to the attention time
@@ -95,10 +95,10 @@ foreach(i RANGE ${last})
   if(gap GREATER ns_slack OR gap LESS -${ns_slack})
     message(FATAL_ERROR "step ${i}: launch + query wait + CPU engine + finish = ${inside} ns, attention ${ns_v_attention_seconds} ns")
   endif()
-  math(EXPR outside "${ns_v_attention_seconds} + ${ns_v_router_wait_seconds} + ${ns_v_flush_seconds}")
+  math(EXPR outside "${ns_v_attention_seconds} + ${ns_v_router_wait_seconds} + ${ns_v_flush_seconds} + ${ns_v_head_seconds}")
   math(EXPR limit "${ns_step} + ${ns_slack}")
   if(outside GREATER limit)
-    message(FATAL_ERROR "step ${i}: attention + router wait + flush = ${outside} ns > step ${ns_step} ns")
+    message(FATAL_ERROR "step ${i}: attention + router wait + flush + head = ${outside} ns > step ${ns_step} ns")
   endif()
 endforeach()
 message("check_json_summary: ${steps} steps consistent")

@@ -143,6 +143,9 @@ struct generation_result {
   /// of the model's host work and waits.
   std::vector<double> step_attention_seconds, step_launch_seconds, step_query_wait_seconds, step_finish_seconds,
       step_router_wait_seconds, step_flush_seconds;
+  /// Per decode step: the LM head, the logits' way to the host and sampling
+  /// (outside the layers; the rest of the step is the layers' model work).
+  std::vector<double> step_head_seconds;
   /// Per decode step, for the whole process (getrusage): minor page faults
   /// and involuntary context switches (a step's outlier on the host shows here).
   std::vector<long> step_minor_faults, step_involuntary_switches;
@@ -290,6 +293,23 @@ share_point share_of(const Cache& cache, const std::vector<writescope::sequence_
 /// Records the logits (if asked), picks sequence i's next token, and sets the
 /// token fed back (the pick, or the forced one under teacher forcing).
 inline void take_token(generation_result& res, sampler& pick, int i, const float* lg, int vocab, std::vector<int>& cur,
+                       const run_options& o);
+
+/// take_token for sequences [first, first + n) with logits rows lg[0 .. n):
+/// in parallel (OpenMP) when greedy — each sequence's token, logits and
+/// forced-token slot are its own — else one after another (the sampler's
+/// scratch is shared).
+inline void take_tokens(generation_result& res, sampler& pick, int first, int n, const float* lg, int vocab,
+                        std::vector<int>& cur, const run_options& o) {
+  if (pick.greedy()) {
+#pragma omp parallel for schedule(static)
+    for (int i = 0; i < n; ++i) take_token(res, pick, first + i, lg + index_t(i) * vocab, vocab, cur, o);
+  } else {
+    for (int i = 0; i < n; ++i) take_token(res, pick, first + i, lg + index_t(i) * vocab, vocab, cur, o);
+  }
+}
+
+inline void take_token(generation_result& res, sampler& pick, int i, const float* lg, int vocab, std::vector<int>& cur,
                        const run_options& o) {
   const std::span<const float> row(lg, std::size_t(vocab));
   if (o.record_logits) res.logits[std::size_t(i)].insert(res.logits[std::size_t(i)].end(), row.begin(), row.end());
@@ -384,7 +404,7 @@ class decoder {
       std::copy_n(x.data() + (offset[std::size_t(i) + 1] - 1) * H, H, last.data() + index_t(i) * H);
     head(last.data(), B, logits.data());
     std::vector<int> cur(static_cast<std::size_t>(B));
-    for (int i = 0; i < B; ++i) take(res, pick, i, logits.data() + index_t(i) * V, cur, o);
+    take_tokens(res, pick, 0, B, logits.data(), V, cur, o);
     res.prefill_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_prefill).count();
     res.trajectory.push_back(share_of(cache, seqs, 0));
 
@@ -408,8 +428,10 @@ class decoder {
       res.cpu_batches += fr.cpu_batches;
       res.gpu_batches += fr.gpu_batches;
       if (fr.evicted_sequences > 0) res.trajectory.push_back(share_of(cache, seqs, s));
+      const auto t_head = std::chrono::steady_clock::now();
       head(x.data(), B, logits.data());
-      for (int i = 0; i < B; ++i) take(res, pick, i, logits.data() + index_t(i) * V, cur, o);
+      take_tokens(res, pick, 0, B, logits.data(), V, cur, o);
+      res.step_head_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t_head).count());
       res.step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       if (o.progress) o.progress(phase::decode, s, steps);
     }
@@ -427,10 +449,6 @@ class decoder {
 
  private:
   using backend_type = writescope::host_backend;
-
-  void take(generation_result& res, sampler& pick, int i, const float* lg, std::vector<int>& cur, const run_options& o) {
-    take_token(res, pick, i, lg, c_.vocab_size, cur, o);
-  }
 
   // final norm + LM head: x[n][hidden] -> logits[n][vocab]
   void head(const float* x, index_t n, float* logits) {

@@ -280,7 +280,8 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
                            {"query_wait_seconds", r.step_query_wait_seconds},
                            {"finish_seconds", r.step_finish_seconds},
                            {"router_wait_seconds", r.step_router_wait_seconds},
-                           {"flush_seconds", r.step_flush_seconds}};
+                           {"flush_seconds", r.step_flush_seconds},
+                           {"head_seconds", r.step_head_seconds}};
   j["cpu_share"] = s.cpu_share;
   j["decode_evictions"] = {{"cpu", r.cpu_batches}, {"gpu", r.gpu_batches}};
   j["attention"] = {{"seconds", r.attention_seconds},     {"cpu_engine_seconds", r.cpu_engine_seconds},

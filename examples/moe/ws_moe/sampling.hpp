@@ -46,6 +46,10 @@ class sampler {
     for (int i = 0; i < sequences; ++i) rng_.emplace_back(o.seed * 0x9e3779b97f4a7c15ull + std::uint64_t(i) + 1);
   }
 
+  /// Greedy: next() reads only its arguments, so calls for different
+  /// sequences may run concurrently; sampling shares scratch (one at a time).
+  [[nodiscard]] bool greedy() const noexcept { return o_.temperature == 0.0; }
+
   int next(int seq, std::span<const float> logits) {
     if (o_.temperature == 0.0) return argmax(logits);
     const int V = int(logits.size());

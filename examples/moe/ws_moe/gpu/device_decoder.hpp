@@ -94,10 +94,13 @@ struct device_options {
   bool launch_thread = false;
   /// Decode MoE layers run their device experts in two launches (gate‖up with
   /// SiLU, then down: launch_expert_gemv) instead of one cuBLAS product per
-  /// expert and matrix, when the experts are bf16 and no expert has more than
-  /// grouped_expert_max_rows rows (docs/DECODERS.md, session 7).
+  /// expert and matrix, when the experts are bf16, no expert has more than
+  /// grouped_expert_max_rows rows and at least grouped_expert_min_active
+  /// device experts have rows (few experts: few launches to save, and cuBLAS
+  /// reads Mixtral's 14336-wide experts faster; docs/DECODERS.md, session 7).
   bool grouped_experts = true;
   int grouped_expert_max_rows = 32;
+  int grouped_expert_min_active = 16;
 };
 
 template <class Layout, class Exec>
@@ -222,7 +225,7 @@ class device_decoder {
       x_.h2d(last_rows_, last.data(), index_t(ns) * 4);
       x_.run(gpu::gather_rows_op{x_buf_, c_.hidden_size, last_rows_, c_.hidden_size, y2_}, index_t(ns) * c_.hidden_size);
       logits = head(y2_, ns);
-      for (int i = 0; i < ns; ++i) take(res, pick, wv.begin + i, logits + index_t(i) * V, cur, o);
+      take_tokens(res, pick, wv.begin, ns, logits, V, cur, o);
     }
     res.prefill_tokens = 0;
     for (const auto& p : prompts) res.prefill_tokens += index_t(p.size());
@@ -250,8 +253,10 @@ class device_decoder {
       res.cpu_batches += fr.cpu_batches;
       res.gpu_batches += fr.gpu_batches;
       if (fr.evicted_sequences > 0) res.trajectory.push_back(share_of(*cache_, seqs, s));
+      const auto t_head = std::chrono::steady_clock::now();
       logits = head(x_buf_, B);
-      for (int i = 0; i < B; ++i) take(res, pick, i, logits + index_t(i) * V, cur, o);
+      take_tokens(res, pick, 0, B, logits, V, cur, o);
+      res.step_head_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t_head).count());
       res.step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       if (o.progress) o.progress(phase::decode, s, steps);
     }
@@ -576,8 +581,9 @@ class device_decoder {
       L.expert_tables = t;
     }
     grouped_ok_ = true;
-    return "grouped (gate-up and down: one launch each per MoE layer, at most " +
-           std::to_string(d_.grouped_expert_max_rows) + " rows per expert; more: one cuBLAS product per expert)";
+    return "grouped (gate-up and down: one launch each per MoE layer) when at most " +
+           std::to_string(d_.grouped_expert_max_rows) + " rows per expert and at least " +
+           std::to_string(d_.grouped_expert_min_active) + " device experts with rows; else one cuBLAS product per expert";
   }
 
   /// One decode step of the whole model (embedding, every layer with its
@@ -685,10 +691,6 @@ class device_decoder {
     x_.d2h_async(logits_host_, logits_, n * c_.vocab_size * 4);
     x_.sync();
     return logits_host_;
-  }
-
-  void take(generation_result& res, sampler& pick, int i, const float* lg, std::vector<int>& cur, const run_options& o) {
-    take_token(res, pick, i, lg, c_.vocab_size, cur, o);
   }
 
   // ---------------------------------------------------------------------------
@@ -894,8 +896,14 @@ class device_decoder {
     }
     // ... while the GPU runs its experts ...
     index_t most = 0;
-    for (int e = 0; e < E; ++e) most = std::max<index_t>(most, count_[std::size_t(e) + 1] - count_[std::size_t(e)]);
-    if (grouped_ok_ && nk <= grouped_rows_cap_ && most <= d_.grouped_expert_max_rows) {
+    int active = 0;  // device experts with rows
+    for (int e = 0; e < E; ++e) {
+      const index_t m = count_[std::size_t(e) + 1] - count_[std::size_t(e)];
+      most = std::max(most, m);
+      active += m > 0 && !L.on_host[std::size_t(e)] ? 1 : 0;
+    }
+    if (grouped_ok_ && nk <= grouped_rows_cap_ && most <= d_.grouped_expert_max_rows &&
+        active >= d_.grouped_expert_min_active) {
       const index_t I = c_.moe_intermediate_size;
       gpu::expert_gemv_params gp;
       gp.w = L.expert_tables;
