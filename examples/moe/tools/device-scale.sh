@@ -19,9 +19,9 @@
 #               Qwen3MoeForCausalLM, random init, bf16, generate() with the offloaded cache)
 #   qwen3_spill.roofline  Qwen3-30B-A3B, 8 layers, batch 8 x 992, half of the routed
 #               experts (--max-gpu-experts 512) in host memory, run by the CPU
-#   dsv2lite.{headroom,assist}, mixtral.{gpu_only,cpu_only,headroom}  (only when named in RUNS)
+#   dsv2lite.{headroom,headroom03,assist}, mixtral.{gpu_only,cpu_only,headroom}  (only when named in RUNS)
 #               the TPOT-tail experiments left by session 5 (docs/DECODERS.md): roofline
-#               placed 0.05 below its balance (--placement-headroom 0.05, the GPU the long
+#               placed 0.05 (0.03) below its balance (--placement-headroom, the GPU the long
 #               pole), and the adaptive CPU assist (--cpu-assist adaptive)
 #   dsv2lite_8k.roofline, hf.dsv2lite_8k, mixtral_peer.roofline, hf.mixtral  (only when named in
 #               RUNS) the transformers peer on DeepSeek-V2-Lite (4 layers, 8 x 8160) and Mixtral
@@ -95,6 +95,7 @@ for pol in roofline gpu_only cpu_only; do
 done
 add "mixtral.roofline" ws 0 "--random-weights --config $cfg/mixtral_8x7b.json --layers 4 --batch 4 --prompt-len $long --max-new-tokens $n --policy roofline"
 add "dsv2lite.headroom" ws 2 "--random-weights --config $cfg/deepseek_v2_lite.json --layers 4 --batch 32 --prompt-len $long --max-new-tokens $n --policy roofline --placement-headroom 0.05"
+add "dsv2lite.headroom03" ws 2 "--random-weights --config $cfg/deepseek_v2_lite.json --layers 4 --batch 32 --prompt-len $long --max-new-tokens $n --policy roofline --placement-headroom 0.03"
 add "dsv2lite.assist" ws 2 "--random-weights --config $cfg/deepseek_v2_lite.json --layers 4 --batch 32 --prompt-len $long --max-new-tokens $n --policy roofline --cpu-assist adaptive"
 for pol in gpu_only cpu_only; do
   add "mixtral.$pol" ws 2 "--random-weights --config $cfg/mixtral_8x7b.json --layers 4 --batch 4 --prompt-len $long --max-new-tokens $n --policy $pol"
@@ -204,7 +205,8 @@ for r in runs:
 print("(first ms: the first decode step; st = steady state, decode steps 2..N; hf.*: transformers generate())")
 by = {r["name"]: r.get("summary") for r in runs}
 # where the roofline costs came from (ws_decode --json roofline_init)
-for name in ("qwen3.roofline", "dsv2lite.roofline", "mixtral.roofline", "qwen3_8k.roofline"):
+for name in ("qwen3.roofline", "dsv2lite.roofline", "mixtral.roofline", "qwen3_8k.roofline", "qwen3_full.roofline",
+             "dsv2lite_full.roofline", "mixtral_full.roofline", "mixtral_ram.roofline"):
     s = by.get(name)
     ri = (s or {}).get("roofline_init")
     if ri:
@@ -217,8 +219,13 @@ for name in ("qwen3.roofline", "dsv2lite.roofline", "mixtral.roofline", "qwen3_8
 # decode speed-up of roofline over the baselines, per model (all steps; steady state in brackets)
 def steady(s):
     return s.get("decode_steady_tok_s") or s["decode_tok_s"]
-for m in ("qwen3", "dsv2lite", "mixtral"):
+for m in ("qwen3", "dsv2lite", "mixtral", "qwen3_full", "dsv2lite_full", "mixtral_full", "mixtral_ram"):
     ro, go, co = by.get(m + ".roofline"), by.get(m + ".gpu_only"), by.get(m + ".cpu_only")
+    for variant in ("headroom", "headroom03", "assist"):  # roofline variants beside the same gpu_only run
+        v = by.get(m + "." + variant)
+        if v and go and go["decode_tok_s"] > 0:
+            print(f"{m}.{variant}: decode {v['decode_tok_s']:.1f} tok/s = {v['decode_tok_s'] / go['decode_tok_s']:.2f}x "
+                  f"gpu_only, TPOT P99/P50 {v['tpot_p99_over_p50']:.3f}")
     if ro and go and go["decode_tok_s"] > 0:
         line = (f"{m}: roofline decode {ro['decode_tok_s']:.1f} tok/s = {ro['decode_tok_s'] / go['decode_tok_s']:.2f}x "
                 f"gpu_only (steady {steady(ro) / steady(go):.2f}x)")
