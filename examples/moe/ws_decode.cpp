@@ -68,7 +68,7 @@ struct cli {
   double cpu_bw_gbps = 80.0, h2d_bw_gbps = 54.0, cpu_fixed_us = 0.0, gpu_fixed_us = 0.0;
   bool track_gpu_cost = false;
   std::string cpu_assist = "off";
-  double placement_headroom = -1.0;  // < 0: 0.05 with an adaptive assist, else 0
+  double placement_headroom = -1.0;  // < 0: 0.05 with --device cuda or an adaptive assist, else 0
   double assist_max_fraction = 0.5, eviction_bounce_mib = 32.0;
   std::string launch_thread = "off", grouped_experts = "on";
   int grouped_expert_max_rows = 32, grouped_expert_min_active = 16;
@@ -340,14 +340,20 @@ int run(cli& a) {
   // CPU assist (hybrid_attention; docs/DECISIONS.md): off by default (the
   // paper's split, bit-reproducible). The roofline policy places
   // --placement-headroom less on the CPU than its balance: by default 0.05
-  // with an adaptive assist (left to the per-step balance), else 0.
+  // on a real GPU (the CPU side's time wanders ±15 % within a run, the GPU
+  // side's by ~2 %, and placement cannot move: the steadier side should be
+  // the long pole; docs/DECISIONS.md, session 7) and with an adaptive assist
+  // (left to the per-step balance); 0 on the host and emulated backends,
+  // whose "GPU" side runs on the same CPU.
   o.assist = parse_assist(a.cpu_assist);
   o.assist.max_pinned_fraction = a.assist_max_fraction;
   o.assist.initial_cpu_seconds_per_token = costs.params.cpu_cost_per_token_seconds;  // the roofline's A and B
   o.assist.initial_gpu_seconds_per_token = costs.params.gpu_cost_per_token_seconds;
   writescope::roofline_params params = costs.params;
   params.placement_headroom =
-      a.placement_headroom >= 0.0 ? a.placement_headroom : o.assist.mode == writescope::assist_mode::adaptive ? 0.05 : 0.0;
+      a.placement_headroom >= 0.0                                                               ? a.placement_headroom
+      : kind == device_kind::cuda || o.assist.mode == writescope::assist_mode::adaptive ? 0.05
+                                                                                        : 0.0;
   runtime_policy policy = parse_policy(a.policy, params);
 
   const bool show = !a.no_progress && (a.progress || progress_bar::stderr_is_tty());
@@ -524,8 +530,9 @@ int main(int argc, char** argv) {
                  "measured per-token times) | fixed:F (fraction F of each sequence's pinned blocks)")
       ->group(g_kv)->capture_default_str();
   app.add_option("--placement-headroom", a.placement_headroom,
-                 "roofline policy: CPU share placed below the roofline's balance (default: 0.05 with "
-                 "--cpu-assist adaptive, which takes it back per step; else 0)")
+                 "roofline policy: CPU share placed below the roofline's balance (default: 0.05 with --device "
+                 "cuda, whose GPU side is steadier than the CPU side, and with --cpu-assist adaptive, which takes it "
+                 "back per step; else 0 = the paper's balance)")
       ->group(g_kv)->check(CLI::Range(0.0, 0.99));
   app.add_option("--eviction-bounce-mib", a.eviction_bounce_mib,
                  "--device cuda: page-locked bounce buffer for evictions into the unpinned region "

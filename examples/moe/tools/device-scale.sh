@@ -34,6 +34,8 @@
 #               RUN_CAP, e.g. 300) every layer of the model: qwen3_full 48 layers x 8 x 32736
 #               (24 GiB of KV), dsv2lite_full 27 layers x 32 x 32736 (31 GiB), mixtral_full
 #               32 layers x 8 x 32736 (32 GiB; 93 GB of bf16 weights on the GPU)
+#   {qwen3,dsv2lite,mixtral}.balance  (only when named in RUNS) roofline at the paper's balance
+#               (--placement-headroom 0); ws_decode's default on a GPU places 0.05 below it
 # KV plan: block 32, D 64, ping-pong 2 x 64 MiB, GPU splits of ws_decode's default 4 blocks
 # (sessions 3-5 ran 8 or 16; calibrate with --block-tokens 32 --split-blocks 4 to match, since
 # B and K depend on both). Prompts of 32736 = 511.5 x 64
@@ -95,6 +97,10 @@ for pol in roofline gpu_only cpu_only; do
 done
 add "mixtral.roofline" ws 0 "--random-weights --config $cfg/mixtral_8x7b.json --layers 4 --batch 4 --prompt-len $long --max-new-tokens $n --policy roofline"
 add "dsv2lite.headroom" ws 2 "--random-weights --config $cfg/deepseek_v2_lite.json --layers 4 --batch 32 --prompt-len $long --max-new-tokens $n --policy roofline --placement-headroom 0.05"
+for m in "qwen3:qwen3_30b_a3b.json --layers 8 --batch 8" "dsv2lite:deepseek_v2_lite.json --layers 4 --batch 32" \
+         "mixtral:mixtral_8x7b.json --layers 4 --batch 4"; do
+  add "${m%%:*}.balance" ws 2 "--random-weights --config $cfg/${m#*:} --prompt-len $long --max-new-tokens $n --policy roofline --placement-headroom 0"
+done
 add "dsv2lite.headroom03" ws 2 "--random-weights --config $cfg/deepseek_v2_lite.json --layers 4 --batch 32 --prompt-len $long --max-new-tokens $n --policy roofline --placement-headroom 0.03"
 add "dsv2lite.assist" ws 2 "--random-weights --config $cfg/deepseek_v2_lite.json --layers 4 --batch 32 --prompt-len $long --max-new-tokens $n --policy roofline --cpu-assist adaptive"
 for pol in gpu_only cpu_only; do
@@ -221,7 +227,7 @@ def steady(s):
     return s.get("decode_steady_tok_s") or s["decode_tok_s"]
 for m in ("qwen3", "dsv2lite", "mixtral", "qwen3_full", "dsv2lite_full", "mixtral_full", "mixtral_ram"):
     ro, go, co = by.get(m + ".roofline"), by.get(m + ".gpu_only"), by.get(m + ".cpu_only")
-    for variant in ("headroom", "headroom03", "assist"):  # roofline variants beside the same gpu_only run
+    for variant in ("balance", "headroom", "headroom03", "assist"):  # roofline variants beside the same gpu_only run
         v = by.get(m + "." + variant)
         if v and go and go["decode_tok_s"] > 0:
             print(f"{m}.{variant}: decode {v['decode_tok_s']:.1f} tok/s = {v['decode_tok_s'] / go['decode_tok_s']:.2f}x "
