@@ -346,6 +346,66 @@ TEST_CASE("resident memory after init <= 1.05 x what must be resident; written b
   }
 }
 
+TEST_CASE("prefault_cpu_region: the next evictions into the unpinned region take no page faults; contents unchanged") {
+  if (WS_SANITIZED) {
+    MESSAGE("skipped under a sanitizer (its allocator and shadow memory fault on their own)");
+    return;
+  }
+  const G lay(32, 4);  // 2 KiB per token per layer: a 64-token block is 32 pages
+  host_backend be;
+  auto minor_faults = [] {
+    rusage u{};
+    getrusage(RUSAGE_SELF, &u);
+    return index_t(u.ru_minflt);
+  };
+  // 8 sequences, prompts of 3 blocks + a partial one; decode until the D-window (2 blocks)
+  // of every sequence fills, then flush: 8 x 2 blocks x 2 layers = 4 MiB into the CPU region.
+  auto eviction_faults = [&](bool prefault, index_t& touched) {
+    partition_spec s = small_spec(2, 8, 64, 128);
+    set_ping_pong_blocks(s, lay, 16);
+    s.cpu_capacity_tokens = 64 * 64;
+    host_cache<G, cpu_only> cache(be, lay, s, cpu_only{});
+    decode_driver<decltype(cache)> d(cache, attention_options{1, false}, 11, 1.0 / std::sqrt(128.0));
+    std::vector<sequence_id> batch;
+    for (int i = 0; i < 8; ++i) batch.push_back(d.add(3 * 64 + 10));
+    touched = prefault ? cache.prefault_cpu_region(8 * 3) : 0;
+    if (prefault) CHECK(cache.prefault_cpu_region(8 * 3) == 0);  // already resident
+    index_t faults = -1;
+    for (int step = 0; step < 2 * 128 && faults < 0; ++step) {
+      for (int l = 0; l < 2; ++l) d.append_layer(l, batch);
+      const index_t f0 = minor_faults();
+      const flush_report fr = cache.flush();
+      const index_t f1 = minor_faults();
+      if (fr.evicted_sequences > 0) {
+        REQUIRE(fr.evicted_sequences == 8);
+        REQUIRE(fr.cpu_batches > 0);
+        faults = f1 - f0;
+      }
+    }
+    REQUIRE(faults >= 0);
+    // every token still attends right (fp64 reference), the evicted window included
+    const compare_result r = d.step(batch, true);
+    REQUIRE(r.ok());
+    return faults;
+  };
+  index_t touched_off = 0, touched_on = 0;
+  const index_t cold = eviction_faults(false, touched_off);
+  const index_t warm = eviction_faults(true, touched_on);
+  MESSAGE("eviction of 4 MiB into the unpinned region: " << cold << " minor faults cold, " << warm << " after prefaulting "
+                                                          << format_bytes(touched_on));
+  CHECK(cold >= 512);                  // ~1024 pages written for the first time
+  CHECK(warm <= 16);                   // bookkeeping only
+  CHECK(touched_on >= 4 * MiB);        // at least the evicted blocks
+  CHECK(touched_on <= 2 * 8 * 3 * 128 * 1024);  // 24 free blocks per layer, at most
+
+  partition_spec s = small_spec(1, 2, 64, 128);
+  set_ping_pong_blocks(s, lay, 16);
+  host_cache<G, cpu_only> plain(be, lay, s, cpu_only{});
+  CHECK_THROWS_AS(plain.prefault_cpu_region(-1), config_error);
+  host_cache<G, cpu_only> poisoned(be, lay, s, cpu_only{}, {}, cache_options{true});
+  CHECK(poisoned.prefault_cpu_region(100) == 0);  // poison wrote every page at construction
+}
+
 // --- K9: threads above the core count ----------------------------------------------------
 
 TEST_CASE("thread sweep child: seconds per step for each CPU thread count") {

@@ -39,6 +39,8 @@
 #include <utility>
 #include <vector>
 
+#include <unistd.h>
+
 #include "backend.hpp"
 #include "block_pool.hpp"
 #include "error.hpp"
@@ -339,6 +341,58 @@ class inplace_kv_cache {
     }
     backend_->write_blocks(format_, kv, writes_);
     for (sequence_id s : seqs) ++seqs_[std::size_t(s)].window_tokens[std::size_t(layer)];
+  }
+
+  // ---------------------------------------------------------------------------
+  // Page residency of the unpinned region
+  // ---------------------------------------------------------------------------
+
+  /// Makes the unpinned compute region's pages resident for the next
+  /// `blocks` CPU-region allocations, so that the evictions that take them
+  /// (flush) copy into memory without page faults; on a backend with an
+  /// eviction bounce buffer (cuda_backend::reserve_eviction_bounce) also
+  /// page-locks that now, so the first eviction into this region does not
+  /// allocate it (4.2 ms on Qwen3-30B-A3B 8 L, session 7). The region is reserved
+  /// lazily (mmap, pages appear on first touch), so without this the first
+  /// eviction into each block pays the kernel's fault and zeroing, inside a
+  /// decode step: measured +4 to +29 ms (7–16 % of the step) on the eviction
+  /// steps of session 7's H200 runs (docs/DECODERS.md).
+  ///
+  /// Allocation takes the lowest free ids, so the next n allocations lie in
+  /// ids [0, used + n): this writes one zero byte per page of every free block
+  /// there, in every layer (a free block's contents are unspecified; used
+  /// blocks are not touched). With cache_options::poison every page was
+  /// written at construction and nothing is done. Returns the bytes of the
+  /// blocks touched (0 when already resident from an earlier call).
+  ///
+  /// Host memory only, no backend call; cost ~ the bytes touched / the
+  /// kernel's page-zeroing rate. Call between steps from the thread that owns
+  /// the cache (e.g. after prefill, with n = the decode's eviction blocks per
+  /// layer: sequences × (ceil(new tokens / block_tokens) + window blocks)).
+  /// Throws config_error for n < 0; never changes what the cache holds.
+  index_t prefault_cpu_region(index_t blocks) {
+    if (blocks < 0)
+      throw config_error("prefault_cpu_region: blocks = " + std::to_string(blocks) + " must be >= 0");
+    const index_t cap = cpu_pool_.capacity();
+    if constexpr (requires(Backend& b) { b.reserve_eviction_bounce(); })
+      if (blocks > 0 && cap > 0) backend_->reserve_eviction_bounce();
+    if (options_.poison) return 0;
+    const index_t end = std::min(cap, cpu_pool_.used_blocks() + blocks);
+    if (end <= cpu_prefaulted_blocks_) return 0;
+    const index_t block_bytes = format_.block_bytes();
+    const index_t page = index_t(::sysconf(_SC_PAGESIZE));
+    index_t touched = 0;
+    for (index_t b = cpu_prefaulted_blocks_; b < end; ++b) {
+      if (cpu_pool_.is_used(block_id(b))) continue;
+      touched += block_bytes * spec_.num_layers;
+      for (int l = 0; l < spec_.num_layers; ++l) {
+        volatile char* base = reinterpret_cast<volatile char*>(cpu_mem_.data()) + (index_t(l) * cap + b) * block_bytes;
+        for (index_t o = 0; o < block_bytes; o += page) base[o] = 0;
+        base[block_bytes - 1] = 0;  // a block that ends past a page boundary
+      }
+    }
+    cpu_prefaulted_blocks_ = end;
+    return touched;
   }
 
   // ---------------------------------------------------------------------------
@@ -685,6 +739,7 @@ class inplace_kv_cache {
   cache_options options_;
 
   block_pool cpu_pool_;
+  index_t cpu_prefaulted_blocks_ = 0;  ///< ids [0, this) of the unpinned region were made resident (prefault_cpu_region)
   block_pool pinned_pool_;
   index_t slab_blocks_ = 1;
   host_allocation cpu_mem_;

@@ -350,6 +350,30 @@ TEST_CASE("K8: the region pinned at init (pinned_initial_tokens = -1): decode st
                              << " s pin + " << (s1.touch_seconds - s0.touch_seconds) << " s touch");
 }
 
+TEST_CASE("prefault_cpu_region page-locks the eviction bounce buffer between steps (pinned region grown lazily)") {
+  const G L(8, 2);
+  cuda_backend be;
+  using cache_t = device_cache<G, cpu_only, cuda_host_register>;
+  partition_spec spec = k8_spec(L, 3, 2048);
+  spec.pinned_initial_tokens = 0;  // grown on demand: the cache does not reserve the bounce buffer at construction
+  cache_t cache(be, L, spec, cpu_only{}, small_chunks());
+  CHECK_FALSE(be.eviction_bounce_active());
+  device_decode_driver<cache_t> d(cache, attention_options{2, true}, 85, gqa_scale);
+  const std::vector<sequence_id> batch{d.add(300), d.add(77), d.add(31)};
+  const index_t touched = cache.prefault_cpu_region(3 * 8);
+  CHECK(touched > 0);
+  CHECK(be.eviction_bounce_active());  // page-locked here, not inside the first eviction's step
+  index_t evicted = 0;
+  for (int s = 0; s < scaled(40, 12, 6); ++s) {
+    const compare_result r = d.step(batch);
+    INFO("step " << s << ": rel_l2 " << r.max_rel_l2);
+    REQUIRE(r.ok());
+    evicted += d.last_flush.evicted_sequences;
+  }
+  CHECK(evicted > 0);
+  CHECK(be.eviction_bounce_active());
+}
+
 namespace {
 
 /// Pins `bytes` with `alloc`; on success writes one block of random KV into

@@ -128,6 +128,9 @@ struct generation_result {
   std::vector<std::vector<int>> tokens;                ///< generated, per sequence
   std::vector<std::vector<float>> logits;              ///< per sequence: [steps][vocab] when recorded
   index_t prefill_tokens = 0;
+  /// Bytes of the unpinned region made resident after prefill for the decode's
+  /// evictions (prefault_for_decode; part of prefill_seconds).
+  index_t cpu_prefault_bytes = 0;
   double prefill_seconds = 0.0;
   std::vector<double> step_seconds;                    ///< wall time of each decode step (TPOT)
   /// Per decode step, summed over the layers: CPU engine seconds, GPU side
@@ -203,6 +206,17 @@ struct step_totals {
     r.step_involuntary_switches.push_back(now.ru_nivcsw - usage.ru_nivcsw);
   }
 };
+
+/// After prefill: makes resident the unpinned-region pages that the decode's
+/// evictions can take — per sequence ceil(new tokens / block) + one D-window of
+/// blocks per layer (inplace_kv_cache::prefault_cpu_region) — so that no
+/// eviction step pays page faults. Returns the bytes touched.
+template <class Cache>
+index_t prefault_for_decode(Cache& cache, int sequences, int max_new_tokens) {
+  const writescope::partition_spec& sp = cache.spec();
+  const index_t per_sequence = (index_t(max_new_tokens) + sp.block_tokens - 1) / sp.block_tokens + sp.window_blocks();
+  return cache.prefault_cpu_region(index_t(sequences) * per_sequence);
+}
 
 /// Rejects empty prompts, token ids outside the vocabulary, runs beyond a
 /// configured sliding window and max_new_tokens < 1 (config_error).
@@ -405,6 +419,7 @@ class decoder {
     head(last.data(), B, logits.data());
     std::vector<int> cur(static_cast<std::size_t>(B));
     take_tokens(res, pick, 0, B, logits.data(), V, cur, o);
+    res.cpu_prefault_bytes = prefault_for_decode(cache, B, o.max_new_tokens);
     res.prefill_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_prefill).count();
     res.trajectory.push_back(share_of(cache, seqs, 0));
 

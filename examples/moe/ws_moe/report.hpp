@@ -255,6 +255,7 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
   j["load_seconds"] = load_seconds;
   j["prefill_tokens"] = r.prefill_tokens;
   j["prefill_seconds"] = r.prefill_seconds;
+  j["cpu_prefault_bytes"] = r.cpu_prefault_bytes;
   j["prefill_tok_s"] = s.prefill_tok_s;
   j["tpot_p50_ms"] = s.tpot_p50_ms;
   j["tpot_p99_ms"] = s.tpot_p99_ms;

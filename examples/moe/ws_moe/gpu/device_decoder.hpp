@@ -229,6 +229,7 @@ class device_decoder {
     }
     res.prefill_tokens = 0;
     for (const auto& p : prompts) res.prefill_tokens += index_t(p.size());
+    res.cpu_prefault_bytes = prefault_for_decode(*cache_, B, o.max_new_tokens);
     res.prefill_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_prefill).count();
     res.trajectory.push_back(share_of(*cache_, seqs, 0));
 
