@@ -155,6 +155,20 @@ partition_spec k8_spec(const G& L, int seqs, index_t pinned_tokens) {
   return spec;
 }
 
+/// Decode steps (40; fewer under WS_TEST_QUICK / WS_TEST_SANITIZER), each checked against
+/// fp64; returns the sequences evicted.
+template <class Cache>
+index_t checked_steps(device_decode_driver<Cache>& d, const std::vector<sequence_id>& batch) {
+  index_t evicted = 0;
+  for (int s = 0; s < scaled(40, 12, 6); ++s) {
+    const compare_result r = d.step(batch);
+    INFO("step " << s << ": rel_l2 " << r.max_rel_l2);
+    REQUIRE(r.ok());
+    evicted += d.last_flush.evicted_sequences;
+  }
+  return evicted;
+}
+
 /// cudaHostRegister in 64 KiB chunks (4 blocks of 16 KiB), 2 pre-touch threads.
 cuda_host_register small_chunks() { return cuda_host_register{index_t{64} << 10, 2}; }
 
@@ -335,14 +349,7 @@ TEST_CASE("K8: the region pinned at init (pinned_initial_tokens = -1): decode st
   device_decode_driver<cache_t> d(cache, attention_options{2, true}, 83, gqa_scale);
   const std::vector<sequence_id> batch{d.add(300), d.add(77), d.add(31)};
   const std::size_t ranges1 = registered_pinned_ranges();  // the region and the engine's staging
-  index_t evicted = 0;
-  for (int s = 0; s < scaled(40, 12, 6); ++s) {
-    const compare_result r = d.step(batch);
-    INFO("step " << s << ": rel_l2 " << r.max_rel_l2);
-    REQUIRE(r.ok());
-    evicted += d.last_flush.evicted_sequences;
-  }
-  CHECK(evicted > 0);
+  CHECK(checked_steps(d, batch) > 0);  // evictions happened
   CHECK(cuda_host_register::statistics().allocations == s1.allocations);
   CHECK(cuda_host_register::statistics().bytes == s1.bytes);
   CHECK(registered_pinned_ranges() == ranges1);
@@ -363,14 +370,7 @@ TEST_CASE("prefault_cpu_region page-locks the eviction bounce buffer between ste
   const index_t touched = cache.prefault_cpu_region(3 * 8);
   CHECK(touched > 0);
   CHECK(be.eviction_bounce_active());  // page-locked here, not inside the first eviction's step
-  index_t evicted = 0;
-  for (int s = 0; s < scaled(40, 12, 6); ++s) {
-    const compare_result r = d.step(batch);
-    INFO("step " << s << ": rel_l2 " << r.max_rel_l2);
-    REQUIRE(r.ok());
-    evicted += d.last_flush.evicted_sequences;
-  }
-  CHECK(evicted > 0);
+  CHECK(checked_steps(d, batch) > 0);  // evictions happened
   CHECK(be.eviction_bounce_active());
 }
 

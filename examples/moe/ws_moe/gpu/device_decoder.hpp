@@ -905,29 +905,25 @@ class device_decoder {
     }
     if (grouped_ok_ && nk <= grouped_rows_cap_ && most <= d_.grouped_expert_max_rows &&
         active >= d_.grouped_expert_min_active) {
+      // y [rows][out] = x [rows][in] · W_eᵀ per expert (with `up`: silu(x·W_eᵀ) * (x·U_eᵀ))
+      auto products = [&](const void* const* w, const void* const* up, index_t out, index_t in, const float* x, float* y) {
+        gpu::expert_gemv_params gp;
+        gp.w = w;
+        gp.up = up;
+        gp.offsets = offsets;
+        gp.experts = E;
+        gp.out = int(out);
+        gp.in = int(in);
+        gp.x = x;
+        gp.x_stride = in;
+        gp.y = y;
+        gp.y_stride = out;
+        gp.round_x = prec_ == wtype::bf16 ? 1 : 0;
+        x_.expert_gemv(gp);
+      };
       const index_t I = c_.moe_intermediate_size;
-      gpu::expert_gemv_params gp;
-      gp.w = L.expert_tables;
-      gp.up = L.expert_tables + E;
-      gp.offsets = offsets;
-      gp.experts = E;
-      gp.out = int(I);
-      gp.in = int(H);
-      gp.x = xg_;
-      gp.x_stride = H;
-      gp.y = eg_;
-      gp.y_stride = I;
-      gp.round_x = prec_ == wtype::bf16 ? 1 : 0;
-      x_.expert_gemv(gp);  // eg_ = silu(x Wg) * (x Wu)
-      gp.w = L.expert_tables + 2 * E;
-      gp.up = nullptr;
-      gp.out = int(H);
-      gp.in = int(I);
-      gp.x = eg_;
-      gp.x_stride = I;
-      gp.y = yg_;
-      gp.y_stride = H;
-      x_.expert_gemv(gp);  // yg_ = eg_ Wd
+      products(L.expert_tables, L.expert_tables + E, I, H, xg_, eg_);  // gate‖up with SiLU
+      products(L.expert_tables + 2 * E, nullptr, H, I, eg_, yg_);      // down
       ++grouped_passes_;
     } else {
       for (int e = 0; e < E; ++e) {
