@@ -362,14 +362,20 @@ class inplace_kv_cache {
   /// ids [0, used + n): this writes one zero byte per page of every free block
   /// there, in every layer (a free block's contents are unspecified; used
   /// blocks are not touched). With cache_options::poison every page was
-  /// written at construction and nothing is done. Returns the bytes of the
-  /// blocks touched (0 when already resident from an earlier call).
+  /// written at construction and no page is touched (the bounce buffer is
+  /// still reserved). Returns the bytes of the blocks touched (0 when already
+  /// resident from an earlier call). The high-water mark only grows: blocks in
+  /// use inside a covered range are skipped and counted as resident, which
+  /// holds while written blocks are never freed before the range is reused
+  /// (one admission, then decode, as the decoders do).
   ///
-  /// Host memory only, no backend call; cost ~ the bytes touched / the
-  /// kernel's page-zeroing rate. Call between steps from the thread that owns
-  /// the cache (e.g. after prefill, with n = the decode's eviction blocks per
-  /// layer: sequences × (ceil(new tokens / block_tokens) + window blocks)).
-  /// Throws config_error for n < 0; never changes what the cache holds.
+  /// Cost: the bytes touched / the kernel's page-zeroing rate, plus, the first
+  /// time on cuda_backend, page-locking the bounce buffer (32 MiB by default)
+  /// and a wait for its D2H stream. Call between steps from the thread that
+  /// owns the cache (e.g. after prefill, with n = the decode's eviction blocks
+  /// per layer: sequences × (ceil(new tokens / block_tokens) + window blocks)).
+  /// Throws config_error for n < 0 (before anything else); never changes what
+  /// the cache holds.
   index_t prefault_cpu_region(index_t blocks) {
     if (blocks < 0)
       throw config_error("prefault_cpu_region: blocks = " + std::to_string(blocks) + " must be >= 0");

@@ -316,7 +316,7 @@ inline void take_token(generation_result& res, sampler& pick, int i, const float
 inline void take_tokens(generation_result& res, sampler& pick, int first, int n, const float* lg, int vocab,
                         std::vector<int>& cur, const run_options& o) {
   if (pick.greedy()) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(std::max(1, o.threads))
     for (int i = 0; i < n; ++i) take_token(res, pick, first + i, lg + index_t(i) * vocab, vocab, cur, o);
   } else {
     for (int i = 0; i < n; ++i) take_token(res, pick, first + i, lg + index_t(i) * vocab, vocab, cur, o);

@@ -550,8 +550,11 @@ class device_decoder {
     if (!d_.grouped_experts) return "one cuBLAS product per expert (--grouped-experts off)";
     const index_t H = c_.hidden_size, I = c_.moe_intermediate_size;
     if (H % 8 != 0 || I % 8 != 0) return "one cuBLAS product per expert (hidden or expert width not a multiple of 8)";
-    auto readable = [](const gpu::dlinear& w) {
-      return w.w.type == wtype::bf16 && w.bias == nullptr && reinterpret_cast<std::uintptr_t>(w.w.p) % 16 == 0;
+    auto unreadable = [](const gpu::dlinear& w) -> const char* {  // why the kernel cannot read it, or null
+      if (w.w.type != wtype::bf16) return "an expert's weights are not bf16";
+      if (w.bias != nullptr) return "an expert has a bias";
+      if (reinterpret_cast<std::uintptr_t>(w.w.p) % 16 != 0) return "an expert's weights are not 16-byte aligned";
+      return nullptr;
     };
     bool any = false;
     for (int l : moe_layers) {
@@ -559,8 +562,8 @@ class device_decoder {
       for (int e = 0; e < c_.num_experts; ++e) {
         if (L.on_host[std::size_t(e)]) continue;
         const gpu::dmlp& m = L.experts[std::size_t(e)];
-        if (!readable(m.gate) || !readable(m.up) || !readable(m.down))
-          return "one cuBLAS product per expert (an expert's weights are not bf16)";
+        for (const gpu::dlinear* w : {&m.gate, &m.up, &m.down})
+          if (const char* why = unreadable(*w)) return std::string("one cuBLAS product per expert (") + why + ")";
         any = true;
       }
     }
@@ -801,19 +804,20 @@ class device_decoder {
   // ---------------------------------------------------------------------------
 
   /// x_ += FFN(RMSNorm(x_)) for n tokens.
-  void ffn_residual(int l, index_t n) {
+  /// `decode`: a decode step (the grouped expert kernels may run), else a prefill wave.
+  void ffn_residual(int l, index_t n, bool decode) {
     const gpu::dlayer& L = m_.layers[std::size_t(l)];
     const index_t H = c_.hidden_size;
     rms_norm(x_buf_, H, L.post_norm, n, int(H), h_, H);
     if (!L.is_moe)
       mlp(L.dense, h_, n, y_);
     else
-      moe(L, n);
+      moe(L, n, decode);
     x_.run(gpu::add_op{x_buf_, y_}, n * H);
   }
 
   /// y_ = routed experts (+ shared experts) of h_, n tokens.
-  void moe(const gpu::dlayer& L, index_t n) {
+  void moe(const gpu::dlayer& L, index_t n, bool decode) {
     const int E = c_.num_experts, k = c_.experts_per_tok;
     const index_t H = c_.hidden_size;
     const index_t nk = n * k;
@@ -903,7 +907,7 @@ class device_decoder {
       most = std::max(most, m);
       active += m > 0 && !L.on_host[std::size_t(e)] ? 1 : 0;
     }
-    if (grouped_ok_ && nk <= grouped_rows_cap_ && most <= d_.grouped_expert_max_rows &&
+    if (decode && grouped_ok_ && nk <= grouped_rows_cap_ && most <= d_.grouped_expert_max_rows &&
         active >= d_.grouped_expert_min_active) {
       // y [rows][out] = x [rows][in] · W_eᵀ per expert (with `up`: silu(x·W_eᵀ) * (x·U_eᵀ))
       auto products = [&](const void* const* w, const void* const* up, index_t out, index_t in, const float* x, float* y) {
@@ -1046,7 +1050,7 @@ class device_decoder {
       }
       attention_output(L, N);
       x_.run(gpu::add_op{x_buf_, y_}, N * H);
-      ffn_residual(l, N);
+      ffn_residual(l, N, false);
       progress(l);
     }
   }
@@ -1078,7 +1082,7 @@ class device_decoder {
     res.window_tokens += r.window_tokens;
     attention_output(L, B);
     x_.run(gpu::add_op{x_buf_, y_}, B * H);
-    ffn_residual(l, B);
+    ffn_residual(l, B, true);
   }
 
   // Declaration order = destruction order reversed: the executor (and its
