@@ -22,7 +22,8 @@
 #   dsv2lite.{headroom,headroom03,assist}, mixtral.{gpu_only,cpu_only,headroom}  (only when named in RUNS)
 #               the TPOT-tail experiments left by session 5 (docs/DECODERS.md): roofline
 #               placed 0.05 (0.03) below its balance (--placement-headroom, the GPU the long
-#               pole), and the adaptive CPU assist (--cpu-assist adaptive)
+#               pole; 0.05 is ws_decode's default on a GPU since session 7, so *.headroom
+#               repeats *.roofline there), and the adaptive CPU assist (--cpu-assist adaptive)
 #   dsv2lite_8k.roofline, hf.dsv2lite_8k, mixtral_peer.roofline, hf.mixtral  (only when named in
 #               RUNS) the transformers peer on DeepSeek-V2-Lite (4 layers, 8 x 8160) and Mixtral
 #               (4 layers, 4 x 32736), each after ws_decode at the same shape
