@@ -347,8 +347,10 @@ class inplace_kv_cache {
   // Page residency of the unpinned region
   // ---------------------------------------------------------------------------
 
-  /// Makes the unpinned compute region's pages resident for the next
-  /// `blocks` CPU-region allocations, so that the evictions that take them
+  /// Beyond the paper; serves §4.2's eviction (flush). `blocks`: a count of
+  /// blocks per layer (every layer gets the same ids); memory: the pageable
+  /// host region, written by this thread. Makes the unpinned compute region's
+  /// pages resident for the next `blocks` CPU-region allocations, so that the evictions that take them
   /// (flush) copy into memory without page faults; on a backend with an
   /// eviction bounce buffer (cuda_backend::reserve_eviction_bounce) also
   /// page-locks that now, so the first eviction into this region does not

@@ -27,8 +27,9 @@ void launch_causal_softmax(const softmax_params& p, cudaStream_t stream);
 
 /// The routed experts of one MoE layer, all in one launch (kernel_math.hpp
 /// expert_gemv_params): grid (out / 8, experts), a warp per output column.
-/// Throws config_error when in is not a multiple of 8 or x_stride not of 4
-/// (the 16-byte loads); the pointers must be 16-byte aligned.
+/// Device pointers, asynchronous on `stream`. Throws config_error when in is
+/// not a multiple of 8 or x_stride not of 4 (the 16-byte loads), or for more
+/// than 65535 experts; the pointers must be 16-byte aligned.
 void launch_expert_gemv(const expert_gemv_params& p, cudaStream_t stream);
 
 }  // namespace ws_moe::gpu
