@@ -31,7 +31,7 @@
 #               batch 4 x 32736, 66 new tokens: session 5's full-depth Mixtral shape
 #   mixtral_ram.{roofline,gpu_only}  (only when named in RUNS; ~4 minutes each, RUN_CAP=300)
 #               all 32 layers at 16 x 32736 (64 GiB of KV in host memory), 34 new tokens
-#   *_full.{roofline,gpu_only}  (only when named in RUNS; each takes 2-4 minutes, so raise
+#   *_full.{roofline,gpu_only,cpu_only}  (only when named in RUNS; each takes 2-4 minutes, so raise
 #               RUN_CAP, e.g. 300) every layer of the model: qwen3_full 48 layers x 8 x 32736
 #               (24 GiB of KV), dsv2lite_full 27 layers x 32 x 32736 (31 GiB), mixtral_full
 #               32 layers x 8 x 32736 (32 GiB; 93 GB of bf16 weights on the GPU)
@@ -126,7 +126,7 @@ add "qwen3_spill.roofline" ws 0 "--random-weights --config $cfg/qwen3_30b_a3b.js
 for pol in roofline gpu_only; do
   add "mixtral_ram.$pol" ws 2 "--random-weights --config $cfg/mixtral_8x7b.json --batch 16 --prompt-len $long --max-new-tokens 34 --policy $pol"
 done
-for pol in roofline gpu_only; do
+for pol in roofline gpu_only cpu_only; do
   add "qwen3_full.$pol" ws 2 "--random-weights --config $cfg/qwen3_30b_a3b.json --batch 8 --prompt-len $long --max-new-tokens $n --policy $pol"
   add "dsv2lite_full.$pol" ws 2 "--random-weights --config $cfg/deepseek_v2_lite.json --batch 32 --prompt-len $long --max-new-tokens $n --policy $pol"
   add "mixtral_full.$pol" ws 2 "--random-weights --config $cfg/mixtral_8x7b.json --batch 8 --prompt-len $long --max-new-tokens $n --policy $pol"
