@@ -61,6 +61,8 @@ struct cli {
   double temperature = 0.0, top_p = 1.0;
   int top_k = 0;
   std::uint64_t seed = 0;
+  bool stop_at_eos = false;
+  std::vector<int> eos_token_ids;  // --eos-token-id (implies --stop-at-eos)
   std::string policy = "roofline";
   int block_tokens = 64, d_window = 256, ping_pong_buffers = 2, gpu_split_blocks = 4, cpu_task_blocks = 16;
   double ping_pong_mib = 64.0, kv_vram_budget_mib = 0.0, first_chunk_mib = 0.0;
@@ -203,13 +205,13 @@ expectation load_expectation(const std::string& path) {
 
 /// max |ours - reference| over every sequence, step and vocabulary entry.
 double max_logit_diff(const tensor_view& ref_t, const generation_result& r, int vocab) {
-  const std::size_t B = r.tokens.size(), steps = r.tokens[0].size(), ref_steps = std::size_t(ref_t.shape[1]);
+  const std::size_t B = r.tokens.size(), ref_steps = std::size_t(ref_t.shape[1]);
   if (ref_t.shape[2] != vocab)
     throw checkpoint_error("expected logits have vocab " + std::to_string(ref_t.shape[2]) + ", the model " + std::to_string(vocab));
   std::vector<float> ref(static_cast<std::size_t>(vocab));
   double worst = 0.0;
   for (std::size_t i = 0; i < B; ++i)
-    for (std::size_t s = 0; s < steps; ++s) {
+    for (std::size_t s = 0; s < r.tokens[i].size() && s < ref_steps; ++s) {  // fewer after an EOS stop
       widen_to_f32(dtype::f32, ref_t.data + ((i * ref_steps + s) * std::size_t(vocab)) * 4, std::size_t(vocab), ref.data());
       const float* ours = r.logits[i].data() + s * std::size_t(vocab);
       for (int v = 0; v < vocab; ++v) worst = std::max(worst, double(std::fabs(ours[v] - ref[std::size_t(v)])));
@@ -218,11 +220,26 @@ double max_logit_diff(const tensor_view& ref_t, const generation_result& r, int 
 }
 
 /// Compares logits and greedy tokens with the reference; prints one line; true = pass.
+/// With stop tokens (`eos`, --stop-at-eos) each sequence must also end where
+/// the reference's greedy tokens first reach one of them (or run to their end).
 bool check_expectation(const expectation& e, const generation_result& r, int vocab, double tol, double tol16,
-                       bool teacher_forced) {
+                       bool teacher_forced, const std::vector<int>& eos) {
   const std::size_t B = r.tokens.size();
   if (e.tokens.size() != B)
     throw checkpoint_error("--expect has " + std::to_string(e.tokens.size()) + " sequences, the run " + std::to_string(B));
+  std::size_t stops_right = 0;
+  std::string stop_miss;
+  for (std::size_t i = 0; i < B; ++i) {
+    std::size_t want = e.tokens[i].size();
+    for (std::size_t s = 0; s < e.tokens[i].size(); ++s)
+      if (std::find(eos.begin(), eos.end(), e.tokens[i][s]) != eos.end()) {
+        want = s + 1;
+        break;
+      }
+    if (r.tokens[i].size() == want) ++stops_right;
+    else if (stop_miss.empty())
+      stop_miss = "; seq " + std::to_string(i) + " generated " + std::to_string(r.tokens[i].size()) + " tokens, the reference stops after " + std::to_string(want);
+  }
   const double d32 = max_logit_diff(*e.logits, r, vocab);
   const double d16 = e.logits_bf16_kv ? max_logit_diff(*e.logits_bf16_kv, r, vocab) : 0.0;
   std::size_t same = 0, total = 0;
@@ -232,12 +249,15 @@ bool check_expectation(const expectation& e, const generation_result& r, int voc
       if (e.tokens[i][s] == r.tokens[i][s]) ++same;
       else if (first.empty()) first = " (first difference: seq " + std::to_string(i) + " step " + std::to_string(s) + ")";
     }
-  const bool ok = d32 <= tol && (!e.logits_bf16_kv || d16 <= tol16) && (teacher_forced || same == total) && total > 0;
+  const bool ok = d32 <= tol && (!e.logits_bf16_kv || d16 <= tol16) && (teacher_forced || same == total) && total > 0 &&
+                  stops_right == B;
   std::printf("check      max |logit - transformers| = %.3e (tolerance %.1e); with bf16 KV: ", d32, tol);
   if (e.logits_bf16_kv) std::printf("%.3e (tolerance %.1e)", d16, tol16);
   else std::printf("n/a");
-  std::printf("; %zu x %zu steps; greedy tokens %zu/%zu identical%s%s: %s\n", B, r.tokens[0].size(), same, total,
-              first.c_str(), teacher_forced ? " (teacher-forced: reported, not required)" : "", ok ? "PASS" : "FAIL");
+  std::printf("; %zu x %zu steps; greedy tokens %zu/%zu identical%s%s", B, e.tokens[0].size(), same, total,
+              first.c_str(), teacher_forced ? " (teacher-forced: reported, not required)" : "");
+  if (!eos.empty()) std::printf("; EOS stops where the reference's: %zu/%zu%s", stops_right, B, stop_miss.c_str());
+  std::printf(": %s\n", ok ? "PASS" : "FAIL");
   return ok;
 }
 
@@ -324,6 +344,19 @@ int run(cli& a) {
     if (!expected) throw writescope::config_error("--teacher-force needs --expect");
     o.forced_tokens = &expected->tokens;
   }
+  if (a.stop_at_eos || !a.eos_token_ids.empty()) {
+    o.eos_token_ids = a.eos_token_ids.empty() ? c.eos_token_ids : a.eos_token_ids;
+    if (o.eos_token_ids.empty())
+      throw writescope::config_error("--stop-at-eos: " + config_path.string() +
+                                     " has no eos_token_id; give the stop tokens with --eos-token-id");
+    for (int t : o.eos_token_ids)
+      if (t < 0 || t >= c.vocab_size)
+        throw writescope::config_error("EOS token id " + std::to_string(t) + " is outside the vocabulary [0, " +
+                                       std::to_string(c.vocab_size) + ")");
+    if (a.teacher_force)
+      throw writescope::config_error("--stop-at-eos with --teacher-force: the fed-back tokens are the reference's, so "
+                                     "a stop would follow the sampled token the run does not continue from");
+  }
 #if defined(_OPENMP)
   omp_set_num_threads(threads);
 #endif
@@ -400,7 +433,7 @@ int run(cli& a) {
     const double tol16 = a.logit_tol_bf16_kv >= 0 ? a.logit_tol_bf16_kv : expected->tolerance_bf16_kv;
     if (!(tol > 0) || (expected->logits_bf16_kv && !(tol16 > 0)))
       throw writescope::config_error("--expect: no logit tolerance (give --logit-tol / --logit-tol-bf16-kv or set them in the file)");
-    if (!check_expectation(*expected, r, c.vocab_size, tol, tol16, a.teacher_force)) return 3;
+    if (!check_expectation(*expected, r, c.vocab_size, tol, tol16, a.teacher_force, o.eos_token_ids)) return 3;
   }
   return 0;
 }
@@ -494,6 +527,12 @@ int main(int argc, char** argv) {
   app.add_option("--top-p", a.top_p, "nucleus sampling mass")->group(g_sample)->capture_default_str();
   app.add_option("--top-k", a.top_k, "keep the K most likely (0 = all)")->group(g_sample)->capture_default_str();
   app.add_option("--seed", a.seed, "seed of random weights, random prompts and sampling")->group(g_sample)->capture_default_str();
+  app.add_flag("--stop-at-eos", a.stop_at_eos,
+               "a sequence stops after sampling an EOS token (config.json's eos_token_id) and leaves the batch, its KV "
+               "blocks returned to the cache (default: every sequence generates --max-new-tokens)")
+      ->group(g_sample);
+  app.add_option("--eos-token-id", a.eos_token_ids, "stop tokens instead of the config's eos_token_id (implies --stop-at-eos)")
+      ->group(g_sample);
   auto* g_kv = "KV cache";
   app.add_option("--policy", a.policy, "roofline | fixed:R | gpu_only | cpu_only")->group(g_kv)->capture_default_str();
   app.add_option("--block-tokens", a.block_tokens, "tokens per block (all regions)")->group(g_kv)->capture_default_str();

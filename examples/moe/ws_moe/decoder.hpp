@@ -79,6 +79,12 @@ struct run_options {
   /// sampled one (which is still recorded), so the logits of every step stay
   /// comparable with the reference even where a greedy choice flips.
   const std::vector<std::vector<int>>* forced_tokens = nullptr;
+  /// Stop tokens (ws_decode --stop-at-eos: the config's eos_token_id, or
+  /// --eos-token-id). A sequence that samples one of them has generated its
+  /// last token: it leaves the decode batch and its KV blocks and D-window
+  /// slot go back to the cache (live_batch). Empty: every sequence generates
+  /// max_new_tokens tokens (the speed runs' setting).
+  std::vector<int> eos_token_ids;
   std::function<void(phase, int done, int total)> progress;
 };
 
@@ -161,7 +167,11 @@ struct generation_result {
   index_t assist_tokens = 0;                           ///< of cpu_tokens: pinned tokens attended by the CPU
   int cpu_batches = 0, gpu_batches = 0;                ///< eviction batches routed during decode
   std::vector<share_point> trajectory;
-  std::vector<sequence_summary> sequences;             ///< at the end, before end_sequence
+  std::vector<sequence_summary> sequences;             ///< per sequence, when it ended (end_sequence)
+  /// Per decode step, the sequences that generated a token in it (the batch
+  /// less those stopped by an EOS token; run_options::eos_token_ids).
+  std::vector<int> step_sequences;
+  int eos_stopped_sequences = 0;  ///< sequences that sampled a stop token before max_new_tokens
   writescope::region_usage usage;
   writescope::partition_spec spec;
   index_t block_bytes = 0;                             ///< one block of one layer
@@ -337,6 +347,90 @@ inline void take_token(generation_result& res, sampler& pick, int i, const float
   }
 }
 
+/// take_tokens for a decode batch that lost sequences: logits row r (of
+/// rows.size()) belongs to sequence rows[r].
+inline void take_tokens_rows(generation_result& res, sampler& pick, const std::vector<int>& rows, const float* lg,
+                             int vocab, std::vector<int>& cur, const run_options& o) {
+  const int n = int(rows.size());
+  if (pick.greedy()) {
+#pragma omp parallel for schedule(static) num_threads(std::max(1, o.threads))
+    for (int r = 0; r < n; ++r) take_token(res, pick, rows[std::size_t(r)], lg + index_t(r) * vocab, vocab, cur, o);
+  } else {
+    for (int r = 0; r < n; ++r) take_token(res, pick, rows[std::size_t(r)], lg + index_t(r) * vocab, vocab, cur, o);
+  }
+}
+
+/// The sequences of a batch that still generate, in batch order. Both
+/// decoders run each decode step over these rows only: row r of the step's
+/// activations is sequence rows()[r]. finish_stopped() retires the sequences
+/// whose last sampled token is a stop token (run_options::eos_token_ids):
+/// their summary is recorded and end_sequence() returns their blocks and
+/// D-window slot to the cache at once, so a ragged finish frees capacity
+/// while the others go on. finish_all() retires the rest at the end of the
+/// run. Host thread only.
+class live_batch {
+ public:
+  explicit live_batch(std::vector<writescope::sequence_id> seqs) : seqs_(std::move(seqs)) {
+    rows_.resize(seqs_.size());
+    for (std::size_t i = 0; i < rows_.size(); ++i) rows_[i] = int(i);
+    live_seqs_ = seqs_;
+  }
+
+  [[nodiscard]] bool empty() const noexcept { return rows_.empty(); }
+  [[nodiscard]] int size() const noexcept { return int(rows_.size()); }
+  /// [live] batch index of each live sequence, ascending.
+  [[nodiscard]] const std::vector<int>& rows() const noexcept { return rows_; }
+  /// [live] cache ids of the live sequences, in rows() order.
+  [[nodiscard]] const std::vector<writescope::sequence_id>& seqs() const noexcept { return live_seqs_; }
+
+  /// Retires the live sequences whose last generated token is one of
+  /// o.eos_token_ids (none when the list is empty).
+  template <class Cache>
+  void finish_stopped(Cache& cache, generation_result& res, const run_options& o) {
+    if (o.eos_token_ids.empty()) return;
+    std::size_t keep = 0;
+    for (std::size_t r = 0; r < rows_.size(); ++r) {
+      const int i = rows_[r];
+      const std::vector<int>& t = res.tokens[std::size_t(i)];
+      const bool stop = !t.empty() && std::find(o.eos_token_ids.begin(), o.eos_token_ids.end(), t.back()) !=
+                                          o.eos_token_ids.end();
+      if (stop) {
+        finish(cache, res, i);
+        ++res.eos_stopped_sequences;
+      } else {
+        rows_[keep] = i;
+        live_seqs_[keep] = seqs_[std::size_t(i)];
+        ++keep;
+      }
+    }
+    rows_.resize(keep);
+    live_seqs_.resize(keep);
+  }
+
+  /// Retires every live sequence (after the last step).
+  template <class Cache>
+  void finish_all(Cache& cache, generation_result& res) {
+    for (int i : rows_) finish(cache, res, i);
+    rows_.clear();
+    live_seqs_.clear();
+  }
+
+ private:
+  template <class Cache>
+  void finish(Cache& cache, generation_result& res, int i) {
+    const writescope::sequence_id id = seqs_[std::size_t(i)];
+    const auto& st = cache.sequence(id);
+    if (res.sequences.size() < seqs_.size()) res.sequences.resize(seqs_.size());
+    res.sequences[std::size_t(i)] = {st.prompt_tokens, st.placed_tokens, st.cpu_placed_tokens,
+                                     index_t(st.window_tokens.empty() ? 0 : st.window_tokens[0])};
+    cache.end_sequence(id);
+  }
+
+  std::vector<writescope::sequence_id> seqs_;       ///< [batch] every sequence's cache id
+  std::vector<int> rows_;                           ///< [live]
+  std::vector<writescope::sequence_id> live_seqs_;  ///< [live]
+};
+
 template <class Attn>
 class decoder {
  public:
@@ -363,7 +457,10 @@ class decoder {
   }
 
   /// Generates max_new_tokens tokens for every prompt (ragged batch) with
-  /// `policy` routing the KV. Prompts must be non-empty token ids < vocab.
+  /// `policy` routing the KV; with o.eos_token_ids a sequence stops after its
+  /// first stop token and the decode goes on over the rest (live_batch).
+  /// Prompts must be non-empty token ids < vocab (config_error otherwise).
+  /// Host thread; the result's per-sequence lists are indexed like `prompts`.
   generation_result generate(const std::vector<std::vector<int>>& prompts, runtime_policy policy, const run_options& o) {
     using namespace writescope;
     validate_prompts(c_, prompts, o);
@@ -425,40 +522,43 @@ class decoder {
 
     // ---- decode -------------------------------------------------------------
     const int steps = o.max_new_tokens - 1;
+    live_batch live(seqs);
+    live.finish_stopped(cache, res, o);  // a first token can be a stop token
     x.resize(std::size_t(B) * H);
     pos.resize(std::size_t(B));
     q_.resize(std::size_t(B) * hq * q_dim);
     out_.resize(std::size_t(B) * hq * v_dim);
-    for (int s = 1; s <= steps; ++s) {
+    for (int s = 1; s <= steps && !live.empty(); ++s) {
       const auto t0 = std::chrono::steady_clock::now();
-      for (int i = 0; i < B; ++i) {
-        std::copy_n(w_.embed.data() + index_t(cur[std::size_t(i)]) * H, H, x.data() + index_t(i) * H);
-        pos[std::size_t(i)] = index_t(prompts[std::size_t(i)].size()) + s - 1;
+      const int n = live.size();  // row r = sequence live.rows()[r]
+      for (int r = 0; r < n; ++r) {
+        const int i = live.rows()[std::size_t(r)];
+        std::copy_n(w_.embed.data() + index_t(cur[std::size_t(i)]) * H, H, x.data() + index_t(r) * H);
+        pos[std::size_t(r)] = index_t(prompts[std::size_t(i)].size()) + s - 1;
       }
+      x.resize(std::size_t(n) * H);
+      pos.resize(std::size_t(n));
       const step_totals before(res);
-      for (int l = 0; l < c_.num_layers; ++l) layer_forward_decode(l, cache, hybrid, seqs, x, pos, res);
+      for (int l = 0; l < c_.num_layers; ++l) layer_forward_decode(l, cache, hybrid, live.seqs(), x, pos, res);
       const auto t_flush = std::chrono::steady_clock::now();
       const flush_report fr = cache.flush();
       before.push_step(res, std::chrono::duration<double>(std::chrono::steady_clock::now() - t_flush).count());
       res.cpu_batches += fr.cpu_batches;
       res.gpu_batches += fr.gpu_batches;
-      if (fr.evicted_sequences > 0) res.trajectory.push_back(share_of(cache, seqs, s));
+      if (fr.evicted_sequences > 0) res.trajectory.push_back(share_of(cache, live.seqs(), s));
       const auto t_head = std::chrono::steady_clock::now();
-      head(x.data(), B, logits.data());
-      take_tokens(res, pick, 0, B, logits.data(), V, cur, o);
+      head(x.data(), n, logits.data());
+      take_tokens_rows(res, pick, live.rows(), logits.data(), V, cur, o);
       res.step_head_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t_head).count());
+      res.step_sequences.push_back(n);
+      live.finish_stopped(cache, res, o);
       res.step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       if (o.progress) o.progress(phase::decode, s, steps);
     }
 
-    for (int i = 0; i < B; ++i) {
-      const sequence_state& st = cache.sequence(seqs[std::size_t(i)]);
-      res.sequences.push_back({st.prompt_tokens, st.placed_tokens, st.cpu_placed_tokens,
-                               index_t(st.window_tokens.empty() ? 0 : st.window_tokens[0])});
-    }
-    res.usage = cache.usage();
+    res.usage = cache.usage();  // with the stopped sequences' blocks returned
     res.policy_final = cache.policy().describe();
-    for (sequence_id id : seqs) cache.end_sequence(id);
+    live.finish_all(cache, res);
     return res;
   }
 

@@ -83,7 +83,11 @@ inline summary_numbers summarize(const generation_result& r) {
   s.tpot_p99_ms = percentile(r.step_seconds, 99) * 1e3;
   double t = 0;
   for (double x : r.step_seconds) t += x;
-  s.decode_tokens = index_t(r.step_seconds.size()) * index_t(r.tokens.size());
+  // tokens of step k: the sequences that generated in it (fewer once EOS stopped some)
+  const auto step_tokens = [&r](std::size_t k) {
+    return k < r.step_sequences.size() ? index_t(r.step_sequences[k]) : index_t(r.tokens.size());
+  };
+  for (std::size_t k = 0; k < r.step_seconds.size(); ++k) s.decode_tokens += step_tokens(k);
   s.decode_tok_s = t > 0 ? double(s.decode_tokens) / t : 0.0;
   if (!r.step_seconds.empty()) {
     s.tpot_first_step_ms = r.step_seconds.front() * 1e3;
@@ -92,8 +96,12 @@ inline summary_numbers summarize(const generation_result& r) {
     s.tpot_steady_p50_ms = percentile(steady, 50) * 1e3;
     s.tpot_steady_p99_ms = percentile(steady, 99) * 1e3;
     double ts = 0;
-    for (double x : steady) ts += x;
-    s.decode_steady_tok_s = ts > 0 ? double(steady.size()) * double(r.tokens.size()) / ts : 0.0;
+    index_t steady_tokens = 0;
+    for (std::size_t k = 1; k < r.step_seconds.size(); ++k) {
+      ts += r.step_seconds[k];
+      steady_tokens += step_tokens(k);
+    }
+    s.decode_steady_tok_s = ts > 0 ? double(steady_tokens) / ts : 0.0;
   }
   index_t placed = 0, cpu = 0;
   for (const auto& q : r.sequences) {
@@ -189,8 +197,14 @@ inline void print_summary(std::FILE* f, const model_config& c, const generation_
                  r.warmup_sequences, r.warmup_seconds);
   std::fprintf(f, "prefill    %lld tokens (%zu sequences) in %.3f s = %.1f tok/s\n", static_cast<long long>(r.prefill_tokens),
                r.tokens.size(), r.prefill_seconds, s.prefill_tok_s);
-  std::fprintf(f, "decode     %zu steps x %zu sequences: TPOT P50 %.3f ms, P99 %.3f ms (P99/P50 %.2f), %.1f tok/s\n",
-               r.step_seconds.size(), r.tokens.size(), s.tpot_p50_ms, s.tpot_p99_ms, s.p99_over_p50(), s.decode_tok_s);
+  if (r.eos_stopped_sequences == 0)
+    std::fprintf(f, "decode     %zu steps x %zu sequences: TPOT P50 %.3f ms, P99 %.3f ms (P99/P50 %.2f), %.1f tok/s\n",
+                 r.step_seconds.size(), r.tokens.size(), s.tpot_p50_ms, s.tpot_p99_ms, s.p99_over_p50(), s.decode_tok_s);
+  else
+    std::fprintf(f, "decode     %zu steps, %lld tokens (%d of %zu sequences stopped at an EOS token): TPOT P50 %.3f ms, "
+                    "P99 %.3f ms (P99/P50 %.2f), %.1f tok/s\n",
+                 r.step_seconds.size(), static_cast<long long>(s.decode_tokens), r.eos_stopped_sequences,
+                 r.tokens.size(), s.tpot_p50_ms, s.tpot_p99_ms, s.p99_over_p50(), s.decode_tok_s);
   if (s.steady_steps > 0)
     std::fprintf(f, "           first step %.3f ms; steady state (steps 2-%zu): TPOT P50 %.3f ms, P99 %.3f ms "
                     "(P99/P50 %.2f), %.1f tok/s\n",
@@ -261,6 +275,9 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
   j["tpot_p99_ms"] = s.tpot_p99_ms;
   j["tpot_p99_over_p50"] = s.p99_over_p50();
   j["decode_tok_s"] = s.decode_tok_s;
+  j["decode_tokens"] = s.decode_tokens;
+  j["eos_stopped_sequences"] = r.eos_stopped_sequences;
+  j["step_sequences"] = r.step_sequences;
   // steady state: every decode step but the first (step_seconds[1:])
   j["tpot_first_step_ms"] = s.tpot_first_step_ms;
   j["tpot_steady_steps"] = s.steady_steps;

@@ -141,8 +141,10 @@ class device_decoder {
   }
 
   /// Loads the weights, builds the cache and generates max_new_tokens tokens
-  /// for every prompt (ragged batch). on_layer(l) after each layer's
-  /// non-expert weights; on_loaded() once every weight is in place.
+  /// for every prompt (ragged batch; with o.eos_token_ids a sequence stops
+  /// after its first stop token and leaves the decode batch, live_batch).
+  /// on_layer(l) after each layer's non-expert weights; on_loaded() once
+  /// every weight is in place.
   generation_result generate(const std::vector<std::vector<int>>& prompts, runtime_policy policy, const run_options& o,
                              const std::function<void(int)>& on_layer = {}, const std::function<void()>& on_loaded = {}) {
     using namespace writescope;
@@ -236,45 +238,50 @@ class device_decoder {
     // ---- decode ------------------------------------------------------------------------
     const int steps = o.max_new_tokens - 1;
     std::vector<index_t> pos(static_cast<std::size_t>(B));
+    std::vector<int> ids(static_cast<std::size_t>(B));
+    live_batch live(seqs);
+    live.finish_stopped(*cache_, res, o);  // a first token can be a stop token
     struct clear_on_exit {  // moe() sums its router waits into res only while decoding
       double*& p;
       ~clear_on_exit() { p = nullptr; }
     } router_wait_guard{router_wait_ = &res.router_wait_seconds};
-    for (int s = 1; s <= steps; ++s) {
+    for (int s = 1; s <= steps && !live.empty(); ++s) {
       const auto t0 = std::chrono::steady_clock::now();
-      for (int i = 0; i < B; ++i) pos[std::size_t(i)] = index_t(prompts[std::size_t(i)].size()) + s - 1;
-      x_.h2d(ids_, cur.data(), index_t(B) * 4);
-      x_.h2d(pos_, pos.data(), index_t(B) * 8);
-      embed(B);
+      const int n = live.size();  // row r = sequence live.rows()[r]
+      for (int r = 0; r < n; ++r) {
+        const int i = live.rows()[std::size_t(r)];
+        ids[std::size_t(r)] = cur[std::size_t(i)];
+        pos[std::size_t(r)] = index_t(prompts[std::size_t(i)].size()) + s - 1;
+      }
+      x_.h2d(ids_, ids.data(), index_t(n) * 4);
+      x_.h2d(pos_, pos.data(), index_t(n) * 8);
+      embed(n);
       const step_totals before(res);
-      for (int l = 0; l < c_.num_layers; ++l) layer_decode(l, seqs, res);
+      for (int l = 0; l < c_.num_layers; ++l) layer_decode(l, live.seqs(), res);
       const auto t_flush = std::chrono::steady_clock::now();
       const flush_report fr = cache_->flush();
       before.push_step(res, std::chrono::duration<double>(std::chrono::steady_clock::now() - t_flush).count());
       res.cpu_batches += fr.cpu_batches;
       res.gpu_batches += fr.gpu_batches;
-      if (fr.evicted_sequences > 0) res.trajectory.push_back(share_of(*cache_, seqs, s));
+      if (fr.evicted_sequences > 0) res.trajectory.push_back(share_of(*cache_, live.seqs(), s));
       const auto t_head = std::chrono::steady_clock::now();
-      logits = head(x_buf_, B);
-      take_tokens(res, pick, 0, B, logits, V, cur, o);
+      logits = head(x_buf_, n);
+      take_tokens_rows(res, pick, live.rows(), logits, V, cur, o);
       res.step_head_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t_head).count());
+      res.step_sequences.push_back(n);
+      live.finish_stopped(*cache_, res, o);
       res.step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       if (o.progress) o.progress(phase::decode, s, steps);
     }
     x_.sync();
 
-    for (int i = 0; i < B; ++i) {
-      const sequence_state& st = cache_->sequence(seqs[std::size_t(i)]);
-      res.sequences.push_back({st.prompt_tokens, st.placed_tokens, st.cpu_placed_tokens,
-                               index_t(st.window_tokens.empty() ? 0 : st.window_tokens[0])});
-    }
-    res.usage = cache_->usage();
+    res.usage = cache_->usage();  // with the stopped sequences' blocks returned
     res.policy_final = cache_->policy().describe();
     res.device.cpu_expert_seconds = cpu_expert_seconds_;
     res.device.cpu_expert_rows = cpu_expert_rows_;
     res.device.grouped_moe_passes = grouped_passes_;
     res.device.per_expert_moe_passes = per_expert_passes_;
-    for (sequence_id id : seqs) cache_->end_sequence(id);
+    live.finish_all(*cache_, res);
     return res;
   }
 
