@@ -515,7 +515,8 @@ int main(int argc, char** argv) {
       ->group(g_dev);
   auto* g_prompt = "Prompt";
   app.add_option("--prompt", a.prompts, "token ids \"1,2,3\"; ';' separates sequences (ragged batch); repeatable")
-      ->group(g_prompt);
+      ->group(g_prompt)
+      ->allow_extra_args(false);  // one value per use: a model directory after it stays positional
   app.add_option("--prompt-file", a.prompt_file, "one prompt per line, token ids separated by ',' or spaces")->group(g_prompt);
   app.add_option("--batch", a.batch, "sequences (default: number of prompts, or 1); prompts are cycled")->group(g_prompt);
   app.add_option("--prompt-len", a.prompt_len, "random prompts: N tokens, or MIN:MAX (ragged)")
@@ -531,8 +532,10 @@ int main(int argc, char** argv) {
                "a sequence stops after sampling an EOS token (config.json's eos_token_id) and leaves the batch, its KV "
                "blocks returned to the cache (default: every sequence generates --max-new-tokens)")
       ->group(g_sample);
-  app.add_option("--eos-token-id", a.eos_token_ids, "stop tokens instead of the config's eos_token_id (implies --stop-at-eos)")
-      ->group(g_sample);
+  app.add_option("--eos-token-id", a.eos_token_ids,
+                 "a stop token instead of the config's eos_token_id; repeatable (implies --stop-at-eos)")
+      ->group(g_sample)
+      ->allow_extra_args(false);
   auto* g_kv = "KV cache";
   app.add_option("--policy", a.policy, "roofline | fixed:R | gpu_only | cpu_only")->group(g_kv)->capture_default_str();
   app.add_option("--block-tokens", a.block_tokens, "tokens per block (all regions)")->group(g_kv)->capture_default_str();

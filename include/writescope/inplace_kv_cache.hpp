@@ -368,8 +368,8 @@ class inplace_kv_cache {
   /// still reserved). Returns the bytes of the blocks touched (0 when already
   /// resident from an earlier call). The high-water mark only grows: blocks in
   /// use inside a covered range are skipped and counted as resident, which
-  /// holds while written blocks are never freed before the range is reused
-  /// (one admission, then decode, as the decoders do).
+  /// holds because a block in use has been written and freeing a block
+  /// (end_sequence, e.g. a sequence stopped at EOS) keeps its pages resident.
   ///
   /// Cost: the bytes touched / the kernel's page-zeroing rate, plus, the first
   /// time on cuda_backend, page-locking the bounce buffer (32 MiB by default)

@@ -19,7 +19,7 @@ if(steps LESS 2)
   message(FATAL_ERROR "step_seconds has ${steps} entries; the run should have decoded more")
 endif()
 set(series step_cpu_engine_seconds step_gpu_side_seconds step_assist_tokens step_minor_faults
-           step_involuntary_switches)
+           step_involuntary_switches step_sequences)
 foreach(s IN LISTS series)
   string(JSON n LENGTH "${j}" ${s})
   if(NOT n EQUAL steps)

@@ -384,7 +384,8 @@ class live_batch {
   [[nodiscard]] const std::vector<writescope::sequence_id>& seqs() const noexcept { return live_seqs_; }
 
   /// Retires the live sequences whose last generated token is one of
-  /// o.eos_token_ids (none when the list is empty).
+  /// o.eos_token_ids (none when the list is empty); counts those that stopped
+  /// before o.max_new_tokens in res.eos_stopped_sequences.
   template <class Cache>
   void finish_stopped(Cache& cache, generation_result& res, const run_options& o) {
     if (o.eos_token_ids.empty()) return;
@@ -396,7 +397,7 @@ class live_batch {
                                           o.eos_token_ids.end();
       if (stop) {
         finish(cache, res, i);
-        ++res.eos_stopped_sequences;
+        if (int(t.size()) < o.max_new_tokens) ++res.eos_stopped_sequences;
       } else {
         rows_[keep] = i;
         live_seqs_[keep] = seqs_[std::size_t(i)];
@@ -555,6 +556,8 @@ class decoder {
       res.step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       if (o.progress) o.progress(phase::decode, s, steps);
     }
+    if (o.progress && !res.step_seconds.empty() && int(res.step_seconds.size()) < steps)
+      o.progress(phase::decode, steps, steps);  // every sequence stopped early: close the bar
 
     res.usage = cache.usage();  // with the stopped sequences' blocks returned
     res.policy_final = cache.policy().describe();

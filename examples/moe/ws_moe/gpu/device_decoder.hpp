@@ -273,6 +273,8 @@ class device_decoder {
       res.step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       if (o.progress) o.progress(phase::decode, s, steps);
     }
+    if (o.progress && !res.step_seconds.empty() && int(res.step_seconds.size()) < steps)
+      o.progress(phase::decode, steps, steps);  // every sequence stopped early: close the bar
     x_.sync();
 
     res.usage = cache_->usage();  // with the stopped sequences' blocks returned
