@@ -63,6 +63,7 @@ struct cli {
   std::uint64_t seed = 0;
   bool stop_at_eos = false;
   std::vector<int> eos_token_ids;  // --eos-token-id (implies --stop-at-eos)
+  std::string command_line;        // argv, for the --json summary
   std::string policy = "roofline";
   int block_tokens = 64, d_window = 256, ping_pong_buffers = 2, gpu_split_blocks = 4, cpu_task_blocks = 16;
   double ping_pong_mib = 64.0, kv_vram_budget_mib = 0.0, first_chunk_mib = 0.0;
@@ -85,6 +86,25 @@ struct cli {
   bool skip_if_no_device = false, teacher_force = false, no_warmup = false;
 };
 
+/// A CLI11 check that the number is > lo (strict) or >= lo, with a message
+/// naming the rule and the value ("must be > 0, not -1").
+CLI::Validator at_least(double lo, bool strict) {
+  char rule[48];
+  std::snprintf(rule, sizeof rule, "%s %g", strict ? ">" : ">=", lo);
+  const std::string r = rule;
+  return CLI::Validator(
+      [lo, strict, r](std::string& v) -> std::string {
+        double x = 0.0;
+        try {
+          x = std::stod(v);
+        } catch (const std::exception&) {
+          return "";  // the option's own conversion reports a non-number
+        }
+        return (strict ? x > lo : x >= lo) ? std::string() : "must be " + r + ", not " + v;
+      },
+      r);
+}
+
 std::vector<int> parse_ids(const std::string& s, const std::string& where) {
   std::vector<int> out;
   std::string tok;
@@ -102,10 +122,24 @@ std::vector<int> parse_ids(const std::string& s, const std::string& where) {
     out.push_back(int(v));
     tok.clear();
   };
+  bool need_id = false;  // a ',' was read and no id after it yet
   for (char c : s) {
-    if (c == ',' || c == ' ' || c == '\t' || c == '\r') flush();
-    else tok += c;
+    if (c == ',') {
+      if (!tok.empty()) flush();
+      else if (need_id || out.empty())
+        throw writescope::config_error(where + ": \"" + s + "\" has an empty field (token ids separated by ',')");
+      need_id = true;
+    } else if (c == ' ' || c == '\t' || c == '\r') {
+      if (!tok.empty()) {
+        flush();
+        need_id = false;
+      }
+    } else {
+      tok += c;
+    }
+    if (c != ',' && !tok.empty()) need_id = false;
   }
+  if (tok.empty() && need_id) throw writescope::config_error(where + ": \"" + s + "\" ends with a ','");
   flush();
   return out;
 }
@@ -115,8 +149,16 @@ std::vector<std::vector<int>> build_prompts(const cli& a, const model_config& c,
   for (const std::string& p : a.prompts) {
     std::stringstream ss(p);
     std::string part;
-    while (std::getline(ss, part, ';'))
-      if (auto ids = parse_ids(part, "--prompt"); !ids.empty()) given.push_back(std::move(ids));
+    int k = 0;
+    while (std::getline(ss, part, ';')) {
+      auto ids = parse_ids(part, "--prompt");
+      if (ids.empty())
+        throw writescope::config_error("--prompt \"" + p + "\": sequence " + std::to_string(k) +
+                                       " is empty (token ids separated by ',', sequences by ';')");
+      given.push_back(std::move(ids));
+      ++k;
+    }
+    if (k == 0) throw writescope::config_error("--prompt \"" + p + "\": no token ids");
   }
   if (!a.prompt_file.empty()) {
     const std::string text = read_text_file(a.prompt_file);
@@ -254,7 +296,9 @@ bool check_expectation(const expectation& e, const generation_result& r, int voc
   std::printf("check      max |logit - transformers| = %.3e (tolerance %.1e); with bf16 KV: ", d32, tol);
   if (e.logits_bf16_kv) std::printf("%.3e (tolerance %.1e)", d16, tol16);
   else std::printf("n/a");
-  std::printf("; %zu x %zu steps; greedy tokens %zu/%zu identical%s%s", B, e.tokens[0].size(), same, total,
+  std::size_t steps_run = 0;  // fewer than the reference's when every sequence stopped at EOS
+  for (const auto& t : r.tokens) steps_run = std::max(steps_run, t.size());
+  std::printf("; %zu x %zu steps; greedy tokens %zu/%zu identical%s%s", B, steps_run, same, total,
               first.c_str(), teacher_forced ? " (teacher-forced: reported, not required)" : "");
   if (!eos.empty()) std::printf("; EOS stops where the reference's: %zu/%zu%s", stops_right, B, stop_miss.c_str());
   std::printf(": %s\n", ok ? "PASS" : "FAIL");
@@ -286,7 +330,7 @@ int run(cli& a) {
       return 77;
     }
     if (!cuda_path_built())
-      throw writescope::config_error("--device cuda: this ws_decode was built without the CUDA path (CMake found no CUDA toolkit or cuBLAS)");
+      throw writescope::config_error("--device cuda: this ws_decode was built without the CUDA path (WRITESCOPE_CUDA=OFF, or CMake found no CUDA toolkit or cuBLAS; scripts/run-example turns it off where nvidia-smi lists no GPU)");
     if (cuda_devices() == 0) throw writescope::config_error("--device cuda: no usable CUDA device");
     kind = device_kind::cuda;
   } else {
@@ -425,6 +469,11 @@ int run(cli& a) {
                    {"max_pinned_fraction", o.assist.max_pinned_fraction},
                    {"placement_headroom", params.placement_headroom}};
     j["launch_thread"] = dopt.launch_thread && kind == device_kind::cuda;
+    j["command_line"] = a.command_line;  // with the fields below, what reproduces the run
+    j["model_source"] = a.random_weights ? "random weights (seed " + std::to_string(a.seed) + ") from " + config_path.string()
+                                         : a.model_dir;
+    j["seed"] = a.seed;
+    j["eos_token_ids"] = o.eos_token_ids;
     out << j.dump(2) << "\n";
     if (!out) throw writescope::error("--json " + a.json_out + ": cannot write");
   }
@@ -502,10 +551,10 @@ int main(int argc, char** argv) {
       ->group(g_dev)->capture_default_str()->check(CLI::Range(0, 4096));
   app.add_option("--prefill-chunk-tokens", a.prefill_chunk_tokens,
                  "CUDA path: prefill whole sequences in waves of at most this many tokens")
-      ->group(g_dev)->capture_default_str()->check(CLI::PositiveNumber);
+      ->group(g_dev)->capture_default_str()->check(at_least(0, true));
   app.add_option("--prefill-attn-mib", a.prefill_attn_mib,
                  "CUDA path: scores + probabilities of one prefill attention block, MiB")
-      ->group(g_dev)->capture_default_str()->check(CLI::PositiveNumber);
+      ->group(g_dev)->capture_default_str()->check(at_least(0, true));
   app.add_flag("--no-warmup", a.no_warmup,
                "CUDA path: skip the untimed warm-up decode step on throw-away sequences before prefill (the first "
                "timed decode step then pays the first-call costs)")
@@ -518,11 +567,13 @@ int main(int argc, char** argv) {
       ->group(g_prompt)
       ->allow_extra_args(false);  // one value per use: a model directory after it stays positional
   app.add_option("--prompt-file", a.prompt_file, "one prompt per line, token ids separated by ',' or spaces")->group(g_prompt);
-  app.add_option("--batch", a.batch, "sequences (default: number of prompts, or 1); prompts are cycled")->group(g_prompt);
+  app.add_option("--batch", a.batch, "sequences (default: number of prompts, or 1); prompts are cycled")
+      ->group(g_prompt)
+      ->check(at_least(1, false));
   app.add_option("--prompt-len", a.prompt_len, "random prompts: N tokens, or MIN:MAX (ragged)")
       ->group(g_prompt)->capture_default_str();
   app.add_option("--max-new-tokens", a.max_new_tokens, "tokens to generate per sequence")
-      ->group(g_prompt)->capture_default_str()->check(CLI::PositiveNumber);
+      ->group(g_prompt)->capture_default_str()->check(at_least(1, false));
   auto* g_sample = "Sampling";
   app.add_option("--temperature", a.temperature, "0 = greedy")->group(g_sample)->capture_default_str();
   app.add_option("--top-p", a.top_p, "nucleus sampling mass")->group(g_sample)->capture_default_str();
@@ -545,7 +596,7 @@ int main(int argc, char** argv) {
   app.add_option("--first-chunk-mib", a.first_chunk_mib,
                  "first ping-pong fill of a step, MiB; each next fill doubles up to a buffer (0: no ramp)")
       ->group(g_kv)
-      ->check(CLI::NonNegativeNumber)
+      ->check(at_least(0, false))
       ->capture_default_str();
   app.add_option("--ping-pong-blocks", a.ping_pong_blocks, "blocks per ping-pong buffer (overrides --ping-pong-mib)")->group(g_kv);
   app.add_option("--ping-pong-buffers", a.ping_pong_buffers, "ping-pong buffers (>= 2)")->group(g_kv)->capture_default_str();
@@ -589,7 +640,9 @@ int main(int argc, char** argv) {
       ->group(g_kv)->capture_default_str()->check(CLI::Range(0.0, 1.0));
   app.add_option("--threads", a.threads,
                  "CPU threads: GEMMs use N, the CPU attention engine N-1 (0 = all cores; unless OMP_WAIT_POLICY "
-                 "is set, OpenMP threads spin with --device cuda and wait passively otherwise)")->group(g_kv);
+                 "is set, OpenMP threads spin with --device cuda and wait passively otherwise)")
+      ->group(g_kv)
+      ->check(at_least(0, false));
   app.add_flag("--poison", a.poison, "fill every cache region with poison at init (debug)")->group(g_kv);
   auto* g_out = "Output";
   app.add_option("--json", a.json_out, "write the summary as JSON")->group(g_out);
@@ -610,8 +663,11 @@ int main(int argc, char** argv) {
       ->group(g_out);
   try {
     app.parse(argc, argv);
+    for (int i = 0; i < argc; ++i) a.command_line += (i ? " " : "") + std::string(argv[i]);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    std::fprintf(stderr, "ws_decode: error: %s (ws_decode --help lists the options)\n", e.what());
+    return 1;
   }
   try {
     return run(a);
