@@ -361,6 +361,15 @@ int run(cli& a) {
   std::optional<expectation> expected;
   if (!a.expect.empty()) {
     expected = load_expectation(a.expect);
+    // the reference must come from this architecture (make_fixtures.py records the transformers class)
+    static constexpr std::pair<arch, const char*> classes[] = {{arch::qwen3_moe, "Qwen3MoeForCausalLM"},
+                                                               {arch::mixtral, "MixtralForCausalLM"},
+                                                               {arch::deepseek_v2, "DeepseekV2ForCausalLM"}};
+    if (const auto it = expected->meta.find("architecture"); it != expected->meta.end() && it->is_string())
+      for (const auto& [k, cls] : classes)
+        if (k == c.kind && *it != cls)
+          throw checkpoint_error("--expect " + a.expect + " was made with " + it->get<std::string>() + "; the model is " +
+                                 to_string(c.kind) + " (" + cls + ")");
     a.temperature = 0.0;
     a.max_new_tokens = int(expected->tokens[0].size());
   }

@@ -195,8 +195,8 @@ inline void print_summary(std::FILE* f, const model_config& c, const generation_
     std::fprintf(f, "warm-up    one untimed decode step on %d throw-away sequences before prefill: %.3f s "
                     "(in neither prefill nor TPOT)\n",
                  r.warmup_sequences, r.warmup_seconds);
-  std::fprintf(f, "prefill    %lld tokens (%zu sequences) in %.3f s = %.1f tok/s\n", static_cast<long long>(r.prefill_tokens),
-               r.tokens.size(), r.prefill_seconds, s.prefill_tok_s);
+  std::fprintf(f, "prefill    %lld tokens (%zu sequence%s) in %.3f s = %.1f tok/s\n", static_cast<long long>(r.prefill_tokens),
+               r.tokens.size(), r.tokens.size() == 1 ? "" : "s", r.prefill_seconds, s.prefill_tok_s);
   if (r.eos_stopped_sequences == 0)
     std::fprintf(f, "decode     %zu steps x %zu sequences: TPOT P50 %.3f ms, P99 %.3f ms (P99/P50 %.2f), %.1f tok/s\n",
                  r.step_seconds.size(), r.tokens.size(), s.tpot_p50_ms, s.tpot_p99_ms, s.p99_over_p50(), s.decode_tok_s);
