@@ -125,19 +125,16 @@ std::vector<int> parse_ids(const std::string& s, const std::string& where) {
   bool need_id = false;  // a ',' was read and no id after it yet
   for (char c : s) {
     if (c == ',') {
-      if (!tok.empty()) flush();
-      else if (need_id || out.empty())
+      if (tok.empty() && (need_id || out.empty()))
         throw writescope::config_error(where + ": \"" + s + "\" has an empty field (token ids separated by ',')");
+      flush();
       need_id = true;
     } else if (c == ' ' || c == '\t' || c == '\r') {
-      if (!tok.empty()) {
-        flush();
-        need_id = false;
-      }
+      flush();
     } else {
       tok += c;
+      need_id = false;
     }
-    if (c != ',' && !tok.empty()) need_id = false;
   }
   if (tok.empty() && need_id) throw writescope::config_error(where + ": \"" + s + "\" ends with a ','");
   flush();
