@@ -363,8 +363,10 @@ class cuda_backend {
   /// device staging buffer (grown once, on first use; it is the only allocation
   /// on this path) and D2H copies on the d2h stream, coalesced over consecutive
   /// destination blocks, ordered after the scatter and after every earlier H2D
-  /// read (C9). Returns once pageable destinations are complete; pinned ones
-  /// complete asynchronously (read_token / synchronize_host_writes wait).
+  /// read (C9). Pageable destinations take the eviction path's page-locked
+  /// bounce buffer (set_eviction_bounce_bytes; direct copies when it is 0 or
+  /// cannot be page-locked). Returns once pageable destinations are complete;
+  /// pinned ones complete asynchronously (read_token / synchronize_host_writes wait).
   template <kv_layout Layout>
   void write_blocks(const block_format<Layout>& fmt, const kv_tokens<Layout, device_space>& kv,
                     std::span<const block_write> writes) {
@@ -415,7 +417,9 @@ class cuda_backend {
     const index_t per_group = staging_.size_bytes() / block_bytes;
     bf16* staging = staging_.as<bf16>();
     bool pageable = false;
+    std::vector<block_copy>& bounced = prefill_bounce_copies_;
     for (index_t g0 = 0; g0 < n; g0 += per_group) {
+      bounced.clear();
       const index_t g1 = std::min(n, g0 + per_group);
       cuda_detail::wait(caller_, staging_free_);  // WAR: earlier D2H out of the staging buffer
       for (index_t j = g0; j < g1; ++j) push(writes[host_writes_[std::size_t(j)]], staging + (j - g0) * block_elems);
@@ -423,6 +427,15 @@ class cuda_backend {
       cuda_detail::record(staged_, caller_);
       cuda_detail::wait(d2h_.get(), staged_);  // RAW: the scatter wrote the images
       if (!debug_.skip_block_reuse_wait) cuda_detail::wait(d2h_.get(), h2d_done_);  // C9
+      // Pageable destinations (the unpinned compute region): one DMA per copy
+      // into the page-locked bounce buffer, then host threads copy the bytes
+      // (bounce_to_pageable) instead of driver-staged pageable copies.
+      auto copy_out = [&](bf16* dst, const bf16* src, index_t bytes, memory_kind kind) {
+        if (kind == memory_kind::pageable_host && eviction_bounce_max_bytes_ > 0)
+          bounced.push_back(block_copy{src, dst, bytes, kind});
+        else
+          copy_d2h(dst, src, bytes);
+      };
       for (index_t j = g0; j < g1;) {
         const block_write& w = writes[host_writes_[std::size_t(j)]];
         const bf16* img = staging + (j - g0) * block_elems;
@@ -437,15 +450,22 @@ class cuda_backend {
               break;
             ++run;
           }
-          copy_d2h(w.dst, img, run * block_bytes);
+          copy_out(w.dst, img, run * block_bytes, w.dst_kind);
           j += run;
         } else {  // only the written rows of every (plane, head) slice
           const index_t slice = fmt.slice_elems();
           const index_t row0 = index_t(w.dst_token) * Layout::row_elems;
           const index_t len = index_t(w.num_tokens) * Layout::row_elems * index_t(sizeof(bf16));
           for (index_t s = 0; s < index_t(Layout::planes) * fmt.layout.kv_heads(); ++s)
-            copy_d2h(w.dst + s * slice + row0, img + s * slice + row0, len);
+            copy_out(w.dst + s * slice + row0, img + s * slice + row0, len, w.dst_kind);
           ++j;
+        }
+      }
+      if (!bounced.empty()) {
+        if (ensure_eviction_bounce(bounced)) {
+          bounce_to_pageable(bounced);  // returns with the bytes in place
+        } else {
+          for (const block_copy& c : bounced) copy_d2h(c.dst, c.src, c.bytes);
         }
       }
       cuda_detail::record(staging_free_, d2h_.get());
@@ -698,6 +718,7 @@ class cuda_backend {
   host_allocation eviction_bounce_;
   bool eviction_bounce_refused_ = false;
   std::vector<bounce_piece> group_;
+  std::vector<block_copy> prefill_bounce_copies_;
   gpu::scatter_params scatter_{};
   std::vector<std::size_t> host_writes_;
 };
