@@ -1,6 +1,7 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/backend.hpp — what a backend is: where the "device" regions live
 // (D-window, ping-pong), how KV gets written and evicted, and the engine that
-// runs the GPU side of a decode step (DESIGN.md §3, §5).
+// runs the GPU side of a decode step (docs/ARCHITECTURE.md).
 //
 // Two backends exist: host_backend (host_backend.hpp) emulates the device in
 // host memory (DMA = memcpy, GPU kernel = the CPU kernel on a worker thread) so

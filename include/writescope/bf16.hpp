@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/bf16.hpp — the bfloat16 storage type of the KV cache.
 //
 // bf16 is 16 bits: sign, 8-bit exponent, 7-bit mantissa (the upper half of an

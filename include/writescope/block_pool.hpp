@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/block_pool.hpp — block-id accounting of one region (paper §4.1:
 // the block is the unit of routing, staging, eviction, transfer and reuse).
 //

@@ -1,7 +1,8 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/calibration.hpp — roofline calibration files (paper §5.3): the
 // per-token costs A (CPU engine) and B (GPU transfer + attention) and the fixed
 // per-step costs C_CPU, C_GPU of one machine, per model preset and batch size,
-// measured offline by bench/calibrate in a few minutes and loaded at init so
+// fitted offline by bench/calibrate in a few minutes and loaded at init so
 // that the roofline policy starts on target; the online loop (roofline_policy
 // observe(), A and — with roofline_params::track_gpu_cost — B) then only tracks
 // drift and contention (paper §7.8).
@@ -27,8 +28,8 @@
 // Costs are seconds: A and B per KV token summed over the batch (the units of
 // roofline_params), C_CPU and C_GPU per step of one layer; K (the host's
 // enqueue of the GPU side per streamed token, roofline_params::
-// launch_cost_per_token_seconds) likewise per token, absent in files written
-// before session 6 (read as 0). Unknown fields are ignored (tools may add fit
+// launch_cost_per_token_seconds) likewise per token, absent in older files
+// (read as 0). Unknown fields are ignored (tools may add fit
 // statistics).
 //
 // Errors: a missing, unreadable or malformed file, or an entry that breaks a
@@ -86,7 +87,7 @@ struct calibration_entry {
   double launch_cost_per_token_seconds = 0.0;  ///< K (>= 0; 0 when the file has none)
   /// The KV plan of the measurement (B and K depend on both): tokens per block
   /// and blocks per GPU split (partition_spec::gpu_split_blocks); 0 = not
-  /// recorded (files written before session 6).
+  /// recorded (older files).
   int block_tokens = 0;
   int gpu_split_blocks = 0;
   std::vector<calibration_point> points;    ///< the measurements (optional)

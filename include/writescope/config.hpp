@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/config.hpp — version, portability macros and feature probes.
 //
 // Every public header includes this first. It compiles under the host compiler
@@ -32,7 +33,7 @@
 namespace writescope {
 
 /// Token counts and byte offsets are 64-bit everywhere: a KV pool passes 4 GiB
-/// quickly (DESIGN.md §4, fault kind K4/C7).
+/// quickly (fault kind K4, docs/RELIABILITY.md).
 using index_t = std::int64_t;
 
 /// Handle of a sequence inside one inplace_kv_cache (dense, reused after end_sequence).

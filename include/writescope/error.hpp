@@ -1,4 +1,5 @@
-// writescope/error.hpp — the one error model of the library (STYLE.md §10).
+// SPDX-License-Identifier: Apache-2.0
+// writescope/error.hpp — the one error model of the library (docs/ERRORS.md).
 //
 // Every failure the library detects is thrown as a type derived from
 // writescope::error, with a message that names the offending value and the rule

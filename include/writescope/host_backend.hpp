@@ -1,7 +1,8 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/host_backend.hpp — a backend that emulates the device in host
 // memory, so the whole per-step pipeline (routing, eviction, streaming through
 // ping-pong in chunks, per-split partials, merge) runs on machines without a
-// GPU, CI included (DESIGN.md §3).
+// GPU, CI included (docs/ARCHITECTURE.md).
 //
 // Emulation: "device memory" is host memory that only this backend touches,
 // typed device_space; DMA is memcpy; a GPU kernel is the CPU kernel run on one

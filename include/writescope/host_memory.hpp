@@ -1,5 +1,6 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/host_memory.hpp — owning host allocations and the host-side
-// pinned-allocation strategies (paper §4.3, §7.7; FAULT-KINDS K8).
+// pinned-allocation strategies (paper §4.3, §7.7; fault kind K8).
 //
 // host_allocation is one owning RAII type for every kind of host memory the
 // library takes (pageable regions, page-locked regions, staging buffers); its

@@ -1,6 +1,7 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/hybrid_attention.hpp — one decode-attention step of one layer over
 // an inplace_kv_cache, with the CPU and GPU engines running at once and their
-// partial states merged exactly by LSE (paper §4.2, §5.1, §6; DESIGN.md §5).
+// partial states merged exactly by LSE (paper §4.2, §5.1, §6).
 //
 // Per step, for a batch of sequences:
 //   1. the stream plan cuts each sequence's pinned blocks into splits and packs
@@ -21,8 +22,8 @@
 // lives; the assist only decides, per step, which engine reads the newest
 // pinned blocks. In `adaptive` mode the number follows the two sides' measured
 // per-token times so that both finish together, to follow the CPU engine's
-// drift from step to step, which a placement fixed at write time cannot (on
-// the H200 VM it measured neutral, −5…+12 %: docs/DECISIONS.md; off by default).
+// drift from step to step, which a placement fixed at write time cannot (off
+// by default; why: docs/DECISIONS.md).
 //
 // Determinism: task and split boundaries depend only on each sequence's own
 // blocks, and every merge runs in a fixed order, so outputs are bit-identical
@@ -76,8 +77,7 @@ struct attention_options {
   /// workspace grows in the step that first needs it, by at least half, its
   /// new pages touched by the CPU engine's threads together. A decoder that
   /// wants no page faults on its decode path sets it (ws_decode: 256 MiB;
-  /// without it, DeepSeek-V2-Lite 32 x 32K faulted in 66 MB in its first
-  /// decode step and after an eviction: docs/DECODERS.md, session 5).
+  /// absorbed MLA needs 32 KiB per task: docs/DECISIONS.md).
   index_t task_workspace_reserve_bytes = 0;
 };
 
@@ -644,8 +644,7 @@ class hybrid_attention {
   // The task partials' workspace at the size of the spec's capacities (capped
   // by task_workspace_reserve_bytes), touched now by the CPU engine's threads:
   // a first decode step (and a step after an eviction that adds tasks) would
-  // otherwise fault in tens of MB — 16.8K faults, +40-50 ms on DeepSeek-V2-Lite
-  // 32 x 32K (docs/DECODERS.md, session 5).
+  // otherwise fault in tens of MB on the decode path (docs/DECISIONS.md).
   void reserve_task_workspace() {
     const partition_spec& spec = cache_->spec();
     const index_t per_task = std::max(1, spec.cpu_task_blocks);

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/inplace_kv_cache.hpp — the InplaceKVCache format (paper §4).
 //
 // Every cached token of every sequence lives in exactly one of three places,
@@ -175,7 +176,7 @@ class inplace_kv_cache {
                                     : (spec_.pinned_initial_tokens + spec_.block_tokens - 1) / spec_.block_tokens;
     grow_pinned_to(initial_pin);
     // Everything page-locked at init: so is the backend's eviction staging
-    // (FAULT-KINDS K8, nothing is pinned inside a step; never throws).
+    // (fault kind K8: nothing is pinned inside a step; never throws).
     if constexpr (requires(Backend& b) { b.reserve_eviction_bounce(); })
       if (spec_.pinned_initial_tokens < 0 && cap_cpu > 0) backend.reserve_eviction_bounce();
 
@@ -207,9 +208,7 @@ class inplace_kv_cache {
   /// the placed length the step will attend once all of them are in
   /// (eq. 2's L, paper §5.2) rather than against the tokens placed so far:
   /// otherwise, with Δ > 0, the first prompts of a batch see a small L and go
-  /// mostly to the CPU (measured on the H200, 2026-11-29: 32 DeepSeek-V2-Lite
-  /// prompts admitted one by one ended at CPU shares 0.79 for the first and
-  /// 0.44 for the last, 0.474 in all against r = 0.43; docs/DECISIONS.md).
+  /// mostly to the CPU, and placed blocks never move (docs/DECISIONS.md).
   /// Each begin_sequence() consumes its prompt's tokens from the announcement;
   /// announce_admission(0) withdraws what is left. A hint: routing only,
   /// never capacity. Throws shape_error for a negative count.
@@ -354,11 +353,9 @@ class inplace_kv_cache {
   /// (flush) copy into memory without page faults; on a backend with an
   /// eviction bounce buffer (cuda_backend::reserve_eviction_bounce) also
   /// page-locks that now, so the first eviction into this region does not
-  /// allocate it (4.2 ms on Qwen3-30B-A3B 8 L, session 7). The region is reserved
-  /// lazily (mmap, pages appear on first touch), so without this the first
-  /// eviction into each block pays the kernel's fault and zeroing, inside a
-  /// decode step: measured +4 to +29 ms (7–16 % of the step) on the eviction
-  /// steps of session 7's H200 runs (docs/DECODERS.md).
+  /// allocate it. The region is reserved lazily (mmap, pages appear on first
+  /// touch), so without this the first eviction into each block pays the
+  /// kernel's fault and zeroing inside a decode step (docs/DECISIONS.md).
   ///
   /// Allocation takes the lowest free ids, so the next n allocations lie in
   /// ids [0, used + n): this writes one zero byte per page of every free block

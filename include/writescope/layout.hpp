@@ -1,5 +1,7 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/layout.hpp — what one token's KV is (GQA, MLA) and how a block
-// stores it (STYLE.md §1, §7; paper §4.1, §6.1).
+// stores it (paper §4.1, §6.1). Layouts are types: kernels never branch on a
+// runtime layout value.
 //
 // A layout type fixes the per-head row width at compile time (the kernels are
 // instantiated per row width) and keeps the head counts as runtime values.
@@ -184,17 +186,17 @@ struct block_format {
   }
 };
 
-// constexpr checks of the layout arithmetic (STYLE.md §13).
+// constexpr checks of the layout arithmetic.
 static_assert(block_format<gqa_layout<128>>{gqa_layout<128>(32, 4), 16}.block_elems() == 2 * 4 * 16 * 128);
 static_assert(block_format<gqa_layout<128>>{gqa_layout<128>(32, 4), 16}.offset(1, 3, 15, 127) ==
               2 * 4 * 16 * 128 - 1);
 static_assert(block_format<mla_layout<512, 64>>{mla_layout<512, 64>(16), 64}.block_bytes() == 64 * 576 * 2);
-static_assert(gqa_layout<128>(32, 4).token_bytes() == 2048);   // Qwen3-30B-A3B, DESIGN.md §7
+static_assert(gqa_layout<128>(32, 4).token_bytes() == 2048);   // Qwen3-30B-A3B
 static_assert(gqa_layout<128>(32, 8).token_bytes() == 4096);   // Mixtral-8x7B
 static_assert(mla_layout<512, 64>(16).token_bytes() == 1152);  // DeepSeek-V2-Lite
 
 // -----------------------------------------------------------------------------
-// Runtime -> compile-time dispatch (STYLE.md §7)
+// Runtime -> compile-time dispatch (one small table per parameter)
 // -----------------------------------------------------------------------------
 
 /// Head dims for which GQA kernels are instantiated. Keep this short: every

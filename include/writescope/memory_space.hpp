@@ -1,4 +1,6 @@
-// writescope/memory_space.hpp — memory spaces as types (STYLE.md §2).
+// SPDX-License-Identifier: Apache-2.0
+// writescope/memory_space.hpp — memory spaces as types: a wrong-space use is a
+// compile error.
 //
 // A pointer into the pageable host region, the page-locked load region or device
 // memory carries its space in its type, so handing a device pointer to the CPU

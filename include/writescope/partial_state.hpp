@@ -1,5 +1,6 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/partial_state.hpp — partial attention states and their exact merge
-// by log-sum-exp (paper §4.2, §5.1; DESIGN.md §4).
+// by log-sum-exp (paper §4.2, §5.1; docs/MERGE-CONTRACT.md).
 //
 // A partial state over a subset S of a sequence's keys, for one query head, is
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/partition_spec.hpp — the physical plan of an inplace_kv_cache
 // (paper §4.3, Fig. 5: "PartitionSpec").
 //
@@ -32,18 +33,15 @@ struct partition_spec {
   /// first ping-pong fill of a step holds about this many bytes (rounded down
   /// to whole blocks, at least gpu_split_blocks), each next fill twice the one
   /// before, up to ping_pong_bytes, so the GPU starts attending after a small
-  /// copy. Measured on the H200 (docs/CUDA-ENGINE.md "chunk ramp"), a 2 MiB
-  /// ramp made the fixed GPU cost per layer larger, not smaller (Qwen3 0.29 →
-  /// 0.60 ms, DeepSeek-V2-Lite 0.81 → 3.7 ms at batch 16): the pipeline fill
-  /// was not that cost, and the first chunks' attention kernels, a few splits
-  /// each, run one after another with most of the GPU idle. Kept as an option
-  /// for machines with slower links or larger buffers, where the fill matters.
+  /// copy. The first chunks' attention kernels then hold a few splits each and
+  /// run one after another with most of the GPU idle, which can make the fixed
+  /// GPU cost per layer larger, not smaller (docs/DECISIONS.md). An option for
+  /// machines with slower links or larger buffers, where the fill matters.
   index_t first_chunk_bytes = 0;
   /// Streamed blocks per GPU partial (the split-K unit; batch-invariant). A
   /// step's GPU side ends with the attention of its last chunk, whose length is
-  /// one split's work per CTA: on the H200 (bench/calibrate, batch 16, block 64)
-  /// 16 → 4 blocks cut that fixed cost per layer from 0.30 to 0.10 ms (Qwen3)
-  /// and 0.80 to 0.23 ms (DeepSeek-V2-Lite) with the per-token cost unchanged.
+  /// one split's work per CTA, so smaller splits shorten that fixed cost per
+  /// layer (docs/DECISIONS.md).
   int gpu_split_blocks = 4;
   int cpu_task_blocks = 16;            ///< blocks per CPU task (the unit of CPU parallelism; batch-invariant)
 

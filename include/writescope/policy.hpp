@@ -1,5 +1,6 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/policy.hpp — routing policies: where each eviction batch goes
-// (paper §5; DESIGN.md §3; STYLE.md §3, §5).
+// (paper §5).
 //
 // A routing policy is a small value type. The cache asks it once per eviction
 // batch (D tokens of one sequence, all layers) whether the batch goes to the
@@ -86,7 +87,8 @@ struct cost_sample {
   index_t launch_streamed_tokens = 0;
 };
 
-/// Opt-in tag: `using policy_concept = routing_policy_tag;` (STYLE.md §3).
+/// Opt-in tag: `using policy_concept = routing_policy_tag;` (nothing satisfies
+/// the concept by accident).
 struct routing_policy_tag {};
 
 /// A routing policy: route(query) -> route_decision (const), observe(sample).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/presets.hpp — attention geometry of the three models of the paper
 // (§7.1), taken from their public Hugging Face config.json files.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/reference.hpp — fp64 reference attention (Eigen), independent of
 // the cache, the kernels and the merge. For tests, examples and for engines
 // that want to check an integration. Host only.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/sparse.hpp — block-level sparse selection on the partitioned
 // format (paper §4.4, §7.5; docs/SPARSE.md).
 //
@@ -20,7 +21,7 @@
 //                        sparse step of its layer sees it after placement
 //   selection_input      what a selector sees for one sequence
 //   block_selection      what it returns: logical block indices per KV head
-//   block_selector       the concept (opt-in tag + structural, STYLE.md §3)
+//   block_selector       the concept (opt-in tag, then structural)
 //   top_k_selector       keep k (or a ratio) of the placed blocks by score
 //                        max over the group's heads of scale·q·summary
 //   select_all           every block (a sparse step then equals the dense one bit for bit)
@@ -63,10 +64,8 @@ enum class sparse_transfer : std::uint8_t {
   /// Host gather threads memcpy the chunk's blocks (non-temporal stores) into a
   /// page-locked staging buffer; ONE DMA copy then moves it to ping-pong. Host
   /// DRAM traffic is about three times the chunk's bytes (read the blocks,
-  /// write staging, the DMA reads staging again). Measured on the H200 machine
-  /// (docs/SPARSE.md §7): 20–34 GB/s of in-step gather with 4–8 threads against
-  /// ≈ 55 GB/s of pinned H2D, so at keep ratios of 20–50 % a sparse step took
-  /// 54–179 % longer than the same number of blocks stored contiguously.
+  /// write staging, the DMA reads staging again), so on a fast link the gather,
+  /// not the link, can bound the step (docs/SPARSE.md).
   host_gather,
   /// A copy kernel on the copy stream reads the chunk's blocks straight out of
   /// the pinned load region (page-locked and device-mapped: the GPU addresses
@@ -98,19 +97,16 @@ struct sparse_options {
   bool reserve = false;
   /// Host threads that gather selected pinned blocks into staging
   /// (cuda_backend; the host backend gathers on its emulated-device thread).
-  /// They sleep unless a sparse step streams gathered chunks; to keep up with
-  /// PCIe Gen5 (≈ 55 GB/s) at ≈ 10-15 GB/s of scattered memcpy per thread it
-  /// takes about four. They compete with the CPU engine's threads in a hybrid
+  /// They sleep unless a sparse step streams gathered chunks; keeping up with a
+  /// PCIe Gen5 link takes several (docs/SPARSE.md). They compete with the CPU engine's threads in a hybrid
   /// step: lower attention_options::cpu_threads by as many. With
   /// sparse_transfer::device_pull no block is gathered on the host and one
   /// thread is started whatever this says (it only writes the chunks' block lists).
   int gather_threads = 4;
   /// How gathered chunks move: host gather + one DMA, or a device pull kernel
   /// (see sparse_transfer for what each does and why device_pull exists).
-  /// Default device_pull, from the H200 measurement (docs/SPARSE.md §4.1, §7):
-  /// the pull kernel reads 50.9 GB/s of scattered 128 KiB blocks against 55.2
-  /// GB/s pinned H2D, so a scattered selection streams within 0–11 % of the
-  /// same blocks stored contiguously, where host_gather was 26–170 % slower.
+  /// Default device_pull: one pass over host memory and no host thread
+  /// (docs/SPARSE.md §4.1; the rates of both modes: docs/SPARSE.md).
   /// A device without mapped page-locked memory gets a config_error naming the
   /// attribute at reservation: choose host_gather there.
   sparse_transfer transfer = sparse_transfer::device_pull;
@@ -328,7 +324,8 @@ class block_selection {
   index_t n_ = 0;
 };
 
-/// Opt-in tag: `using selector_concept = block_selector_tag;` (STYLE.md §3).
+/// Opt-in tag: `using selector_concept = block_selector_tag;` (nothing satisfies
+/// the concept by accident).
 struct block_selector_tag {};
 
 /// A block selector for layout `Layout`: `s.select(in, out)` fills `out` (reset

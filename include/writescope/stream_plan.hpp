@@ -1,5 +1,6 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/stream_plan.hpp — how a step's pinned blocks travel through the
-// ping-pong buffers (paper §4.2, §6; DESIGN.md §5 step 4).
+// ping-pong buffers (paper §4.2, §6).
 //
 // The plan cuts every sequence's pinned blocks (logical order) into splits of
 // at most `split_blocks` blocks — the unit of one GPU partial state — and packs
@@ -13,8 +14,9 @@
 // sequence itself, so a sequence's partials (and their merge order) are the
 // same whatever its batchmates are (batch invariance, fault kind K10).
 // Physically adjacent blocks that land adjacently in a chunk are coalesced into
-// one copy run, so an orderly pool streams as a few large copies (≥ 2 MB on
-// real hardware; 4 KB copies crawl at 1.6 GB/s, DESIGN.md §6).
+// one copy run, so an orderly pool streams as a few large copies: a DMA copy
+// has a fixed cost of microseconds, so copies must be megabytes to reach the
+// link's rate (docs/BENCHMARKS.md, "Machine facts").
 //
 // Sparse plans (build_sparse, docs/SPARSE.md; paper §4.4, Fig. 6): the same
 // splits, chunks and runs over each sequence's SELECTED pinned blocks (the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/writescope.hpp — everything a host-compiled program needs:
 // layouts and presets, the partition spec, routing policies, the InplaceKVCache
 // format, the host backend and the hybrid attention step. CUDA users add

@@ -1,11 +1,12 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/cpu/amx_attention.hpp — the CPU engine's decode attention on
 // Intel AMX-BF16 tiles (paper §6.1; docs/CPU-KERNEL.md, "AMX"). Host compiler
 // only, like cpu/attention.hpp.
 //
 // Why: absorbed MLA does ≈ 15 multiply-adds per KV byte (16 query heads share
 // one 576-element latent row), so the fp32-FMA kernel of cpu/attention.hpp is
-// compute-bound at ≈ 3.6 GB/s per Xeon core, a third of the memory ceiling with
-// every core. One AMX TDPBF16PS does 16 × 16 × 32 bf16 multiply-adds.
+// compute-bound, far below a core's share of the memory bandwidth
+// (docs/CPU-KERNEL.md). One AMX TDPBF16PS does 16 × 16 × 32 bf16 multiply-adds.
 //
 // Shapes per call: the `group` query heads of one KV head, in head blocks of
 // 16 (a tile's 16 rows / 16 fp32 columns; a short block is padded with zero
@@ -18,8 +19,8 @@
 //        VNNI pairs, prepared once per call. The fp32 queries (pre-scaled) are
 //        split into two bf16 parts, q = q0 + q1 to 2^-17 relative; every bf16
 //        × bf16 product is exact in fp32 and sums are fp32, so the scores are
-//        fp32-class (measured: ≤ 6.4e-6 relative L2 against fp64 after the
-//        softmax, test_amx_kernel). Two token tiles × two parts = four
+//        fp32-class (test_amx_kernel bounds the error against fp64 after the
+//        softmax; docs/CPU-KERNEL.md). Two token tiles × two parts = four
 //        independent accumulators per pass, the parts added after.
 //   soft online softmax per head over the chunk, vectors of the 16 heads of
 //        one token (running max, running sum, natural-base exp).
@@ -346,8 +347,8 @@ inline amx_use amx_setting() noexcept {
 /// (otherwise the first tile instruction raises SIGILL); auto_decode_kernel
 /// checks it.
 /// Numerics: scores and sums fp32-class (q split in two bf16 parts, 2^-17
-/// relative), P in two bf16 parts (2^-17), fp32 accumulation of O; measured
-/// ≤ 6.4e-6 relative L2 against fp64 (test_amx_kernel). Paper §6.1.
+/// relative), P in two bf16 parts (2^-17), fp32 accumulation of O; fp32-class
+/// against fp64 (test_amx_kernel; docs/CPU-KERNEL.md). Paper §6.1.
 template <kv_layout Layout, class Tiles = amx_detail::hw_tiles, class Arch = default_arch>
 struct amx_decode_kernel {
   using precision = fp32_scores;
@@ -614,9 +615,8 @@ struct amx_decode_kernel {
     }
   }
 
-  /// prefetcht0 (to L1 and L2). Measured on the GPU machine's Xeon, one
-  /// thread, 1 GiB of DeepSeek-V2-Lite KV: 5.6 GB/s against 4.0 GB/s with
-  /// prefetcht1 and 3.9 GB/s without software prefetch (docs/CPU-KERNEL.md).
+  /// prefetcht0 (to L1 and L2), the fastest of the variants compared in
+  /// docs/CPU-KERNEL.md.
   static void prefetch_next(const void* p) noexcept {
 #if defined(__GNUC__) || defined(__clang__)
     __builtin_prefetch(p, 0, 3);

@@ -1,6 +1,8 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/cpu/attention.hpp — the CPU engine's decode attention kernel
 // (paper §6.1). Host compiler only: this header includes xsimd, which nvcc must
-// never see (STYLE.md §8, §15). Design notes and measurements: docs/CPU-KERNEL.md.
+// never see (x86 intrinsic headers break its front end). Design notes and
+// figures: docs/CPU-KERNEL.md.
 //
 // One call attends the `group` query heads that share one KV head over a list
 // of blocks, in one pass over the KV. The KV is walked in tiles of TT = 2W
@@ -45,7 +47,7 @@
 //                          Exact (fp32-class) when q is already bf16-valued, as
 //                          a bf16 model's activations are; for arbitrary fp32 q
 //                          the rounding (≤ 2^-9 relative per element) moves the
-//                          scores — measured on N(0,1) data: relative L2 3e-3
+//                          scores — on N(0,1) data: relative L2 ≈ 3e-3
 //                          (GQA d128, scale d^-1/2) and 5e-3 with LSE error
 //                          2e-3 (DeepSeek-V2-Lite MLA, scale 0.115): outside the
 //                          test bar, hence opt-in. On AVX-512 with AVX512_BF16

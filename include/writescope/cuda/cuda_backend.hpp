@@ -1,5 +1,6 @@
-// writescope/cuda/cuda_backend.hpp — the real device backend (DESIGN.md §3, §5;
-// paper §4.2, §4.3, §6). Host compiler only: this header holds no kernels and
+// SPDX-License-Identifier: Apache-2.0
+// writescope/cuda/cuda_backend.hpp — the real device backend (paper §4.2,
+// §4.3, §6; docs/CUDA-ENGINE.md). Host compiler only: this header holds no kernels and
 // includes nothing beyond <cuda_runtime_api.h>; the kernels it launches are
 // declared in kernels.hpp and instantiated by one .cu of the program
 // (kernels.cuh explains how). docs/CUDA-ENGINE.md has the full ordering table.
@@ -22,7 +23,7 @@
 //   filled[b] / consumed[b]  h2d -> compute (RAW) / compute -> h2d (WAR), per
 //           ping-pong buffer, persisting across layers and steps
 //   h2d_done  h2d -> d2h: no D2H rewrites a (recycled) pinned block an earlier
-//           H2D still reads (FAULT-KINDS C9)
+//           H2D still reads (fault case C9, docs/CUDA-ENGINE.md)
 //   d2h_done  d2h -> h2d: evicted / prefilled pinned blocks have landed before
 //           a step streams them; d2h -> caller after an eviction: the D-window
 //           slots are not overwritten by the next append before they are copied
@@ -77,8 +78,8 @@
 
 namespace writescope {
 
-/// Switches that REMOVE a guard, for mutation tests only (FAULT-KINDS: "with
-/// the guarding event/wait removed, the test must fail"). All off by default;
+/// Switches that REMOVE a guard, for mutation tests only (with the guarding
+/// event or wait removed, the test must fail). All off by default;
 /// never set them in production. Read at every call, so tests may flip them
 /// between steps.
 struct cuda_debug_options {
@@ -110,7 +111,7 @@ struct cuda_debug_options {
   bool skip_staging_wait = false;
   /// Sparse steps: every gather thread sleeps this long before each chunk (a slow gather).
   long long gather_delay_microseconds = 0;
-  /// FAULT-KINDS K8: issue every host-side copy (streamed H2D runs, eviction
+  /// Fault kind K8: issue every host-side copy (streamed H2D runs, eviction
   /// and prefill D2H) as one cudaMemcpyAsync instead of splitting it at
   /// page-locked registration boundaries (pinned_registry::split). A run across
   /// two cudaHostRegister chunks, or two slabs that mmap placed back to back,
@@ -308,10 +309,10 @@ class cuda_backend {
   /// for long sequences: one copy per run, two launches per 128 splits). The
   /// plan and window list are copied at launch, so the caller's contract is
   /// unchanged; D2H writes into host blocks first join a pending launch (C9).
-  /// Off: everything is enqueued inside launch(). Measured on the 16-core
-  /// GPU machine (docs/CUDA-ENGINE.md, session 6), the CPU engine's 15
-  /// threads lost as much as the launch gained, hence off; on a host with
-  /// cores to spare it takes the enqueue off the CPU side's path. Sparse
+  /// Off (the default): everything is enqueued inside launch(). The launcher
+  /// competes with the CPU engine's threads for cores, hence off
+  /// (docs/DECISIONS.md); on a host with cores to spare it takes the enqueue
+  /// off the CPU side's path. Sparse
   /// launches are never handed over. Read at each launch; set between steps
   /// from the thread that drives the cache.
   void set_launch_thread(bool on) noexcept { launch_thread_ = on; }
@@ -486,9 +487,8 @@ class cuda_backend {
   /// page-locked bounce buffer (set_eviction_bounce_bytes): one DMA per copy
   /// into it at full speed, one wait, then host threads copy the bytes to
   /// their blocks. A cudaMemcpyAsync straight into pageable memory is staged
-  /// by the driver and returns only when done, one copy after the other: an
-  /// eviction batch of a 32-sequence DeepSeek-V2-Lite step is 128 of them
-  /// (docs/CUDA-ENGINE.md, session 5). If the bounce buffer cannot be
+  /// by the driver and returns only when done, one copy after the other, and
+  /// an eviction batch is one copy per sequence and layer (docs/DECISIONS.md). If the bounce buffer cannot be
   /// page-locked, evictions fall back to direct copies (nothing else changes).
   void copy_blocks_to_host(std::span<const block_copy> copies) {
     join_pending_launches();  // C9, as in write_blocks
@@ -523,7 +523,7 @@ class cuda_backend {
   /// Page-locks the bounce buffer now at its full size (set_eviction_bounce_bytes),
   /// so that no later eviction pins memory: inplace_kv_cache calls it at
   /// construction when its pinned region is pinned at init
-  /// (pinned_initial_tokens = -1; FAULT-KINDS K8: nothing is page-locked inside
+  /// (pinned_initial_tokens = -1; fault kind K8: nothing is page-locked inside
   /// a step). A refusal is not an error: evictions then copy directly into
   /// pageable memory, as after set_eviction_bounce_bytes(0). Between steps,
   /// from the thread that drives the cache; never throws.
@@ -723,7 +723,7 @@ class cuda_backend {
   std::vector<std::size_t> host_writes_;
 };
 
-/// The GPU side of a decode step of one layer (DESIGN.md §5 steps 2, 4, 5):
+/// The GPU side of a decode step of one layer (paper §4.2; docs/CUDA-ENGINE.md):
 /// the same interface and the same order of work as host_backend::gpu_engine.
 ///
 /// Per launch, on the engine's compute stream unless noted:
@@ -741,7 +741,7 @@ class cuda_backend {
 /// (each sequence's own blocks) and every merge runs in a fixed order.
 ///
 /// Workspaces are allocated at construction for `max_batch` sequences; launch
-/// allocates nothing and never blocks the host (STYLE.md §6). One engine per
+/// allocates nothing and never blocks the host. One engine per
 /// cache: the filled/consumed events guard the ping-pong buffers of the cache
 /// it serves. Calls into one engine come from one thread.
 ///
@@ -1280,7 +1280,7 @@ class cuda_backend::gpu_engine {
     }
   }
 
-  // FAULT-KINDS C9: a pageable source silently makes the copy synchronous and
+  // Fault case C9: a pageable source silently makes the copy synchronous and
   // staged (and hides ordering bugs). Debug builds refuse it.
   static void require_page_locked(const void* p, index_t bytes) {
     if (bytes <= 0 || cuda_detail::pinned_registry::instance().contains(p, bytes)) return;

@@ -1,5 +1,6 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/cuda/cuda_error.hpp — the one way CUDA runtime calls are checked
-// (STYLE.md §10). Compiles with the host compiler alone (only
+// (docs/ERRORS.md). Compiles with the host compiler alone (only
 // <cuda_runtime_api.h>) and under nvcc.
 //
 //   WS_CUDA_TRY(cudaMalloc(&p, n));   // throws writescope::cuda_error on failure

@@ -1,5 +1,6 @@
-// writescope/cuda/kernels.cuh — the GPU side of a decode step (DESIGN.md §5,
-// paper §4.2, §6): split attention over streamed ping-pong chunks and over the
+// SPDX-License-Identifier: Apache-2.0
+// writescope/cuda/kernels.cuh — the GPU side of a decode step (paper §4.2,
+// §6): split attention over streamed ping-pong chunks and over the
 // D-window, the in-order fold of split partials, the final LSE merge, the
 // scatter of appended KV into blocks, the sparse pipeline's wait kernel and
 // device pull, and two small helpers (fill, spin).
@@ -16,17 +17,17 @@
 // writescope::cuda adds the first two). Keep the instantiated set short: each
 // layout costs six kernels of compile time.
 //
-// Numerics (DESIGN.md §4): KV is bf16 in memory and widened exactly; scores,
+// Numerics (docs/MERGE-CONTRACT.md): KV is bf16 in memory and widened exactly; scores,
 // running max, running sum and outputs are fp32; exp/log are the natural-base
-// expf/logf (no exp2, so no base conversion is needed: FAULT-KINDS K2); the
+// expf/logf (no exp2, so no base conversion is needed: fault kind K2); the
 // running max starts at -inf (never a finite stand-in); an item with no tokens
 // yields the empty partial (o = 0, lse = -inf); merges follow merge_state_row
 // (partial_state.hpp) exactly, including its identities for empty partials.
 // Every reduction has a fixed order: results are deterministic and do not depend
 // on other items of the launch (batch invariance, K10).
 //
-// Attention kernel design (a simple one: the streamed side is bound by PCIe at
-// ≈ 55 GB/s, far below what even a plain kernel reads from HBM). One CTA of 256
+// Attention kernel design (a simple one: the streamed side is bound by PCIe
+// (Gen5 x16: ≈ 55 GB/s), far below what even a plain kernel reads from HBM). One CTA of 256
 // threads attends one item (a streamed split or a D-window) for one KV head and
 // up to 16 query heads of its group. Per tile of 32 tokens it copies the K (and
 // V) rows into shared memory with 16-byte loads (MLA: one 576-wide row serves
@@ -485,7 +486,8 @@ template <class Layout>
 void launch_attend(const attend_params& p, cudaStream_t stream) {
   using C = detail::attend_cfg<Layout>;
   if (p.num_items <= 0) return;
-  // Shared memory above 48 KiB needs an opt-in, once per kernel (HOPPER.md).
+  // Shared memory above 48 KiB needs an opt-in, once per kernel
+  // (cudaFuncAttributeMaxDynamicSharedMemorySize).
   static const bool configured = [] {
     WS_CUDA_TRY(cudaFuncSetAttribute(detail::attend_kernel<Layout, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      int(C::smem_bytes)));

@@ -1,5 +1,6 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/cuda/kernels.hpp — host-visible declarations of the GPU kernels'
-// launchers and of their parameter blocks (DESIGN.md §5). Compiles with the
+// launchers and of their parameter blocks (docs/CUDA-ENGINE.md). Compiles with the
 // host compiler alone (plus <cuda_runtime_api.h>); the definitions live in
 // kernels.cuh, which only nvcc compiles.
 //
@@ -22,7 +23,7 @@
 // classic kernel-parameter limit); lists longer than the fixed capacities are
 // issued as several launches by the caller. Plain aggregates only (no
 // [[no_unique_address]], no virtuals): the host compiler and nvcc must agree on
-// their layout (STYLE.md §15).
+// their layout.
 //
 // Memory spaces: every pointer in these blocks is device memory unless noted.
 #pragma once
@@ -196,9 +197,8 @@ void launch_spin(long long cycles, cudaStream_t stream);
 /// `counters[0..n)` (page-locked, mapped host memory written by host threads;
 /// a device-accessible pointer) is >= `need`, polling with __nanosleep. Work
 /// enqueued after it on `stream` starts only then. Unlike a host function
-/// (cudaLaunchHostFunc) no driver callback thread takes part: on the H200 VM
-/// a host-function gate per chunk put sparse steps on multiples of 4 ms
-/// (docs/SPARSE.md). The host must eventually raise every counter (on an
+/// (cudaLaunchHostFunc) no driver callback thread takes part, whose wake-up
+/// latency would gate every chunk (docs/DECISIONS.md). The host must eventually raise every counter (on an
 /// abort: to the maximum), or the stream never proceeds.
 template <class = void>
 void launch_wait_host_counters(const unsigned long long* counters, int n, unsigned long long need,

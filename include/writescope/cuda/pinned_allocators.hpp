@@ -1,9 +1,10 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/cuda/pinned_allocators.hpp — page-locking strategies for the pinned
-// load region on a real GPU (paper §4.3, §7.7; DESIGN.md §6; FAULT-KINDS K8).
+// load region on a real GPU (paper §4.3, §7.7; fault kind K8, docs/RELIABILITY.md).
 //
 //   cuda_host_alloc     cudaHostAlloc(cudaHostAllocPortable): one call, the driver
-//                       allocates and pins. Measured on the device machine:
-//                       ≈ 420 ms per GiB.
+//                       allocates and pins; the slower of the two (pin times:
+//                       docs/CUDA-ENGINE.md).
 //   cuda_host_register  mmap pageable memory, pre-touch it with several threads,
 //                       then cudaHostRegister(cudaHostRegisterPortable |
 //                       cudaHostRegisterMapped) in chunks of at most
@@ -325,14 +326,14 @@ struct cuda_host_register {
   index_t chunk_bytes = index_t{1} << 30;
   /// Threads that pre-touch the pages; 0 = the hardware threads, at most 16.
   int touch_threads = 0;
-  /// Fault injection, for tests only (FAULT-KINDS K8): in every allocation,
+  /// Fault injection, for tests only (fault kind K8): in every allocation,
   /// chunk number `inject_refusal_chunk` (0-based) is not registered and counts
   /// as refused by cudaHostRegister with cudaErrorMemoryAllocation, so that the
   /// refusal path runs at a size a test machine can pin (a real refusal needs
   /// more memory than it has). -1 (the default): no injection.
   index_t inject_refusal_chunk = -1;
-  /// Mutation switch, for tests only (FAULT-KINDS K8: "remove the guard, the
-  /// test must fail"): a refused chunk is skipped and left pageable, and
+  /// Mutation switch, for tests only (fault kind K8: with the guard removed,
+  /// the test must fail): a refused chunk is skipped and left pageable, and
   /// allocate() succeeds, instead of undoing the chunks registered so far and
   /// throwing pinned_memory_error. The refusal then no longer shows at init:
   /// debug builds report it at the first step with a streamed run that starts
@@ -365,7 +366,8 @@ struct cuda_host_register {
     auto* base = static_cast<unsigned char*>(p);
 
     // Pre-touch: fault every page in now, in parallel, so that registration
-    // only pins resident pages (DESIGN.md §6: 40 ms/GiB instead of 420).
+    // only pins resident pages, which is several times faster than pinning
+    // untouched ones (docs/CUDA-ENGINE.md).
     const auto t_touch = std::chrono::steady_clock::now();
     pre_touch(base, mapped, page);
     const std::int64_t touch_ns = elapsed_ns(t_touch);

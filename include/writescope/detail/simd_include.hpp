@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/detail/simd_include.hpp — includes the x86 intrinsic headers
 // first, with GCC 12's false -Wmaybe-uninitialized (raised inside its own
 // AVX-512 headers, for the _mm512_undefined_* idiom, wherever they are
@@ -6,7 +7,7 @@
 #pragma once
 
 #if defined(__CUDACC__)
-#  error "writescope: SIMD host headers must not be compiled by nvcc (STYLE.md §8, §15)"
+#  error "writescope: SIMD host headers must not be compiled by nvcc (x86 intrinsic headers break its front end)"
 #endif
 
 #if defined(__GNUC__) && !defined(__clang__)

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/detail/stream_copy.hpp — a host copy whose destination is not
 // read again by the CPU: the sparse gather into a page-locked staging buffer
 // that only the DMA engine reads next.
@@ -5,9 +6,8 @@
 // A plain memcpy of block-sized pieces (glibc switches to non-temporal stores
 // only above a large threshold) reads every destination line before writing
 // it (write-allocate), so the gather moves three bytes of DRAM traffic per
-// byte copied. Non-temporal 16-byte stores skip that read. Measured on the
-// H200 machine (2026-11-29, sparse_bench, 8 gather threads, 128 KiB blocks):
-// see docs/SPARSE.md for the before/after rates.
+// byte copied. Non-temporal 16-byte stores skip that read (the gain:
+// docs/DECISIONS.md).
 //
 // Host only; SSE2 (baseline x86-64), a plain memcpy elsewhere. Safe to
 // include from code nvcc compiles (no target attributes, no xsimd).

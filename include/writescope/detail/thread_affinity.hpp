@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // writescope/detail/thread_affinity.hpp — the threads writescope starts
 // itself (the host backend's emulated GPU worker, the CUDA backend's sparse
 // gather threads, the pre-touch threads of cuda_host_register) must not run
@@ -6,9 +7,8 @@
 // A new thread inherits its creator's CPU affinity. Under OMP_PROC_BIND
 // (the usual setting for the CPU attention team, docs/CPU-KERNEL.md) libgomp
 // binds the initial thread to the first place, so every std::thread the
-// engine starts afterwards would share that one core with OpenMP thread 0:
-// measured on the H200 machine (2026-11-29, sparse_bench under
-// OMP_PROC_BIND=close): 8 gather threads copied 5.7 GB/s, the same as one.
+// engine starts afterwards would share that one core with OpenMP thread 0,
+// and N gather threads would copy no faster than one (docs/DECISIONS.md).
 // Each library thread therefore calls widen_thread_affinity() first; the
 // kernel intersects the mask with the process's cpuset (a container's CPU
 // limit still holds). Best effort: a refusal leaves the inherited mask.
