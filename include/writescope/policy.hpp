@@ -174,7 +174,7 @@ struct roofline_params {
   /// paper's model (an engine whose enqueue is negligible, or done by another
   /// thread: cuda_backend::set_launch_thread).
   double launch_cost_per_token_seconds = 0.0;
-  bool track_launch_cost = true;  ///< re-measure K online from the samples that carry it
+  bool track_launch_cost = true;  ///< re-measure K online from the samples that include it
 
   /// Δ = C_GPU − C_CPU.
   [[nodiscard]] double fixed_overhead_gap_seconds() const noexcept { return gpu_fixed_seconds - cpu_fixed_seconds; }
@@ -204,7 +204,7 @@ struct roofline_params {
 /// batch is routed by marginal share toward r(L); A is re-estimated online
 /// from measured CPU time per attended token (sliding ratio-of-sums over the
 /// last `cost_window_samples` steps, fixed cost C_CPU removed), B likewise
-/// when `track_gpu_cost`, K when `track_launch_cost` (samples that carry a
+/// when `track_gpu_cost`, K when `track_launch_cost` (samples that include a
 /// launch). Not thread-safe (see file comment).
 class roofline_policy {
  public:

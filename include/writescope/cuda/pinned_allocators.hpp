@@ -9,8 +9,9 @@
 //                       then cudaHostRegister(cudaHostRegisterPortable |
 //                       cudaHostRegisterMapped) in chunks of at most
 //                       `chunk_bytes` (1 GiB by default) so that no single call
-//                       pins an unbounded range: ≈ 40 ms per GiB (pre-touched),
-//                       ten times faster.
+//                       pins an unbounded range; with the pages pre-touched,
+//                       several times faster than cudaHostAlloc
+//                       (docs/CUDA-ENGINE.md).
 //
 // Device mapping. Both make the region addressable by kernels, which the
 // sparse pipeline's device pull needs (sparse_transfer::device_pull: a copy
