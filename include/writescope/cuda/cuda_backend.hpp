@@ -280,6 +280,26 @@ class cuda_backend {
   /// outputs) is ordered on `caller`.
   explicit cuda_backend(cudaStream_t caller) : cuda_backend(caller, false) {}
 
+  /// The constructors' first call. Throws cuda_error whose message starts
+  /// "no CUDA device: " and names the CUDA status (code(): that status, or
+  /// cudaErrorNoDevice for 0 devices) when the runtime sees no device: no
+  /// driver (cudaErrorInsufficientDriver), none visible (cudaErrorNoDevice,
+  /// e.g. CUDA_VISIBLE_DEVICES=-1) or a count of 0. Other failures of
+  /// cudaGetDeviceCount throw the usual WS_CUDA_TRY error.
+  static void require_device() {
+    int count = 0;
+    const cudaError_t e = cudaGetDeviceCount(&count);
+    if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver || (e == cudaSuccess && count == 0)) {
+      (void)cudaGetLastError();
+      throw cuda_error(std::string("no CUDA device: cudaGetDeviceCount ") +
+                           (e == cudaSuccess ? std::string("found 0 devices")
+                                             : std::string("returned ") + cudaGetErrorName(e) + " (" +
+                                                   cudaGetErrorString(e) + ")"),
+                       static_cast<int>(e == cudaSuccess ? cudaErrorNoDevice : e));
+    }
+    if (e != cudaSuccess) cuda_detail::throw_cuda_error(e, "cudaGetDeviceCount(&count)", __FILE__, __LINE__);
+  }
+
   cuda_backend(const cuda_backend&) = delete;
   cuda_backend& operator=(const cuda_backend&) = delete;
   ~cuda_backend() {
@@ -570,6 +590,7 @@ class cuda_backend {
 
  private:
   cuda_backend(cudaStream_t caller, bool create) {
+    require_device();
     WS_CUDA_TRY(cudaGetDevice(&device_));
     cudaDeviceProp prop{};
     WS_CUDA_TRY(cudaGetDeviceProperties(&prop, device_));
