@@ -1,6 +1,7 @@
+# SPDX-License-Identifier: Apache-2.0
 # cmake -DSOURCE=examples/minimal.cpp -DREADME=README.md -P check_readme_snippet.cmake
 #
-# README.md must contain, verbatim, the code between the "// README-BEGIN" and
+# README (README.md, or docs/EMBEDDING.md for minimal_cuda.cpp) must contain, verbatim, the code between the "// README-BEGIN" and
 # "// README-END" lines of SOURCE (less the two spaces of indentation of
 # main's body), so that the snippet users read is code that compiles and runs.
 file(READ "${SOURCE}" src)
@@ -19,7 +20,8 @@ string(REPLACE "\n  " "\n" snippet "\n${snippet}")
 string(SUBSTRING "${snippet}" 1 -1 snippet)
 string(FIND "${readme}" "${snippet}" at)
 if(at EQUAL -1)
-  message(FATAL_ERROR "README.md does not contain the snippet of ${SOURCE} verbatim; paste this into its code block:\n"
+  get_filename_component(readme_name "${README}" NAME)
+  message(FATAL_ERROR "${readme_name} does not contain the snippet of ${SOURCE} verbatim; paste this into its code block:\n"
                       "${snippet}")
 endif()
-message(STATUS "README.md holds the snippet of ${SOURCE} (${length} bytes)")
+message(STATUS "${README} holds the snippet of ${SOURCE} (${length} bytes)")

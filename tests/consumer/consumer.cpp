@@ -1,17 +1,52 @@
+// SPDX-License-Identifier: Apache-2.0
 // tests/consumer/consumer.cpp — what a downstream project compiles against an
-// installed (find_package) or vendored (add_subdirectory) writescope: a short
-// ragged decode through an inplace_kv_cache + hybrid_attention on the host
-// backend, compared with the fp64 reference at every step. Exit 0 on agreement.
+// installed (find_package) or vendored (add_subdirectory) writescope, with
+// writescope::core alone: a short ragged decode through an inplace_kv_cache +
+// hybrid_attention on the host backend, compared at every step with fp64
+// attention written out below (writescope/reference.hpp would need Eigen, i.e.
+// writescope::reference). Built with -Wall -Wextra -Wsign-conversion -Werror:
+// the library's headers must reach it as system headers. Exit 0 on agreement.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
 #include <vector>
 
-#include <writescope/reference.hpp>
 #include <writescope/writescope.hpp>
 
 namespace ws = writescope;
+
+namespace {
+
+// fp64 softmax attention of one query token (hq heads) over L cached tokens
+// [L][hkv][d] of one sequence (GQA: head h reads KV head h / (hq / hkv)).
+void gqa_decode(int hq, int hkv, int d, const float* q, const ws::bf16* k, const ws::bf16* v, std::size_t L,
+                double scale, double* o, double* lse) {
+  const int group = hq / hkv;
+  std::vector<double> s(L);
+  for (int h = 0; h < hq; ++h) {
+    const std::size_t j = std::size_t(h / group);
+    double m = -1e300;
+    for (std::size_t t = 0; t < L; ++t) {
+      double dot = 0;
+      for (int i = 0; i < d; ++i)
+        dot += double(q[std::size_t(h * d + i)]) * double(k[(t * std::size_t(hkv) + j) * std::size_t(d) + std::size_t(i)].to_float());
+      s[t] = dot * scale;
+      m = std::max(m, s[t]);
+    }
+    double den = 0;
+    for (std::size_t t = 0; t < L; ++t) den += std::exp(s[t] - m);
+    for (int i = 0; i < d; ++i) {
+      double acc = 0;
+      for (std::size_t t = 0; t < L; ++t)
+        acc += std::exp(s[t] - m) * double(v[(t * std::size_t(hkv) + j) * std::size_t(d) + std::size_t(i)].to_float());
+      o[std::size_t(h * d + i)] = acc / den;
+    }
+    lse[h] = m + std::log(den);
+  }
+}
+
+}  // namespace
 
 int main() try {
   using layout = ws::gqa_layout<128>;
@@ -69,8 +104,8 @@ int main() try {
     for (int i = 0; i < 2; ++i) {
       const auto& K = k[std::size_t(batch[std::size_t(i)])];
       const auto& V = v[std::size_t(batch[std::size_t(i)])];
-      ws::reference::gqa_decode(hq, hkv, d, q.data() + i * hq * d, K.data(), V.data(), ws::index_t(K.size()) / (hkv * d),
-                                0.088, ro.data(), rl.data());
+      gqa_decode(hq, hkv, d, q.data() + i * hq * d, K.data(), V.data(), K.size() / std::size_t(hkv * d), 0.088,
+                 ro.data(), rl.data());
       for (int h = 0; h < hq; ++h) {
         double num = 0, den = 0;
         for (int j = 0; j < d; ++j) {
