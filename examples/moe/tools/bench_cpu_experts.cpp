@@ -20,7 +20,7 @@
 // memory (pageable), one pool per model reused by every case. The scalar ISA
 // runs the decode cases only (its batched cases take minutes; --scalar-batched).
 //
-//   OMP_PROC_BIND=close OMP_PLACES=cores ws_moe_bench_cpu_experts --threads 16 \
+//   OMP_PROC_BIND=close OMP_PLACES=cores ws_moe_bench_cpu_experts --threads 16
 //       --min-seconds 0.3 --json cpu_experts.json
 //
 // Options: --threads N (default: omp_get_max_threads()), --min-seconds S
@@ -202,6 +202,7 @@ __attribute__((target("avx512f"), noinline)) float fma_peak_avx512(float seed) {
   const __m512 a = _mm512_set1_ps(1.0f + seed * 1e-7f), b = _mm512_set1_ps(seed * 1e-7f);
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_set1_ps(float(i));
   for (long it = 0; it < peak_iters; ++it)
+#pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
   __m512 s = acc[0];
   for (int i = 1; i < 16; ++i) s = _mm512_add_ps(s, acc[i]);
@@ -213,6 +214,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), noinline)) float 
   const __m512bh b = (__m512bh)_mm512_set1_epi16(short(0x3000));
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_set1_ps(float(i));
   for (long it = 0; it < peak_iters; ++it)
+#pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
   __m512 s = acc[0];
   for (int i = 1; i < 16; ++i) s = _mm512_add_ps(s, acc[i]);
@@ -223,6 +225,7 @@ __attribute__((target("avx2,fma"), noinline)) float fma_peak_avx2(float seed) {
   const __m256 a = _mm256_set1_ps(1.0f + seed * 1e-7f), b = _mm256_set1_ps(seed * 1e-7f);
   for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_ps(float(i));
   for (long it = 0; it < peak_iters; ++it)
+#pragma GCC unroll 16
     for (int i = 0; i < 12; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
   __m256 s = acc[0];
   for (int i = 1; i < 12; ++i) s = _mm256_add_ps(s, acc[i]);
@@ -520,13 +523,27 @@ int main(int argc, char** argv) {
         }
         dram = dram_read_gbps(ceiling_buf.get(), bytes, o.threads, 5);
       }
+      struct variant {
+        cpux::isa_kind isa;
+        cpux::expert_precision prec;
+        bool prefetch;
+      };
+      std::vector<variant> vs;
       for (cpux::isa_kind k : isas) {
         if (c.kind == "batched" && k == cpux::isa_kind::scalar && !o.scalar_batched) continue;
-        for (auto p : {cpux::expert_precision::bf16_inputs, cpux::expert_precision::fp32}) {
+        for (auto p : {cpux::expert_precision::bf16_inputs, cpux::expert_precision::fp32}) vs.push_back({k, p, true});
+      }
+      // The decode streaming without the software prefetch, for the best ISA (A/B of that choice).
+      if (c.kind == "decode" && !isas.empty()) vs.push_back({isas.back(), cpux::expert_precision::bf16_inputs, false});
+      for (const variant& v : vs) {
+        {
+          const cpux::isa_kind k = v.isa;
+          const cpux::expert_precision p = v.prec;
           if (o.budget_seconds > 0 && seconds_since(start) > o.budget_seconds) {
             budget_spent = true;
             break;
           }
+          cpux::detail::tuning().prefetch = v.prefetch;
           const runner run = runner_for(k);
           run(ts, m.shape, p, o.threads);  // warm-up (workspace, pages, caches)
           std::vector<double> secs;
@@ -543,8 +560,9 @@ int main(int argc, char** argv) {
           const std::string ck = std::string(cpux::isa_name(k)) + "/" + prec_name(p);
           const double peak = ceil[ck]["peak_gflops"].get<double>();
           const double tile = ceil[ck]["tile_l1_gflops"].get<double>();
-          row r{m.key, c.kind, std::string(cpux::isa_name(k)), prec_name(p), c.experts, c.rows, best * 1e3,
-                weight_bytes / best / 1e9, dram, flops / best / 1e9, peak};
+          cpux::detail::tuning().prefetch = true;
+          row r{m.key, c.kind, std::string(cpux::isa_name(k)), std::string(prec_name(p)) + (v.prefetch ? "" : "/nopf"),
+                c.experts, c.rows, best * 1e3, weight_bytes / best / 1e9, dram, flops / best / 1e9, peak};
           table.push_back(r);
           json jr = {{"model", m.name},
                      {"hidden", H},
@@ -553,7 +571,8 @@ int main(int argc, char** argv) {
                      {"experts", c.experts},
                      {"rows_per_expert", c.rows},
                      {"isa", r.isa},
-                     {"precision", r.prec},
+                     {"precision", prec_name(p)},
+                     {"prefetch", v.prefetch},
                      {"calls", secs.size()},
                      {"seconds_best", best},
                      {"seconds_median", med},
@@ -570,7 +589,7 @@ int main(int argc, char** argv) {
           }
           doc["results"].push_back(jr);
           write_json(o.json_path, doc);
-          std::fprintf(stderr, "[%6.1fs] %-7s %-7s %3d x %4lld  %-10s %-11s %9.3f ms %7.1f GB/s %8.1f GFLOP/s\n",
+          std::fprintf(stderr, "[%6.1fs] %-7s %-7s %3d x %4lld  %-10s %-16s %9.3f ms %7.1f GB/s %8.1f GFLOP/s\n",
                        seconds_since(start), m.key.c_str(), c.kind.c_str(), c.experts, (long long)c.rows, r.isa.c_str(),
                        r.prec.c_str(), r.ms, r.gbps, r.gflops);
         }
@@ -589,12 +608,12 @@ int main(int argc, char** argv) {
   std::printf("\nws_moe_bench_cpu_experts: %d threads, best of >= 3 calls; decode vs the same-run DRAM read ceiling,\n"
               "batched vs the ISA's register FMA / vdpbf16ps peak (compute ceilings: JSON compute_ceilings)\n",
               o.threads);
-  std::printf("%-8s %-8s %8s %-11s %-12s %10s %8s %8s %6s %9s %9s %6s\n", "model", "kind", "exp×rows", "isa", "precision",
+  std::printf("%-8s %-8s %8s %-11s %-16s %10s %8s %8s %6s %9s %9s %6s\n", "model", "kind", "exp×rows", "isa", "precision",
               "ms", "GB/s", "ceil", "ratio", "GFLOP/s", "peak", "ratio");
   for (const row& r : table) {
     char er[32];
     std::snprintf(er, sizeof er, "%dx%lld", r.experts, (long long)r.rows);
-    std::printf("%-8s %-8s %8s %-11s %-12s %10.3f %8.1f ", r.model.c_str(), r.kind.c_str(), er, r.isa.c_str(), r.prec.c_str(),
+    std::printf("%-8s %-8s %8s %-11s %-16s %10.3f %8.1f ", r.model.c_str(), r.kind.c_str(), er, r.isa.c_str(), r.prec.c_str(),
                 r.ms, r.gbps);
     if (r.kind == "decode")
       std::printf("%8.1f %6.2f ", r.dram, r.gbps / r.dram);

@@ -53,7 +53,7 @@
 //   fp32         weights widened exactly, fp32 X and A, fp32 FMAs.
 //
 // Instruction sets (isa:: tags): scalar (portable C++), avx2 (AVX2 + FMA),
-// avx512 (AVX-512F), avx512bf16 (AVX-512F + BW + VL + BF16). Each kernel is
+// avx512 (AVX-512F + BW), avx512bf16 (AVX-512F + BW + VL + BF16). Each kernel is
 // compiled for its ISA with a function target (GCC `#pragma GCC target`, clang
 // `#pragma clang attribute`), so a binary built for the x86-64 baseline carries
 // all of them; best_isa() picks the best the CPU and OS support (CPUID and
@@ -221,10 +221,10 @@ inline isa_kind probe_isa() noexcept {
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return isa_kind::scalar;
   const bool avx2 = (b >> 5) & 1u, avx512f = (b >> 16) & 1u, avx512bw = (b >> 30) & 1u, avx512vl = (b >> 31) & 1u;
   if (!avx2) return isa_kind::scalar;
-  if (!avx512f || !zmm_state) return isa_kind::avx2;
+  if (!avx512f || !avx512bw || !zmm_state) return isa_kind::avx2;
   unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
   const bool bf16 = __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) && ((a1 >> 5) & 1u);
-  return bf16 && avx512bw && avx512vl ? isa_kind::avx512bf16 : isa_kind::avx512;
+  return bf16 && avx512vl ? isa_kind::avx512bf16 : isa_kind::avx512;
 #else
   return isa_kind::scalar;
 #endif
@@ -272,7 +272,17 @@ struct task_ctx {
 struct shape_ctx {
   std::int64_t hidden = 0, inter = 0, hidden_pad = 0, inter_pad = 0;
   bool round_bf16 = false;  ///< round X and A to bf16 before the products
+  bool prefetch = true;     ///< software-prefetch the next weight tile into L2 while streaming
 };
+
+/// Knobs for benchmarks (not part of the interface; the defaults are the tuned choice).
+struct tuning_knobs {
+  std::atomic<bool> prefetch{true};  ///< software prefetch of the next weight tile (decode streaming)
+};
+inline tuning_knobs& tuning() noexcept {
+  static tuning_knobs t;
+  return t;
+}
 
 /// One unit of parallel work: weight rows [n0, n1) of one pass × activation rows [m0, m1) of one task.
 struct work_item {
@@ -285,9 +295,20 @@ struct kernel_set {
   int a_bytes = 4;     ///< bytes per packed activation element
   /// Packs rows [m0, m1) of X into xa and zeroes the padding of those rows of act.
   void (*pack)(const task_ctx&, const shape_ctx&, std::int64_t m0, std::int64_t m1) = nullptr;
-  void (*gate_up)(const task_ctx&, const shape_ctx&, const work_item&) = nullptr;
-  void (*down)(const task_ctx&, const shape_ctx&, const work_item&) = nullptr;
+  /// The two passes over one work item; scratch: the calling thread's scratch_bytes(...) bytes, 64-byte aligned.
+  void (*gate_up)(const task_ctx&, const shape_ctx&, const work_item&, void* scratch) = nullptr;
+  void (*down)(const task_ctx&, const shape_ctx&, const work_item&, void* scratch) = nullptr;
+  /// Per-thread scratch for items of at most block_rows activation rows and panel_rows weight rows.
+  std::size_t (*scratch_bytes)(std::int64_t block_rows, std::int64_t panel_rows) = nullptr;
 };
+
+/// Rows per activation block of a batched task; tasks with at most `decode_rows` rows are one
+/// block and one k-block (every weight row read once, whole); larger ones are k-blocked.
+inline constexpr std::int64_t decode_rows = 16, batch_block_rows = 48;
+/// Reduction elements per k-block of a batched task (a multiple of every ISA's chunk).
+inline constexpr std::int64_t k_block_elems = 512;
+/// Most weight rows per work item.
+inline constexpr std::int64_t max_panel_rows = 32;
 
 WS_MOE_CPUX_INLINE float silu(float g) { return g / (1.0f + std::exp(-g)); }
 WS_MOE_CPUX_INLINE float bf16_round(float v) { return writescope::round_to_bf16(v); }
@@ -345,8 +366,8 @@ struct ops {
   using avec = __m256;
   using bvec = __m256;
   using a_elem = float;
-  static constexpr int chunk = 16, subs = 2, a_sub = 8, mr_max = 4;
-  static constexpr int nr(int mr) { return mr == 1 ? 8 : mr <= 3 ? 4 : 2; }
+  static constexpr int chunk = 16, subs = 2, a_sub = 8, mr_max = 3;
+  static constexpr int nr(int mr) { return mr == 1 ? 8 : 4; }
   static constexpr std::int64_t a_pos(std::int64_t e) { return (e & ~std::int64_t(15)) + ((e & 1) << 3) + ((e & 15) >> 1); }
   static WS_MOE_CPUX_INLINE void store_a(a_elem* p, float v) { *p = v; }
   static WS_MOE_CPUX_INLINE acc_t zero() { return _mm256_setzero_ps(); }
@@ -370,7 +391,7 @@ struct ops {
 #undef WS_MOE_CPU_EXPERTS_KERNEL_PASS
 WS_MOE_CPUX_TARGET_POP
 
-WS_MOE_CPUX_TARGET_PUSH("avx512f,avx2,fma")
+WS_MOE_CPUX_TARGET_PUSH("avx512f,avx512bw,avx2,fma")
 namespace ws_moe::cpu::detail::k_avx512 {
 struct ops {
   using acc_t = __m512;
@@ -383,10 +404,11 @@ struct ops {
   static WS_MOE_CPUX_INLINE void store_a(a_elem* p, float v) { *p = v; }
   static WS_MOE_CPUX_INLINE acc_t zero() { return _mm512_setzero_ps(); }
   static WS_MOE_CPUX_INLINE avec load_a(const a_elem* p) { return _mm512_loadu_ps(p); }
+  /// Even elements: one shift with the load folded in; odd ones: one zero-masked 16-bit load
+  /// (no register for the raw chunk or a mask constant: the 6 × 4 tile needs 31 of the 32).
   static WS_MOE_CPUX_INLINE bvec load_b(const std::uint16_t* p, int s) {
-    const __m512i r = _mm512_loadu_si512(p);
-    return s == 0 ? _mm512_castsi512_ps(_mm512_slli_epi32(r, 16))
-                  : _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xffff0000u))));
+    return s == 0 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(p), 16))
+                  : _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(__mmask32(0xaaaaaaaau), p));
   }
   static WS_MOE_CPUX_INLINE acc_t madd(acc_t c, avec a, bvec b) { return _mm512_fmadd_ps(a, b, c); }
   static WS_MOE_CPUX_INLINE float reduce(acc_t v) { return _mm512_reduce_add_ps(v); }
@@ -491,9 +513,6 @@ inline void validate(std::span<const expert_task> tasks, expert_shape shape, int
   }
 }
 
-/// Rows per activation block of a batched task; tasks with at most `decode_rows` rows are one block.
-inline constexpr std::int64_t decode_rows = 16, batch_block_rows = 48;
-
 inline std::int64_t row_blocks(std::int64_t rows) {
   return rows <= decode_rows ? 1 : (rows + batch_block_rows - 1) / batch_block_rows;
 }
@@ -502,7 +521,7 @@ inline std::int64_t row_blocks(std::int64_t rows) {
 /// thread over the whole layer, between 4 and 32 rows.
 inline std::int64_t panel_rows(std::int64_t n, std::int64_t units, int threads) {
   const std::int64_t want = std::max<std::int64_t>(1, units / (std::int64_t(8) * threads));
-  return std::min(n, std::clamp<std::int64_t>(want, 4, 32));
+  return std::min(n, std::clamp<std::int64_t>(want, 4, max_panel_rows));
 }
 
 inline void make_items(std::vector<work_item>& out, const std::vector<std::int64_t>& order,
@@ -542,6 +561,7 @@ inline void run_with(const kernel_set& k, std::span<const expert_task> tasks, ex
   s.hidden_pad = round_up(shape.hidden, k.chunk);
   s.inter_pad = round_up(shape.inter, k.chunk);
   s.round_bf16 = prec == expert_precision::bf16_inputs;
+  s.prefetch = tuning().prefetch.load(std::memory_order_relaxed);
 
   ws.tasks.clear();
   ws.order.clear();
@@ -563,6 +583,9 @@ inline void run_with(const kernel_set& k, std::span<const expert_task> tasks, ex
     }
   }
   if (ws.order.empty()) return;
+  const std::size_t scratch_per_thread = (k.scratch_bytes(batch_block_rows, max_panel_rows) + 63) / 64 * 64;
+  const std::size_t scratch_off = bytes;
+  bytes += scratch_per_thread * std::size_t(nt);
   std::byte* base = ws.reserve(bytes);
   std::size_t off = 0;
   for (std::int64_t i : ws.order) {
@@ -596,17 +619,23 @@ inline void run_with(const kernel_set& k, std::span<const expert_task> tasks, ex
 #endif
   {
 #if defined(_OPENMP)
+    const std::size_t me = std::size_t(omp_get_thread_num());  // < nt: the team is never larger
+#else
+    const std::size_t me = 0;
+#endif
+    void* scratch = base + scratch_off + me * scratch_per_thread;
+#if defined(_OPENMP)
 #  pragma omp for schedule(static)
 #endif
     for (std::int64_t i = 0; i < npk; ++i) k.pack(tc[pk[i].task], s, pk[i].m0, pk[i].m1);
 #if defined(_OPENMP)
 #  pragma omp for schedule(dynamic, 1)
 #endif
-    for (std::int64_t i = 0; i < ngu; ++i) k.gate_up(tc[gu[i].task], s, gu[i]);
+    for (std::int64_t i = 0; i < ngu; ++i) k.gate_up(tc[gu[i].task], s, gu[i], scratch);
 #if defined(_OPENMP)
 #  pragma omp for schedule(dynamic, 1)
 #endif
-    for (std::int64_t i = 0; i < ndn; ++i) k.down(tc[dn[i].task], s, dn[i]);
+    for (std::int64_t i = 0; i < ndn; ++i) k.down(tc[dn[i].task], s, dn[i], scratch);
   }
 }
 
@@ -679,11 +708,12 @@ inline void run_experts(std::span<const expert_task> tasks, expert_shape shape, 
 namespace ws_moe::cpu::detail::WS_MOE_CPU_EXPERTS_KERNEL_PASS {
 
 using a_elem = ops::a_elem;
+using acc_t = ops::acc_t;
 
 /// One chunk step of an MR × NR register tile: a at the chunk's first packed element of row 0,
 /// b[j] at the chunk's first bf16 of weight row j.
 template <int MR, int NR>
-WS_MOE_CPUX_INLINE void tile_step(ops::acc_t (&acc)[MR][NR], const a_elem* a, std::int64_t a_stride,
+WS_MOE_CPUX_INLINE void tile_step(acc_t (&acc)[MR][NR], const a_elem* a, std::int64_t a_stride,
                                   const std::uint16_t* const (&b)[NR]) {
   WS_MOE_CPUX_UNROLL
   for (int s = 0; s < ops::subs; ++s) {
@@ -699,39 +729,67 @@ WS_MOE_CPUX_INLINE void tile_step(ops::acc_t (&acc)[MR][NR], const a_elem* a, st
   }
 }
 
-/// out[r][j] = Σ_e A[r][e] · B_j[e] over e < k: MR packed activation rows (stride a_stride
-/// elements) against NR bf16 weight rows w[j] (k elements each, read exactly, never past k).
+/// The register tile over reduction elements [e0, e1) of k: MR packed activation rows (stride
+/// a_stride elements, a at row 0's element 0) against NR bf16 weight rows w[j] (k elements each;
+/// read exactly, never past k: the last chunk of a row whose length is not a multiple of the
+/// chunk is copied into a zeroed buffer). e0 is a multiple of the chunk, and so is e1 unless e1 = k.
+/// first: start from zero, else from the unreduced accumulators in `part`; last: reduce into
+/// `out`, else store the accumulators to `part`. pf (nullable): NR rows to prefetch into L2 at the
+/// same offsets (the next tile's rows).
 template <int MR, int NR>
-WS_MOE_CPUX_NOINLINE void tile(const a_elem* a, std::int64_t a_stride, const std::uint16_t* const (&w)[NR],
-                               std::int64_t k, float (&out)[MR][NR]) {
-  ops::acc_t acc[MR][NR];
+WS_MOE_CPUX_NOINLINE void tile_block(acc_t* part, bool first, bool last, const a_elem* a, std::int64_t a_stride,
+                                     const std::uint16_t* const (&w)[NR], const std::uint16_t* const* pf,
+                                     std::int64_t e0, std::int64_t e1, std::int64_t k, float (&out)[MR][NR]) {
+  acc_t acc[MR][NR];
   WS_MOE_CPUX_UNROLL
   for (int r = 0; r < MR; ++r) {
     WS_MOE_CPUX_UNROLL
-    for (int j = 0; j < NR; ++j) acc[r][j] = ops::zero();
+    for (int j = 0; j < NR; ++j) acc[r][j] = first ? ops::zero() : part[r * NR + j];
   }
-  const std::int64_t full = k / ops::chunk, rem = k - full * ops::chunk;
-  for (std::int64_t c = 0; c < full; ++c) {
+  const std::int64_t full_end = e1 == k ? k / ops::chunk * ops::chunk : e1;
+  constexpr std::int64_t pf_every = ops::chunk >= 32 ? 1 : 32 / ops::chunk;  // one 64-byte line per row
+  std::int64_t step = 0;
+  for (std::int64_t e = e0; e < full_end; e += ops::chunk, ++step) {
     const std::uint16_t* b[NR];
     WS_MOE_CPUX_UNROLL
-    for (int j = 0; j < NR; ++j) b[j] = w[j] + c * ops::chunk;
-    tile_step<MR, NR>(acc, a + c * ops::chunk, a_stride, b);
+    for (int j = 0; j < NR; ++j) b[j] = w[j] + e;
+    if (pf && step % pf_every == 0) {
+      WS_MOE_CPUX_UNROLL
+      for (int j = 0; j < NR; ++j) __builtin_prefetch(pf[j] + e, 0, 2);
+    }
+    tile_step<MR, NR>(acc, a + e, a_stride, b);
   }
-  if (rem > 0) {
+  if (full_end < e1) {
+    const std::int64_t rem = e1 - full_end;
     alignas(64) std::uint16_t tail[NR][ops::chunk];
     const std::uint16_t* b[NR];
     for (int j = 0; j < NR; ++j) {
       std::memset(tail[j], 0, sizeof tail[j]);
-      std::memcpy(tail[j], w[j] + full * ops::chunk, std::size_t(rem) * 2);
+      std::memcpy(tail[j], w[j] + full_end, std::size_t(rem) * 2);
       b[j] = tail[j];
     }
-    tile_step<MR, NR>(acc, a + full * ops::chunk, a_stride, b);
+    tile_step<MR, NR>(acc, a + full_end, a_stride, b);
   }
-  WS_MOE_CPUX_UNROLL
-  for (int r = 0; r < MR; ++r) {
+  if (last) {
     WS_MOE_CPUX_UNROLL
-    for (int j = 0; j < NR; ++j) out[r][j] = ops::reduce(acc[r][j]);
+    for (int r = 0; r < MR; ++r) {
+      WS_MOE_CPUX_UNROLL
+      for (int j = 0; j < NR; ++j) out[r][j] = ops::reduce(acc[r][j]);
+    }
+  } else {
+    WS_MOE_CPUX_UNROLL
+    for (int r = 0; r < MR; ++r) {
+      WS_MOE_CPUX_UNROLL
+      for (int j = 0; j < NR; ++j) part[r * NR + j] = acc[r][j];
+    }
   }
+}
+
+/// out[r][j] = Σ_e A[r][e] · w_j[e] over all k (one block, no partial accumulators).
+template <int MR, int NR>
+inline void tile(const a_elem* a, std::int64_t a_stride, const std::uint16_t* const (&w)[NR], std::int64_t k,
+                 float (&out)[MR][NR]) {
+  tile_block<MR, NR>(nullptr, true, true, a, a_stride, w, nullptr, 0, k, k, out);
 }
 
 inline void pack(const task_ctx& t, const shape_ctx& s, std::int64_t m0, std::int64_t m1) {
@@ -750,86 +808,131 @@ inline void pack(const task_ctx& t, const shape_ctx& s, std::int64_t m0, std::in
   }
 }
 
+/// One row block's pass over a work item's k-block: what the gate/up and down passes share.
+struct block_args {
+  const task_ctx* t;
+  const shape_ctx* s;
+  std::int64_t n0, n1;   ///< weight rows of the item
+  std::int64_t m;        ///< first activation row of the block
+  std::int64_t e0, e1;   ///< reduction elements of this k-block
+  bool first, last, prefetch;
+  acc_t* part;           ///< this row block's unreduced accumulators (k-blocked items)
+};
+
 template <int MR>
-inline void gate_up_rows(const task_ctx& t, const shape_ctx& s, std::int64_t n0, std::int64_t n1, std::int64_t m) {
-  constexpr int NR = std::max(2, ops::nr(MR) / 2 * 2), HN = NR / 2;
-  const a_elem* a = static_cast<const a_elem*>(t.xa) + m * s.hidden_pad;
-  a_elem* act = static_cast<a_elem*>(t.act) + m * s.inter_pad;
-  for (std::int64_t n = n0; n < n1; n += HN) {
-    const std::uint16_t* w[NR];
-    for (int j = 0; j < HN; ++j) {
-      const std::int64_t i = std::min(n + j, n1 - 1);  // a short last tile repeats its last row
-      w[j] = t.gate + i * s.hidden;
-      w[HN + j] = t.up + i * s.hidden;
-    }
-    float out[MR][NR];
-    tile<MR, NR>(a, s.hidden_pad, w, s.hidden, out);
-    const int valid = int(std::min<std::int64_t>(HN, n1 - n));
-    for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < valid; ++j) {
-        float v = silu(out[r][j]) * out[r][HN + j];
-        if (s.round_bf16) v = bf16_round(v);
-        ops::store_a(act + r * s.inter_pad + ops::a_pos(n + j), v);
+struct gate_up_rows {
+  static void run(const block_args& b) {
+    constexpr int NR = std::max(2, ops::nr(MR) / 2 * 2), HN = NR / 2;
+    const task_ctx& t = *b.t;
+    const shape_ctx& s = *b.s;
+    const a_elem* a = static_cast<const a_elem*>(t.xa) + b.m * s.hidden_pad;
+    a_elem* act = static_cast<a_elem*>(t.act) + b.m * s.inter_pad;
+    acc_t* part = b.part;
+    for (std::int64_t n = b.n0; n < b.n1; n += HN, part += MR * NR) {
+      const std::uint16_t* w[NR];
+      const std::uint16_t* pf[NR];
+      for (int j = 0; j < HN; ++j) {
+        const std::int64_t i = std::min(n + j, b.n1 - 1);  // a short last tile repeats its last row
+        const std::int64_t ip = std::min(n + HN + j, b.n1 - 1);
+        w[j] = t.gate + i * s.hidden;
+        w[HN + j] = t.up + i * s.hidden;
+        pf[j] = t.gate + ip * s.hidden;
+        pf[HN + j] = t.up + ip * s.hidden;
       }
+      float out[MR][NR];
+      tile_block<MR, NR>(part, b.first, b.last, a, s.hidden_pad, w, b.prefetch && n + HN < b.n1 ? pf : nullptr, b.e0,
+                         b.e1, s.hidden, out);
+      if (!b.last) continue;
+      const int valid = int(std::min<std::int64_t>(HN, b.n1 - n));
+      for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < valid; ++j) {
+          float v = silu(out[r][j]) * out[r][HN + j];
+          if (s.round_bf16) v = bf16_round(v);
+          ops::store_a(act + r * s.inter_pad + ops::a_pos(n + j), v);
+        }
+    }
   }
-}
+};
 
 template <int MR>
-inline void down_rows(const task_ctx& t, const shape_ctx& s, std::int64_t n0, std::int64_t n1, std::int64_t m) {
-  constexpr int NR = ops::nr(MR);
-  const a_elem* a = static_cast<const a_elem*>(t.act) + m * s.inter_pad;
-  float* y = t.y + m * s.hidden;
-  for (std::int64_t n = n0; n < n1; n += NR) {
-    const std::uint16_t* w[NR];
-    for (int j = 0; j < NR; ++j) w[j] = t.down + std::min(n + j, n1 - 1) * s.inter;
-    float out[MR][NR];
-    tile<MR, NR>(a, s.inter_pad, w, s.inter, out);
-    const int valid = int(std::min<std::int64_t>(NR, n1 - n));
-    for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < valid; ++j) y[r * s.hidden + n + j] = out[r][j];
+struct down_rows {
+  static void run(const block_args& b) {
+    constexpr int NR = ops::nr(MR);
+    const task_ctx& t = *b.t;
+    const shape_ctx& s = *b.s;
+    const a_elem* a = static_cast<const a_elem*>(t.act) + b.m * s.inter_pad;
+    float* y = t.y + b.m * s.hidden;
+    acc_t* part = b.part;
+    for (std::int64_t n = b.n0; n < b.n1; n += NR, part += MR * NR) {
+      const std::uint16_t* w[NR];
+      const std::uint16_t* pf[NR];
+      for (int j = 0; j < NR; ++j) {
+        w[j] = t.down + std::min(n + j, b.n1 - 1) * s.inter;
+        pf[j] = t.down + std::min(n + NR + j, b.n1 - 1) * s.inter;
+      }
+      float out[MR][NR];
+      tile_block<MR, NR>(part, b.first, b.last, a, s.inter_pad, w, b.prefetch && n + NR < b.n1 ? pf : nullptr, b.e0,
+                         b.e1, s.inter, out);
+      if (!b.last) continue;
+      const int valid = int(std::min<std::int64_t>(NR, b.n1 - n));
+      for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < valid; ++j) y[r * s.hidden + n + j] = out[r][j];
+    }
   }
-}
+};
 
-/// Calls Rows<MR>(m) for the row blocks of [m0, m1): mr_max rows each, the remainder last.
-template <template <int> class Rows, class... Args>
-inline void for_row_blocks(std::int64_t m0, std::int64_t m1, Args&&... args) {
-  std::int64_t m = m0;
-  for (; m + ops::mr_max <= m1; m += ops::mr_max) Rows<ops::mr_max>::run(args..., m);
-  switch (m1 - m) {
-    case 0: break;
-    case 1: Rows<1>::run(args..., m); break;
-    case 2: if constexpr (ops::mr_max > 2) Rows<2>::run(args..., m); break;
-    case 3: if constexpr (ops::mr_max > 3) Rows<3>::run(args..., m); break;
-    case 4: if constexpr (ops::mr_max > 4) Rows<4>::run(args..., m); break;
-    case 5: if constexpr (ops::mr_max > 5) Rows<5>::run(args..., m); break;
-    case 6: if constexpr (ops::mr_max > 6) Rows<6>::run(args..., m); break;
-    case 7: if constexpr (ops::mr_max > 7) Rows<7>::run(args..., m); break;
+template <template <int> class Rows>
+inline void dispatch_rows(int mr, const block_args& b) {
+  switch (mr) {
+    case 1: Rows<1>::run(b); break;
+    case 2: if constexpr (ops::mr_max >= 2) Rows<2>::run(b); break;
+    case 3: if constexpr (ops::mr_max >= 3) Rows<3>::run(b); break;
+    case 4: if constexpr (ops::mr_max >= 4) Rows<4>::run(b); break;
+    case 5: if constexpr (ops::mr_max >= 5) Rows<5>::run(b); break;
+    case 6: if constexpr (ops::mr_max >= 6) Rows<6>::run(b); break;
+    case 7: if constexpr (ops::mr_max >= 7) Rows<7>::run(b); break;
+    case 8: if constexpr (ops::mr_max >= 8) Rows<8>::run(b); break;
     default: break;
   }
 }
 
-template <int MR>
-struct gate_up_block {
-  static void run(const task_ctx& t, const shape_ctx& s, std::int64_t n0, std::int64_t n1, std::int64_t m) {
-    gate_up_rows<MR>(t, s, n0, n1, m);
-  }
-};
-template <int MR>
-struct down_block {
-  static void run(const task_ctx& t, const shape_ctx& s, std::int64_t n0, std::int64_t n1, std::int64_t m) {
-    down_rows<MR>(t, s, n0, n1, m);
-  }
-};
+/// Unreduced accumulators one row block of a k-blocked item needs (acc_t units): one MR × NR
+/// tile per weight-row tile of the panel (gate and up rows count twice).
+constexpr std::int64_t part_per_row_block(std::int64_t panel_rows) { return (2 * panel_rows + 16) * ops::mr_max; }
 
-inline void gate_up(const task_ctx& t, const shape_ctx& s, const work_item& it) {
-  for_row_blocks<gate_up_block>(it.m0, it.m1, t, s, it.n0, it.n1);
+/// One work item: k-blocks outermost (batched tasks; one block for decode-sized tasks), then
+/// row blocks of mr_max rows, then the weight-row tiles of the panel. The first row block of
+/// each k-block streams the weights (prefetching the next tile); the others find them in cache.
+template <template <int> class Rows>
+inline void run_item(const task_ctx& t, const shape_ctx& s, const work_item& it, std::int64_t k, void* scratch) {
+  const std::int64_t kc = t.rows > decode_rows ? k_block_elems : k;
+  const std::int64_t stride = part_per_row_block(it.n1 - it.n0);
+  for (std::int64_t e0 = 0; e0 < k; e0 += kc) {
+    block_args b{&t, &s, it.n0, it.n1, 0, e0, std::min(k, e0 + kc), e0 == 0, e0 + kc >= k, true, nullptr};
+    std::int64_t rb = 0;
+    for (std::int64_t m = it.m0; m < it.m1; m += ops::mr_max, ++rb) {
+      b.m = m;
+      b.prefetch = s.prefetch && m == it.m0;
+      b.part = kc < k ? static_cast<acc_t*>(scratch) + rb * stride : nullptr;
+      dispatch_rows<Rows>(int(std::min<std::int64_t>(ops::mr_max, it.m1 - m)), b);
+    }
+  }
 }
-inline void down(const task_ctx& t, const shape_ctx& s, const work_item& it) {
-  for_row_blocks<down_block>(it.m0, it.m1, t, s, it.n0, it.n1);
+
+inline void gate_up(const task_ctx& t, const shape_ctx& s, const work_item& it, void* scratch) {
+  run_item<gate_up_rows>(t, s, it, s.hidden, scratch);
+}
+inline void down(const task_ctx& t, const shape_ctx& s, const work_item& it, void* scratch) {
+  run_item<down_rows>(t, s, it, s.inter, scratch);
+}
+
+/// Scratch bytes one thread needs for k-blocked items of at most `block_rows` rows and `panel_rows` weight rows.
+constexpr std::size_t scratch_bytes(std::int64_t block_rows, std::int64_t panel_rows) {
+  return std::size_t((block_rows / ops::mr_max + 2) * part_per_row_block(panel_rows)) * sizeof(acc_t);
 }
 
 inline const kernel_set& kernels() noexcept {
-  static const kernel_set k{ops::chunk, int(sizeof(a_elem)), &pack, &gate_up, &down};
+  static const kernel_set k{ops::chunk, int(sizeof(a_elem)), &pack, &gate_up, &down, &scratch_bytes};
   return k;
 }
 
