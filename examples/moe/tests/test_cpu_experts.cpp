@@ -304,6 +304,22 @@ TEST_CASE("results are bit-identical for any thread count, on a non-initial thre
   });
 }
 
+TEST_CASE("in place: y may be the task's own x") {
+  layer_case lc({65, 17}, {3, 20, 1}, 51);
+  for (expert_precision p : {expert_precision::bf16_inputs, expert_precision::fp32}) {
+    std::vector<std::vector<float>> io = lc.x;
+    std::vector<expert_task> ts = lc.tasks();
+    for (std::size_t t = 0; t < ts.size(); ++t) ts[t].x = ts[t].y = io[t].data();
+    cpux::run_experts(ts, lc.shape, p, 3);
+    for (std::size_t t = 0; t < ts.size(); ++t) {
+      const auto& ref = p == expert_precision::bf16_inputs ? lc.ref_rounded[t] : lc.ref_exact[t];
+      const error_stats e = compare(io[t], ref);
+      INFO("task ", t, " rel_l2 ", e.rel_l2);
+      CHECK(e.rel_l2 <= (p == expert_precision::bf16_inputs ? bf16_l2 : fp32_l2));
+    }
+  }
+}
+
 TEST_CASE("the dispatcher runs the best supported ISA") {
   const cpux::isa_kind k = cpux::best_isa();
   MESSAGE("best_isa: ", std::string(cpux::isa_name(k)));

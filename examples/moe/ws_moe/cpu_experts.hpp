@@ -153,7 +153,8 @@ struct expert_view {
 };
 
 /// Y[rows][hidden] = down( silu(X·gateᵀ) ⊙ (X·upᵀ) ): x fp32 [rows][hidden] (row stride hidden),
-/// y fp32 [rows][hidden] (overwritten). Host memory. x and y of one task must not overlap y of any task.
+/// y fp32 [rows][hidden] (overwritten). Host memory. The y of distinct tasks must not overlap; y may
+/// overlap any x, its own included (every X is packed before the first output is written).
 struct expert_task {
   expert_view w;
   const float* x = nullptr;
