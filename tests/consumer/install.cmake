@@ -1,15 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 # cmake -DBUILD_DIR=<build> -DPREFIX=<dir> [-DCONFIG=<cfg>] [-DEXPECT_CUDA=ON|OFF]
-#       [-DSOURCE_DIR=<writescope> -DCONFIGURE_ARGS=<-Dx=y;...> -DGENERATOR=<g>] -P install.cmake
+#       [-DSOURCE_DIR=<writescope> -DCONFIGURE_ARGS=<-Dx=y;...> -DGENERATOR=<g> -DPREFIX_PATH=<dirs>] -P install.cmake
 #
 # Installs the writescope build in BUILD_DIR into a fresh PREFIX and checks
 # that the headers and the package config files are there, and that the CUDA
 # headers and the cuda component are there exactly when EXPECT_CUDA is ON.
 # With SOURCE_DIR, first configures SOURCE_DIR into a fresh BUILD_DIR with
-# CONFIGURE_ARGS (header-only: no build step is needed before the install).
+# CONFIGURE_ARGS, its dependencies on PREFIX_PATH (header-only: no build step is
+# needed before the install).
 if(SOURCE_DIR)
   file(REMOVE_RECURSE "${BUILD_DIR}")
-  execute_process(COMMAND "${CMAKE_COMMAND}" -S "${SOURCE_DIR}" -B "${BUILD_DIR}" -G "${GENERATOR}" ${CONFIGURE_ARGS}
+  execute_process(COMMAND "${CMAKE_COMMAND}" -S "${SOURCE_DIR}" -B "${BUILD_DIR}" -G "${GENERATOR}"
+                          "-DCMAKE_PREFIX_PATH=${PREFIX_PATH}" ${CONFIGURE_ARGS}
                   RESULT_VARIABLE rc)
   if(NOT rc EQUAL 0)
     message(FATAL_ERROR "configuring ${SOURCE_DIR} into ${BUILD_DIR} failed (${rc})")
