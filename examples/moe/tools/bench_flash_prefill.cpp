@@ -1,0 +1,351 @@
+// SPDX-License-Identifier: Apache-2.0
+// ws_moe_bench_flash_prefill — the causal prefill attention kernel
+// (ws_moe/gpu/flash_prefill.cu, launch_flash_prefill) on the attention shapes
+// of Qwen3-30B-A3B (32 query heads over 4 KV heads, d 128), Mixtral-8x7B
+// (32 over 8, d 128) and DeepSeek-V2-Lite's non-absorbed MLA prefill (16 over
+// 16, dqk 192 = 128 nope + 64 rope, dv 128), each at 4 x 32768, 8 x 8192 and
+// 32 x 2048 tokens (equal-length sequences in one ragged call).
+//
+// Reported per case: median and best seconds of --reps timed launches (CUDA
+// events around each launch, after --warmup untimed ones) and TFLOP/s counting
+//   2 * (dqk + dv) * hq * sum over sequences of T (T + 1) / 2
+// (the causal products only), next to the same-run ceiling: a cuBLAS bf16 GEMM
+// 8192^3 (CUBLAS_COMPUTE_32F, fp32 output, the kernel's precision) — its
+// median TFLOP/s, and each case's fraction of it. A spot check compares a few
+// rows of every case with a host fp64 computation (spot_max_err, relative to
+// max|v|) so that a fast wrong kernel does not pass unnoticed.
+//
+// Inputs: q, k, v random bf16 (unit variance, scale 1/sqrt(dqk)) in the
+// decoders' layout [tokens][heads][d], dense; out fp32 [tokens][hq][dv]; no
+// lse. One allocation per model at its largest token count, reused.
+//
+//   ws_moe_bench_flash_prefill --json flash_prefill.json
+//
+// Options: --reps N (10), --warmup N (2), --models LIST (qwen3,mixtral,dsv2),
+// --shapes LIST (4x32768,8x8192,32x2048), --json FILE (rewritten after every
+// case). The table is printed last. Exit status 1 when a spot check fails.
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <writescope/cuda/cuda_error.hpp>
+
+#include "ws_moe/gpu/flash_prefill_launch.hpp"
+#include "ws_moe/gpu/kernel_math.hpp"
+
+namespace gpu = ws_moe::gpu;
+using gpu::idx;
+using json = nlohmann::json;
+
+namespace {
+
+struct usage_error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct model_shape {
+  std::string name;
+  int hq, hkv, dqk, dv;
+};
+struct batch_shape {
+  int sequences, tokens_per_sequence;
+};
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::size_t a = 0;
+  while (a <= s.size()) {
+    const std::size_t b = std::min(s.find(',', a), s.size());
+    if (b > a) out.push_back(s.substr(a, b - a));
+    a = b + 1;
+  }
+  return out;
+}
+
+int parse_int(const std::string& flag, const std::string& v, int lo) {
+  char* end = nullptr;
+  const long x = std::strtol(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0' || x < lo || x > 1000000)
+    throw usage_error(flag + ": '" + v + "' is not an integer >= " + std::to_string(lo));
+  return int(x);
+}
+
+void cublas_check(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string(what) + " failed: cuBLAS status " + std::to_string(int(s)));
+}
+
+template <class T>
+struct device_buffer {
+  T* p = nullptr;
+  explicit device_buffer(std::size_t n) { WS_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&p), std::max<std::size_t>(n, 1) * sizeof(T))); }
+  device_buffer(const device_buffer&) = delete;
+  device_buffer& operator=(const device_buffer&) = delete;
+  ~device_buffer() { (void)cudaFree(p); }
+};
+
+/// Random bf16 of unit variance (uniform on [-sqrt 3, sqrt 3]), a fast
+/// generator: the values only need to be ordinary.
+std::vector<std::uint16_t> random_bf16(std::size_t n, std::uint64_t seed) {
+  std::vector<std::uint16_t> v(n);
+  std::uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
+  for (std::size_t i = 0; i < n; ++i) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    const float u = float(x >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+    v[i] = gpu::float_to_bf16((2.0f * u - 1.0f) * 1.7320508f);
+  }
+  return v;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/// Seconds of each of `reps` runs of f on the default stream (events around each).
+template <class F>
+std::vector<double> time_runs(F f, int warmup, int reps) {
+  for (int i = 0; i < warmup; ++i) f();
+  WS_CUDA_TRY(cudaDeviceSynchronize());
+  cudaEvent_t a, b;
+  WS_CUDA_TRY(cudaEventCreate(&a));
+  WS_CUDA_TRY(cudaEventCreate(&b));
+  std::vector<double> s;
+  for (int i = 0; i < reps; ++i) {
+    WS_CUDA_TRY(cudaEventRecord(a, nullptr));
+    f();
+    WS_CUDA_TRY(cudaEventRecord(b, nullptr));
+    WS_CUDA_TRY(cudaEventSynchronize(b));
+    float ms = 0;
+    WS_CUDA_TRY(cudaEventElapsedTime(&ms, a, b));
+    s.push_back(double(ms) * 1e-3);
+  }
+  WS_CUDA_TRY(cudaEventDestroy(a));
+  WS_CUDA_TRY(cudaEventDestroy(b));
+  return s;
+}
+
+/// cuBLAS bf16 GEMM n^3 with fp32 output and fp32 compute: median TFLOP/s.
+json gemm_ceiling(int n, int warmup, int reps) {
+  cublasHandle_t h;
+  cublas_check(cublasCreate(&h), "cublasCreate");
+  device_buffer<std::uint16_t> a(std::size_t(n) * n), b(std::size_t(n) * n);
+  device_buffer<float> c(std::size_t(n) * n);
+  {
+    const std::vector<std::uint16_t> r = random_bf16(std::size_t(n) * n, 3);
+    WS_CUDA_TRY(cudaMemcpy(a.p, r.data(), r.size() * 2, cudaMemcpyHostToDevice));
+    WS_CUDA_TRY(cudaMemcpy(b.p, r.data(), r.size() * 2, cudaMemcpyHostToDevice));
+  }
+  const float one = 1.0f, zero = 0.0f;
+  const auto run = [&] {
+    cublas_check(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a.p, CUDA_R_16BF, n, b.p, CUDA_R_16BF, n, &zero,
+                              c.p, CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                 "cublasGemmEx");
+  };
+  const std::vector<double> s = time_runs(run, warmup, reps);
+  cublas_check(cublasDestroy(h), "cublasDestroy");
+  const double flops = 2.0 * double(n) * n * n, med = median(s);
+  return {{"name", "cublas_bf16_gemm_" + std::to_string(n) + "_fp32_out"},
+          {"m", n}, {"n", n}, {"k", n}, {"median_seconds", med},
+          {"best_seconds", *std::min_element(s.begin(), s.end())}, {"tflops", flops / med * 1e-12}};
+}
+
+/// Max over a few (sequence, head, row) of |device - fp64| / max|v|.
+double spot_check(const gpu::flash_prefill_params& p, const std::vector<int>& offsets, const std::vector<std::uint16_t>& q,
+                  const std::vector<std::uint16_t>& k, const std::vector<std::uint16_t>& v) {
+  const int seqs = int(offsets.size()) - 1;
+  const int group = p.hq / p.hkv;
+  double vmax = 0;
+  for (std::uint16_t x : v) vmax = std::max(vmax, double(std::fabs(gpu::bf16_to_float(x))));
+  double worst = 0;
+  std::vector<float> row(std::size_t(p.dv));
+  const auto at = [](const std::vector<std::uint16_t>& x, idx i) { return double(gpu::bf16_to_float(x[std::size_t(i)])); };
+  for (int s : {0, seqs - 1})
+    for (int h : {0, p.hq - 1}) {
+      const int start = offsets[std::size_t(s)], len = offsets[std::size_t(s) + 1] - start;
+      for (int t : {0, len / 2, len - 1}) {
+        const idx tok = start + t;
+        const int g = h / group;
+        std::vector<double> w(std::size_t(t) + 1);
+        double mx = -1e300, sum = 0;
+        for (int j = 0; j <= t; ++j) {
+          double d = 0;
+          for (int e = 0; e < p.dqk; ++e)
+            d += at(q, tok * p.q_token_stride + idx(h) * p.q_head_stride + e) *
+                 at(k, idx(start + j) * p.k_token_stride + idx(g) * p.k_head_stride + e);
+          w[std::size_t(j)] = d * p.scale;
+          mx = std::max(mx, w[std::size_t(j)]);
+        }
+        for (double& x : w) sum += (x = std::exp(x - mx));
+        WS_CUDA_TRY(cudaMemcpy(row.data(), p.out + tok * p.o_token_stride + idx(h) * p.o_head_stride,
+                               std::size_t(p.dv) * 4, cudaMemcpyDeviceToHost));
+        for (int e = 0; e < p.dv; ++e) {
+          double ref = 0;
+          for (int j = 0; j <= t; ++j) ref += w[std::size_t(j)] * at(v, idx(start + j) * p.v_token_stride + idx(g) * p.v_head_stride + e);
+          ref /= sum;
+          const double err = std::fabs(double(row[std::size_t(e)]) - ref) / vmax;
+          worst = std::isnan(err) ? 1e30 : std::max(worst, err);
+        }
+      }
+    }
+  return worst;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  int reps = 10, warmup = 2;
+  std::string json_path;
+  std::vector<std::string> model_names = {"qwen3", "mixtral", "dsv2"};
+  std::vector<std::string> shape_names = {"4x32768", "8x8192", "32x2048"};
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw usage_error(a + " needs a value");
+      return argv[++i];
+    };
+    if (a == "--reps") reps = parse_int(a, value(), 1);
+    else if (a == "--warmup") warmup = parse_int(a, value(), 0);
+    else if (a == "--json") json_path = value();
+    else if (a == "--models") model_names = split(value());
+    else if (a == "--shapes") shape_names = split(value());
+    else if (a == "--help" || a == "-h") {
+      std::printf("usage: ws_moe_bench_flash_prefill [--reps N] [--warmup N] [--models qwen3,mixtral,dsv2] "
+                  "[--shapes 4x32768,8x8192,32x2048] [--json FILE]\n");
+      return 0;
+    } else {
+      throw usage_error("unknown option '" + a + "' (--help)");
+    }
+  }
+  const model_shape all_models[] = {{"qwen3", 32, 4, 128, 128}, {"mixtral", 32, 8, 128, 128}, {"dsv2", 16, 16, 192, 128}};
+  std::vector<model_shape> models;
+  for (const std::string& n : model_names) {
+    bool found = false;
+    for (const auto& m : all_models)
+      if (m.name == n) {
+        models.push_back(m);
+        found = true;
+      }
+    if (!found) throw usage_error("--models: unknown model '" + n + "' (qwen3, mixtral, dsv2)");
+  }
+  std::vector<batch_shape> shapes;
+  for (const std::string& s : shape_names) {
+    const std::size_t x = s.find('x');
+    if (x == std::string::npos) throw usage_error("--shapes: '" + s + "' is not SEQUENCESxTOKENS");
+    shapes.push_back({parse_int("--shapes", s.substr(0, x), 1), parse_int("--shapes", s.substr(x + 1), 1)});
+  }
+
+  cudaDeviceProp prop{};
+  WS_CUDA_TRY(cudaGetDeviceProperties(&prop, 0));
+  int clock_khz = 0;
+  (void)cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0);
+  json doc = {{"benchmark", "flash_prefill"},
+              {"device", {{"name", prop.name}, {"sm_count", prop.multiProcessorCount}, {"clock_mhz", clock_khz / 1000},
+                          {"compute_capability", std::to_string(prop.major) + "." + std::to_string(prop.minor)}}},
+              {"flop_count", "2*(dqk+dv)*hq*sum T(T+1)/2 (causal products only)"},
+              {"reps", reps}, {"warmup", warmup}, {"rows", json::array()}};
+  const auto save = [&] {
+    if (json_path.empty()) return;
+    std::ofstream f(json_path);
+    f << doc.dump(2) << "\n";
+    if (!f) throw std::runtime_error("cannot write " + json_path);
+  };
+  std::printf("device %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  std::fflush(stdout);
+  doc["ceiling"] = gemm_ceiling(8192, warmup, std::max(reps, 5));
+  const double ceiling = doc["ceiling"]["tflops"].get<double>();
+  std::printf("ceiling: cuBLAS bf16 GEMM 8192^3, fp32 out: %.1f TFLOP/s\n", ceiling);
+  save();
+
+  bool spot_ok = true;
+  for (const model_shape& m : models) {
+    idx max_tokens = 0;
+    for (const batch_shape& b : shapes) max_tokens = std::max<idx>(max_tokens, idx(b.sequences) * b.tokens_per_sequence);
+    const std::vector<std::uint16_t> hq_data = random_bf16(std::size_t(max_tokens * m.hq * m.dqk), 11);
+    const std::vector<std::uint16_t> hk_data = random_bf16(std::size_t(max_tokens * m.hkv * m.dqk), 12);
+    const std::vector<std::uint16_t> hv_data = random_bf16(std::size_t(max_tokens * m.hkv * m.dv), 13);
+    device_buffer<std::uint16_t> q(hq_data.size()), k(hk_data.size()), v(hv_data.size());
+    device_buffer<float> out(std::size_t(max_tokens * m.hq * m.dv));
+    WS_CUDA_TRY(cudaMemcpy(q.p, hq_data.data(), hq_data.size() * 2, cudaMemcpyHostToDevice));
+    WS_CUDA_TRY(cudaMemcpy(k.p, hk_data.data(), hk_data.size() * 2, cudaMemcpyHostToDevice));
+    WS_CUDA_TRY(cudaMemcpy(v.p, hv_data.data(), hv_data.size() * 2, cudaMemcpyHostToDevice));
+    for (const batch_shape& b : shapes) {
+      std::vector<int> offsets(std::size_t(b.sequences) + 1);
+      for (int s = 0; s <= b.sequences; ++s) offsets[std::size_t(s)] = s * b.tokens_per_sequence;
+      device_buffer<int> d_offsets(offsets.size());
+      WS_CUDA_TRY(cudaMemcpy(d_offsets.p, offsets.data(), offsets.size() * sizeof(int), cudaMemcpyHostToDevice));
+      gpu::flash_prefill_params p;
+      p.q = q.p;
+      p.k = k.p;
+      p.v = v.p;
+      p.out = out.p;
+      p.seq_offsets = d_offsets.p;
+      p.num_seqs = b.sequences;
+      p.max_seq_tokens = b.tokens_per_sequence;
+      p.hq = m.hq;
+      p.hkv = m.hkv;
+      p.dqk = m.dqk;
+      p.dv = m.dv;
+      p.q_token_stride = idx(m.hq) * m.dqk;
+      p.q_head_stride = m.dqk;
+      p.k_token_stride = idx(m.hkv) * m.dqk;
+      p.k_head_stride = m.dqk;
+      p.v_token_stride = idx(m.hkv) * m.dv;
+      p.v_head_stride = m.dv;
+      p.o_token_stride = idx(m.hq) * m.dv;
+      p.o_head_stride = m.dv;
+      p.scale = float(1.0 / std::sqrt(double(m.dqk)));
+      gpu::check_flash_prefill_offsets(p, offsets.data());
+      const std::vector<double> s = time_runs([&] { gpu::launch_flash_prefill(p, nullptr); }, warmup, reps);
+      const double T = b.tokens_per_sequence;
+      const double flops = 2.0 * (m.dqk + m.dv) * m.hq * b.sequences * T * (T + 1) / 2;
+      const double med = median(s), tflops = flops / med * 1e-12;
+      const double spot = spot_check(p, offsets, hq_data, hk_data, hv_data);
+      const bool ok = spot <= 4e-3;  // bf16 rounding of P: at most 2^-8 of max|v|
+      spot_ok = spot_ok && ok;
+      doc["rows"].push_back({{"impl", "ws_flash_prefill"}, {"model", m.name}, {"hq", m.hq}, {"hkv", m.hkv},
+                             {"dqk", m.dqk}, {"dv", m.dv}, {"batch", b.sequences},
+                             {"seq_tokens", b.tokens_per_sequence}, {"causal", true}, {"flops", flops},
+                             {"median_seconds", med}, {"best_seconds", *std::min_element(s.begin(), s.end())},
+                             {"tflops", tflops}, {"fraction_of_ceiling", tflops / ceiling},
+                             {"spot_max_err", spot}, {"spot_ok", ok}});
+      std::printf("%-8s %2dx%-6d %8.3f ms  %6.1f TFLOP/s  spot %.2e%s\n", m.name.c_str(), b.sequences,
+                  b.tokens_per_sequence, med * 1e3, tflops, spot, ok ? "" : "  FAILED");
+      std::fflush(stdout);
+      save();
+    }
+  }
+
+  std::printf("\nflash prefill (causal, bf16 in, fp32 out) on %s; ceiling cuBLAS bf16 GEMM %.1f TFLOP/s\n", prop.name,
+              ceiling);
+  std::printf("%-8s %-5s %-8s %-10s %10s %9s %8s\n", "model", "heads", "d", "batch", "median ms", "TFLOP/s", "of ceil");
+  for (const json& r : doc["rows"]) {
+    const std::string heads = std::to_string(r["hq"].get<int>()) + "/" + std::to_string(r["hkv"].get<int>());
+    const std::string d = std::to_string(r["dqk"].get<int>()) + "/" + std::to_string(r["dv"].get<int>());
+    const std::string batch = std::to_string(r["batch"].get<int>()) + "x" + std::to_string(r["seq_tokens"].get<int>());
+    std::printf("%-8s %-5s %-8s %-10s %10.3f %9.1f %7.0f%%%s\n", r["model"].get<std::string>().c_str(), heads.c_str(),
+                d.c_str(), batch.c_str(), r["median_seconds"].get<double>() * 1e3, r["tflops"].get<double>(),
+                100.0 * r["fraction_of_ceiling"].get<double>(), r["spot_ok"].get<bool>() ? "" : "  SPOT CHECK FAILED");
+  }
+  return spot_ok ? 0 : 1;
+} catch (const usage_error& e) {
+  std::fprintf(stderr, "ws_moe_bench_flash_prefill: %s\n", e.what());
+  return 2;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "ws_moe_bench_flash_prefill: %s\n", e.what());
+  return 1;
+}
