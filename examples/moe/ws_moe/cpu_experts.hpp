@@ -20,13 +20,18 @@
 // rows and the same NR/2 up rows in one tile, so X is read once for both and
 // the SiLU product is formed in the tile's epilogue.
 //
-//   decode  (≤ 16 rows per expert): the whole row set is one block, so every
-//           weight row is streamed once from DRAM and meets all rows while in
-//           L1; bandwidth-bound.
-//   batched (> 16 rows): rows are cut into blocks of 48, weights into panels of
-//           a few dozen rows; a panel stays in L2 for all row blocks of its
-//           work item and a register tile of weight rows in L1 for the MR rows
-//           of a block; compute-bound.
+//   decode  (≤ 16 rows per expert): the whole row set is one block and the
+//           reduction one pass, so every weight row is streamed once from DRAM
+//           (the next tile's rows prefetched into L2 meanwhile) and meets all
+//           rows while in L1; bandwidth-bound.
+//   batched (> 16 rows): rows are cut into blocks of ≤ 48, weights into panels
+//           of ≤ 32 rows, the reduction into k-blocks of 512 elements: per
+//           k-block, a row block's MR rows stay in L1 across the panel's tiles
+//           and the panel's k-block stays in L2 across the row blocks; the
+//           tiles' unreduced accumulators wait in a per-thread scratch between
+//           k-blocks (so the sums, and the bits, are those of one pass);
+//           compute-bound. Work items of one panel come one after the other,
+//           so the threads that take them share the panel through L3.
 //
 // Work split: the layer's tasks are cut into work items (task, panel of weight
 // rows, block of activation rows) for each pass; the calling thread's OpenMP
@@ -36,7 +41,7 @@
 // element is computed by one fixed sequence of operations whatever the thread
 // count or split: results are bit-identical for any `threads`.
 //
-// Activations are packed once per call into a per-thread workspace (X and A,
+// Activations are packed once per call into the calling thread's workspace (X and A,
 // fp32 or bf16, rows padded with zeros to the SIMD chunk, in the lane order
 // the kernel wants): the weight-row tails are copied into a zeroed register
 // tile buffer, so no load reads past a weight matrix and any hidden/inter size
