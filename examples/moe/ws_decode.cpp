@@ -75,9 +75,11 @@ struct cli {
   double assist_max_fraction = 0.5, eviction_bounce_mib = 32.0;
   std::string launch_thread = "off", grouped_experts = "on";
   int grouped_expert_max_rows = 32, grouped_expert_min_active = 16;
+  std::string stream_experts = "on", flash_prefill = "on";
+  double stream_min_rows = 32.0, expert_staging_mib = 0.0;
   std::string calibration, calibration_preset;
   int threads = 0;
-  std::string json_out, expect;
+  std::string json_out, expect, logits_out;
   double logit_tol = -1.0, logit_tol_bf16_kv = -1.0;
   bool progress = false, no_progress = false, quiet = false, poison = false;
   std::string device = "auto", precision = "bf16";
@@ -389,7 +391,7 @@ int run(cli& a) {
   o.kv.poison = a.poison;
   const int threads = a.threads > 0 ? a.threads : std::max(1, int(std::thread::hardware_concurrency()));
   o.threads = std::max(1, threads - 1);  // CPU attention engine: one core stays with the thread driving the GPU side
-  o.record_logits = expected.has_value();
+  o.record_logits = expected.has_value() || !a.logits_out.empty();
   if (a.teacher_force) {
     if (!expected) throw writescope::config_error("--teacher-force needs --expect");
     o.forced_tokens = &expected->tokens;
@@ -462,6 +464,10 @@ int run(cli& a) {
   dopt.grouped_experts = a.grouped_experts == "on";
   dopt.grouped_expert_max_rows = a.grouped_expert_max_rows;
   dopt.grouped_expert_min_active = a.grouped_expert_min_active;
+  dopt.stream_experts = a.stream_experts == "on";
+  dopt.stream_min_rows = a.stream_min_rows;
+  dopt.expert_staging_bytes = writescope::index_t(a.expert_staging_mib * double(1 << 20));
+  dopt.flash_prefill = a.flash_prefill == "on";
   const generation_result r = kind == device_kind::host
                                   ? run_model(c, *src, prompts, std::move(policy), o, hooks)
                                   : run_model_device(kind, c, *src, prompts, std::move(policy), o, dopt, hooks);
@@ -482,6 +488,11 @@ int run(cli& a) {
     j["eos_token_ids"] = o.eos_token_ids;
     out << j.dump(2) << "\n";
     if (!out) throw writescope::error("--json " + a.json_out + ": cannot write");
+  }
+  if (!a.logits_out.empty()) {  // raw fp32 [sequence][step][vocab], for bit-exact comparisons of two runs
+    std::ofstream out(a.logits_out, std::ios::binary);
+    for (const auto& l : r.logits) out.write(reinterpret_cast<const char*>(l.data()), std::streamsize(l.size() * sizeof(float)));
+    if (!out) throw writescope::error("--logits-out " + a.logits_out + ": cannot write");
   }
   if (expected) {
     const double tol = a.logit_tol >= 0 ? a.logit_tol : expected->tolerance;
@@ -555,6 +566,23 @@ int main(int argc, char** argv) {
                  "CUDA path: fewest device experts with rows for the grouped launches (below: per expert; Mixtral's 8 "
                  "wide experts run faster through cuBLAS)")
       ->group(g_dev)->capture_default_str()->check(CLI::Range(0, 4096));
+  app.add_option("--stream-experts", a.stream_experts,
+                 "CUDA path: on = prefill waves with at least --stream-min-rows routed rows per host expert run the host "
+                 "experts on the GPU, their weights streamed from page-locked host memory through a staging ring inside "
+                 "--vram-budget; off = host experts always run on the CPU (their memory stays pageable)")
+      ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--stream-min-rows", a.stream_min_rows,
+                 "CUDA path: mean routed rows per host expert (wave tokens x experts per token / experts) from which a "
+                 "prefill wave streams its host experts")
+      ->group(g_dev)->capture_default_str()->check(at_least(0, false));
+  app.add_option("--expert-staging-mib", a.expert_staging_mib,
+                 "CUDA path: device MiB of the expert staging ring, inside --vram-budget (0 = one layer's host experts, "
+                 "at most an eighth of the budget, at least 2 experts)")
+      ->group(g_dev)->capture_default_str()->check(at_least(0, false));
+  app.add_option("--flash-prefill", a.flash_prefill,
+                 "CUDA path, --precision bf16: on = prefill attention by the flash kernel (causal, online softmax, no "
+                 "score matrix); off = materialised score blocks (--prefill-attn-mib). fp32 always materialises")
+      ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
   app.add_option("--prefill-chunk-tokens", a.prefill_chunk_tokens,
                  "CUDA path: prefill whole sequences in waves of at most this many tokens")
       ->group(g_dev)->capture_default_str()->check(at_least(0, true));
@@ -652,6 +680,10 @@ int main(int argc, char** argv) {
   app.add_flag("--poison", a.poison, "fill every cache region with poison at init (debug)")->group(g_kv);
   auto* g_out = "Output";
   app.add_option("--json", a.json_out, "write the summary as JSON")->group(g_out);
+  app.add_option("--logits-out", a.logits_out,
+                 "write every generated token's logits, raw little-endian fp32 [sequence][step][vocab] (for bit-exact "
+                 "comparisons of two runs)")
+      ->group(g_out);
   app.add_flag("--progress", a.progress, "progress bar on stderr even when it is not a terminal")->group(g_out);
   app.add_flag("--no-progress", a.no_progress, "no progress bar")->group(g_out);
   app.add_flag("-q,--quiet", a.quiet, "no summary")->group(g_out);

@@ -125,7 +125,25 @@ struct device_report {
   index_t grouped_moe_passes = 0;    ///< MoE layer passes through the grouped kernels
   index_t per_expert_moe_passes = 0; ///< MoE layer passes with one cuBLAS product per expert
   int prefill_waves = 0;             ///< groups of sequences prefilled together
-  index_t prefill_block_rows = 0;    ///< query rows per prefill attention block
+  index_t prefill_block_rows = 0;    ///< query rows per prefill attention block (materialised-score path)
+  std::string prefill_attention;     ///< which prefill attention ran: "flash" or "materialised scores"
+  /// Host experts streamed to the device in prefill (--stream-experts): the
+  /// device staging ring's slots and bytes (inside the budget), the mean rows
+  /// per expert above which a wave streams, the expert copies made and their bytes.
+  int staging_slots = 0;
+  index_t staging_bytes = 0;
+  double stream_min_rows = 0.0;
+  index_t streamed_experts = 0;
+  index_t streamed_bytes = 0;
+  index_t peak_used_bytes = 0;       ///< highest device memory in use sampled at phase boundaries and decode steps
+  /// Prefill phases (device time between events on the compute stream; host
+  /// time for the CPU parts): attention incl. projections and the KV
+  /// write-out, the MoE layers (router, experts, combine), the host-expert
+  /// part of them on the CPU, and the host thread's time in append_prefill.
+  double prefill_attention_seconds = 0.0;
+  double prefill_moe_seconds = 0.0;
+  double prefill_cpu_expert_seconds = 0.0;
+  double prefill_kv_write_seconds = 0.0;
 };
 
 struct generation_result {

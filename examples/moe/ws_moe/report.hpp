@@ -169,8 +169,22 @@ inline void print_device(std::FILE* f, const generation_result& r) {
       l = m + 1;
     }
   }
-  std::fprintf(f, "prefill    %d wave(s), attention blocks of %lld query rows\n", d.prefill_waves,
-               static_cast<long long>(d.prefill_block_rows));
+  std::fprintf(f, "           device memory peak %s (sampled after setup, each prefill wave and each decode step)%s\n",
+               human_bytes(d.peak_used_bytes).c_str(),
+               d.budget_bytes > 0 && d.peak_used_bytes > d.budget_bytes ? ": ABOVE THE BUDGET" : "");
+  if (d.prefill_block_rows > 0)
+    std::fprintf(f, "prefill    %d wave(s), attention: %s, blocks of %lld query rows\n", d.prefill_waves,
+                 d.prefill_attention.c_str(), static_cast<long long>(d.prefill_block_rows));
+  else
+    std::fprintf(f, "prefill    %d wave(s), attention: %s\n", d.prefill_waves, d.prefill_attention.c_str());
+  std::fprintf(f, "           phases: attention + projections %.3f s, MoE %.3f s (CPU experts %.3f s), KV write-out "
+                  "(host) %.3f s\n",
+               d.prefill_attention_seconds, d.prefill_moe_seconds, d.prefill_cpu_expert_seconds, d.prefill_kv_write_seconds);
+  if (d.staging_slots > 0)
+    std::fprintf(f, "           host experts streamed to the GPU in waves of >= %.0f rows per expert: %lld copies, %s, "
+                    "staging ring %d slots (%s)\n",
+                 d.stream_min_rows, static_cast<long long>(d.streamed_experts), human_bytes(d.streamed_bytes).c_str(),
+                 d.staging_slots, human_bytes(d.staging_bytes).c_str());
 }
 
 /// `costs`: where the roofline policy's costs came from (may be null).
@@ -342,8 +356,19 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
                    {"experts_host_bytes", d.experts_host_bytes},
                    {"kv_bytes", d.kv_bytes},
                    {"workspace_bytes", d.workspace_bytes},
+                   {"peak_used_bytes", d.peak_used_bytes},
                    {"prefill_waves", d.prefill_waves},
-                   {"prefill_block_rows", d.prefill_block_rows}};
+                   {"prefill_block_rows", d.prefill_block_rows},
+                   {"prefill_attention", d.prefill_attention}};
+    j["prefill_phases_seconds"] = {{"attention", d.prefill_attention_seconds},
+                                   {"moe", d.prefill_moe_seconds},
+                                   {"cpu_experts", d.prefill_cpu_expert_seconds},
+                                   {"kv_write_host", d.prefill_kv_write_seconds}};
+    j["expert_streaming"] = {{"staging_slots", d.staging_slots},
+                             {"staging_bytes", d.staging_bytes},
+                             {"min_rows", d.stream_min_rows},
+                             {"copies", d.streamed_experts},
+                             {"bytes", d.streamed_bytes}};
     j["experts"] = {{"total", d.experts_total},
                     {"gpu", d.experts_gpu},
                     {"host", d.experts_host},

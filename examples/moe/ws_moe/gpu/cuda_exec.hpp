@@ -27,6 +27,8 @@
 #include <writescope/cuda/cuda_error.hpp>
 #include <writescope/cuda/pinned_allocators.hpp>
 
+#include "flash_prefill.hpp"
+#include "flash_prefill_launch.hpp"
 #include "gemm.hpp"
 #include "kernel_math.hpp"
 #include "ops.hpp"
@@ -81,6 +83,7 @@ class cuda_exec {
   cuda_exec& operator=(const cuda_exec&) = delete;
   ~cuda_exec() {
     writescope::cuda_detail::ignore(cudaStreamSynchronize(stream_.get()));
+    if (copy_stream_.get() != nullptr) writescope::cuda_detail::ignore(cudaStreamSynchronize(copy_stream_.get()));
     if (blas_ != nullptr) (void)cublasDestroy(blas_);
     bufs_.clear();
     backend_.reset();
@@ -107,6 +110,10 @@ class cuda_exec {
   void rms_norm(const rms_norm_params& p) { launch_rms_norm(p, stream_.get()); }
   void causal_softmax(const softmax_params& p) { launch_causal_softmax(p, stream_.get()); }
   void expert_gemv(const expert_gemv_params& p) { launch_expert_gemv(p, stream_.get()); }
+  void flash_prefill(const flash_prefill_params& p) {
+    check_flash_prefill(p);
+    launch_flash_prefill(p, stream_.get());
+  }
 
   void gemm(const gemm_desc& d, const char* what) {
     check_gemm(d, what);
@@ -162,6 +169,8 @@ class cuda_exec {
 
   /// Page-locked host memory (cudaHostAlloc via cuda_backend) for the async copies.
   writescope::host_allocation host_staging(idx bytes) { return backend_->allocate_staging(bytes); }
+  /// Pageable host memory (zero-filled, resident on first touch), e.g. host experts that never stream.
+  writescope::host_allocation host_pageable(idx bytes) { return writescope::detail::map_pageable(bytes, "host expert arena"); }
   void d2h_async(void* dst, const void* src, idx bytes) {
     if (bytes > 0)
       WS_CUDA_TRY(cudaMemcpyAsync(dst, src, std::size_t(bytes), cudaMemcpyDeviceToHost, stream_.get()));
@@ -173,15 +182,58 @@ class cuda_exec {
   void record() { writescope::cuda_detail::record(done_, stream_.get()); }
   void wait_recorded() { WS_CUDA_TRY(cudaEventSynchronize(done_.get())); }
 
+  // ---- expert streaming ring (prefill: host experts run on the device) --------
+  // `slots` staging slots in device memory, each guarded by two events:
+  // ready[s] (recorded on the copy stream after a copy into s) and free[s]
+  // (recorded on the compute stream after the last kernel that reads s). A
+  // copy into s waits for free[s]; a kernel reading s waits for ready[s]. The
+  // caller enqueues the copy of item i + slots only after the release of item
+  // i (cudaStreamWaitEvent on an event not yet recorded does not wait).
+  void ring_setup(int slots) {
+    if (!copy_stream_.get()) copy_stream_ = writescope::cuda_detail::unique_stream::create();
+    while (int(ring_ready_.size()) < slots) {
+      ring_ready_.push_back(writescope::cuda_detail::unique_event::create());
+      ring_free_.push_back(writescope::cuda_detail::unique_event::create());
+    }
+  }
+  /// H2D of `bytes` from page-locked `src` into slot `slot` at `dst`, on the copy stream.
+  void ring_copy(int slot, void* dst, const void* src, idx bytes) {
+    writescope::cuda_detail::wait(copy_stream_.get(), ring_free_[std::size_t(slot)]);
+    if (bytes > 0)
+      WS_CUDA_TRY(cudaMemcpyAsync(dst, src, std::size_t(bytes), cudaMemcpyHostToDevice, copy_stream_.get()));
+    writescope::cuda_detail::record(ring_ready_[std::size_t(slot)], copy_stream_.get());
+  }
+  /// The compute stream waits until slot `slot` holds its item.
+  void ring_acquire(int slot) { writescope::cuda_detail::wait(stream_.get(), ring_ready_[std::size_t(slot)]); }
+  /// The kernels enqueued so far are the last readers of slot `slot`.
+  void ring_release(int slot) { writescope::cuda_detail::record(ring_free_[std::size_t(slot)], stream_.get()); }
+
+  // ---- phase timing: events on the compute stream, read after a sync -------------
+  /// Records a timing event on the compute stream; returns its index (reset_marks() starts over).
+  int mark() {
+    if (marks_used_ == int(marks_.size())) marks_.push_back(writescope::cuda_detail::unique_event::create(true));
+    writescope::cuda_detail::record(marks_[std::size_t(marks_used_)], stream_.get());
+    return marks_used_++;
+  }
+  /// Seconds between two marks (both complete: call after sync()).
+  double seconds_between(int a, int b) const {
+    float ms = 0.0f;
+    WS_CUDA_TRY(cudaEventElapsedTime(&ms, marks_[std::size_t(a)].get(), marks_[std::size_t(b)].get()));
+    return double(ms) * 1e-3;
+  }
+  void reset_marks() noexcept { marks_used_ = 0; }
+
   [[nodiscard]] idx device_total_bytes() const noexcept { return total_; }
   [[nodiscard]] idx device_free_bytes() const {
     std::size_t free = 0, total = 0;
     WS_CUDA_TRY(cudaMemGetInfo(&free, &total));
     return idx(free);
   }
-  /// Device memory this process took since the executor started (all allocations:
-  /// ours, the cache's regions, the engine's workspaces, cuBLAS).
-  [[nodiscard]] idx device_used_bytes() const { return free_at_start_ - device_free_bytes(); }
+  /// Device memory in use: the device's total minus its free memory, i.e. this
+  /// process's allocations (ours, the cache's regions, the engine's
+  /// workspaces, cuBLAS), its CUDA context and the driver's reservation (an
+  /// upper bound of what NVML reports for the process on a GPU it has alone).
+  [[nodiscard]] idx device_used_bytes() const { return total_ - device_free_bytes(); }
   [[nodiscard]] idx device_free_at_start() const noexcept { return free_at_start_; }
 
  private:
@@ -192,6 +244,9 @@ class cuda_exec {
   cublasHandle_t blas_ = nullptr;
   std::vector<backend_type::device_buffer> bufs_;
   idx allocated_ = 0;
+  writescope::cuda_detail::unique_stream copy_stream_;
+  std::vector<writescope::cuda_detail::unique_event> ring_ready_, ring_free_, marks_;
+  int marks_used_ = 0;
 };
 
 }  // namespace ws_moe::gpu

@@ -68,7 +68,9 @@
 #include "../runtime_policy.hpp"
 #include "../sampling.hpp"
 #include "../weights.hpp"
+#include "../cpu_experts.hpp"
 #include "device_weights.hpp"
+#include "flash_prefill.hpp"
 #include "gemm.hpp"
 #include "kernel_math.hpp"
 
@@ -101,6 +103,22 @@ struct device_options {
   bool grouped_experts = true;
   int grouped_expert_max_rows = 32;
   int grouped_expert_min_active = 16;
+  /// Prefill waves whose routed rows per host expert average at least
+  /// stream_min_rows run the host experts on the device: their bf16 weights
+  /// (page-locked host arena) stream H2D through a ring of staging slots on a
+  /// copy stream while earlier layers compute; smaller waves (and decode) run
+  /// them on the CPU (cpu_experts.hpp).
+  bool stream_experts = true;
+  double stream_min_rows = 32.0;
+  /// Device bytes of the staging ring (inside vram_budget_bytes); 0: one
+  /// layer's host experts, at most an eighth of the budget, at least 2 experts.
+  index_t expert_staging_bytes = 0;
+  /// bf16 precision: the flash prefill attention (flash_prefill.hpp) instead of
+  /// materialised score blocks (the fp32 precision always materialises).
+  bool flash_prefill = true;
+  /// Device bytes kept free inside the budget for what is allocated after
+  /// placement (cuBLAS workspaces, the attention engine's lazy buffers).
+  index_t budget_reserve_bytes = index_t{256} << 20;
 };
 
 template <class Layout, class Exec>
@@ -178,6 +196,8 @@ class device_decoder {
     ao.task_workspace_reserve_bytes = index_t{256} << 20;  // no page faults in the decode steps (hybrid_attention)
     hybrid_ = std::make_unique<hybrid_attention<cache_type>>(*cache_, ao);
     plan_waves(prompts);
+    use_flash_ = flash_applies();
+    cpu_threads_ = o.threads;
     allocate_workspaces(prompts);
 
     // ---- routed experts: device while the budget lasts, then host memory ----------
@@ -193,7 +213,10 @@ class device_decoder {
     res.device.total_bytes = x_.device_total_bytes();
     res.device.used_bytes = device_used();
     res.device.prefill_waves = int(waves_.size());
-    res.device.prefill_block_rows = rows_blk_;
+    res.device.prefill_block_rows = use_flash_ ? 0 : rows_blk_;
+    res.device.prefill_attention = use_flash_ ? (mla ? "flash (MLA non-absorbed: per-head K/V expanded from the latent)" : "flash")
+                                              : "materialised score blocks (cuBLAS QK, softmax kernel, cuBLAS PV)";
+    sample_used();
 
     if (d_.warmup) {
       const auto t_warm = std::chrono::steady_clock::now();
@@ -217,9 +240,12 @@ class device_decoder {
     for (int i = 0; i < B; ++i) seqs[std::size_t(i)] = cache_->begin_sequence(index_t(prompts[std::size_t(i)].size()));
     for (std::size_t w = 0; w < waves_.size(); ++w) {
       const wave& wv = waves_[w];
-      prefill_wave(wv, prompts, seqs, [&](int l) {
-        if (o.progress) o.progress(phase::prefill, int(w) * c_.num_layers + l + 1, int(waves_.size()) * c_.num_layers);
-      });
+      prefill_wave(
+          wv, prompts, seqs,
+          [&](int l) {
+            if (o.progress) o.progress(phase::prefill, int(w) * c_.num_layers + l + 1, int(waves_.size()) * c_.num_layers);
+          },
+          res.device);
       // first token of each sequence of the wave
       const int ns = wv.end - wv.begin;
       std::vector<int> last(static_cast<std::size_t>(ns));
@@ -271,6 +297,7 @@ class device_decoder {
       res.step_sequences.push_back(n);
       live.finish_stopped(*cache_, res, o);
       res.step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      sample_used();
       if (o.progress) o.progress(phase::decode, s, steps);
     }
     if (o.progress && !res.step_seconds.empty() && int(res.step_seconds.size()) < steps)
@@ -279,6 +306,8 @@ class device_decoder {
 
     res.usage = cache_->usage();  // with the stopped sequences' blocks returned
     res.policy_final = cache_->policy().describe();
+    sample_used();
+    res.device.peak_used_bytes = peak_used_;
     res.device.cpu_expert_seconds = cpu_expert_seconds_;
     res.device.cpu_expert_rows = cpu_expert_rows_;
     res.device.grouped_moe_passes = grouped_passes_;
@@ -468,14 +497,28 @@ class device_decoder {
       wide_cap_ = std::max<index_t>(index_t{16} << 20, max_in);
       wide_ = buffer<float>(wide_cap_, "fp32-widened weight rows");
     }
-    // prefill attention blocks: scores [hq][rows][keys] fp32 + probabilities in the GEMM type
-    const int ps = gpu::type_bytes(prec_);
-    const index_t per_row = index_t(hq) * longest * (4 + ps);
-    rows_blk_ = std::clamp<index_t>(d_.prefill_attention_bytes / std::max<index_t>(per_row, 1), 1, longest);
-    qp_ = buffer_typed(index_t(hq) * rows_blk_ * QD, prec_, "prefill packed queries");
-    s_ = buffer<float>(index_t(hq) * rows_blk_ * longest, "prefill scores");
-    p_ = buffer_typed(index_t(hq) * rows_blk_ * longest, prec_, "prefill probabilities");
-    op_ = buffer<float>(index_t(hq) * rows_blk_ * VD, "prefill block outputs");
+    if (use_flash_) {  // flash prefill: bf16 queries (and MLA's expanded per-head K/V); no score blocks
+      wave_offsets_ = buffer<int>(B + 1, "prefill wave offsets");
+      if constexpr (mla) {
+        const index_t qk = c_.qk_nope_head_dim + c_.qk_rope_head_dim, vh = c_.v_head_dim;
+        qb_ = buffer<std::uint16_t>(T * hq * qk, "flash prefill queries (bf16)");
+        cbuf_ = buffer<float>(T * c_.kv_lora_rank, "MLA prefill latent (compact)");
+        kvx_ = buffer<float>(T * hq * (c_.qk_nope_head_dim + vh), "MLA prefill expanded K/V (fp32)");
+        kx_ = buffer<std::uint16_t>(T * hq * qk, "MLA prefill keys (bf16)");
+        vx_ = buffer<std::uint16_t>(T * hq * vh, "MLA prefill values (bf16)");
+      } else {
+        qb_ = buffer<std::uint16_t>(T * hq * QD, "flash prefill queries (bf16)");
+      }
+    } else {
+      // prefill attention blocks: scores [hq][rows][keys] fp32 + probabilities in the GEMM type
+      const int ps = gpu::type_bytes(prec_);
+      const index_t per_row = index_t(hq) * longest * (4 + ps);
+      rows_blk_ = std::clamp<index_t>(d_.prefill_attention_bytes / std::max<index_t>(per_row, 1), 1, longest);
+      qp_ = buffer_typed(index_t(hq) * rows_blk_ * QD, prec_, "prefill packed queries");
+      s_ = buffer<float>(index_t(hq) * rows_blk_ * longest, "prefill scores");
+      p_ = buffer_typed(index_t(hq) * rows_blk_ * longest, prec_, "prefill probabilities");
+      op_ = buffer<float>(index_t(hq) * rows_blk_ * VD, "prefill block outputs");
+    }
     last_rows_ = buffer<int>(B, "last prompt rows");
     head_n_ = buffer<float>(index_t(B) * H, "final norm");
     logits_ = buffer<float>(index_t(B) * c_.vocab_size, "logits");
@@ -495,6 +538,20 @@ class device_decoder {
     }
   }
 
+  /// Whether the prefill uses the flash kernel: bf16 precision, not switched
+  /// off, and head dims the kernel is built for.
+  bool flash_applies() const {
+    if (!d_.flash_prefill || prec_ != wtype::bf16) return false;
+    // the (qk, v) head dims the kernel is instantiated for (flash_prefill.cu)
+    auto built = [](int dqk, int dv) {
+      return (dqk == 64 && dv == 64) || (dqk == 128 && dv == 128) || (dqk == 192 && dv == 128) || (dqk == 48 && dv == 16);
+    };
+    if constexpr (mla)
+      return built(c_.qk_nope_head_dim + c_.qk_rope_head_dim, c_.v_head_dim);
+    else
+      return built(Layout::head_dim, Layout::head_dim);
+  }
+
   void place_and_load_experts(device_report& rep) {
     int first_moe = -1;
     std::vector<int> moe_layers;
@@ -505,8 +562,15 @@ class device_decoder {
       }
     rep.host_experts.assign(std::size_t(c_.num_layers), {});
     if (moe_layers.empty()) return;
+    const index_t H = c_.hidden_size, I = c_.moe_intermediate_size;
     const index_t ebytes = gpu::expert_bytes(c_, *src_, first_moe);
-    const index_t total = index_t(moe_layers.size()) * c_.num_experts;
+    const index_t esz = ebytes / (3 * H * I);  // bytes per element on the device
+    using loader = gpu::device_loader<Exec>;
+    // one expert's footprint in the device slab (three matrices, 256-byte aligned)
+    const index_t eslab = 2 * loader::slab_bytes(I * H * esz) + loader::slab_bytes(H * I * esz);
+    const index_t nl = index_t(moe_layers.size());
+    const index_t E = c_.num_experts;
+    const index_t total = nl * E;
     index_t budget = d_.vram_budget_bytes;
     if (budget <= 0) {
       if constexpr (Exec::is_emulated)
@@ -516,20 +580,68 @@ class device_decoder {
     }
     rep.budget_bytes = Exec::is_emulated && d_.vram_budget_bytes <= 0 ? 0 : budget;  // 0: no budget (emulated)
     const index_t used = device_used();
-    index_t fit = budget > used ? (budget - used) / ebytes : 0;
-    fit = std::min(fit, total);
+    const index_t reserve = Exec::is_emulated ? 0 : d_.budget_reserve_bytes;
+    if (d_.vram_budget_bytes > 0 && used + reserve > budget)
+      throw writescope::config_error("--vram-budget " + writescope::format_bytes(budget) +
+                                     " cannot hold the non-expert weights, the KV cache's device regions and the "
+                                     "workspaces: they take " + writescope::format_bytes(used) + " (+ " +
+                                     writescope::format_bytes(reserve) + " kept free for cuBLAS and the engine)");
+    const index_t avail = budget - used - reserve;
+    index_t fit = std::min(total, avail / eslab);
     if (d_.max_gpu_experts >= 0) fit = std::min<index_t>(fit, d_.max_gpu_experts);
-    const index_t host_bytes = (total - fit) * ebytes;
+    // The staging ring for streamed host experts, inside the budget: the
+    // experts then placed on the device shrink until both fit.
+    int slots = 0;
+    if (d_.stream_experts && fit < total) {
+      for (int pass = 0; pass < 4; ++pass) {
+        const index_t host_per_layer = (total - fit + nl - 1) / nl;
+        index_t want = d_.expert_staging_bytes > 0
+                           ? d_.expert_staging_bytes / eslab
+                           : std::min(host_per_layer, std::max<index_t>(2, budget / 8 / eslab));
+        want = std::clamp<index_t>(want, 2, std::max<index_t>(2, host_per_layer));
+        slots = int(want);
+        if (index_t(slots) * eslab > avail)
+          throw writescope::config_error(
+              "--vram-budget " + writescope::format_bytes(budget) + ": the expert staging ring (" + std::to_string(slots) +
+              " slots of " + writescope::format_bytes(eslab) + ") does not fit the " + writescope::format_bytes(avail) +
+              " left after the non-expert weights, the KV regions and the workspaces (use --stream-experts off, a "
+              "smaller --expert-staging-mib or a larger --vram-budget)");
+        const index_t fit2 = std::min(fit, (avail - index_t(slots) * eslab) / eslab);
+        if (fit2 == fit) break;
+        fit = fit2;
+      }
+    }
+    const index_t host_count = total - fit;
+    // host arena: one block per host expert (gate, up, down contiguous), page-locked when streaming
+    gpu::device_loader<Exec> ld(x_, *src_);
+    index_t host_bytes = 0;
+    std::vector<index_t> host_off(std::size_t(total), -1);  // [layer idx][expert]
+    {
+      index_t placed = 0;
+      for (index_t e = 0; e < E; ++e)
+        for (index_t li = 0; li < nl; ++li) {
+          if (placed < fit) {
+            ++placed;
+            continue;
+          }
+          host_off[std::size_t(li * E + e)] = host_bytes;
+          host_bytes += ld.host_expert_bytes(gpu::names_of_expert(c_, moe_layers[std::size_t(li)], int(e)), H, I);
+        }
+    }
     const double limit_gib = d_.max_host_expert_gib > 0 ? d_.max_host_expert_gib : 0.8 * d_.physical_memory_gib;
     if (limit_gib > 0 && double(host_bytes) > limit_gib * double(index_t{1} << 30))
       throw writescope::config_error("the experts that do not fit the VRAM budget (" + writescope::format_bytes(budget) +
                                      ") need " + writescope::format_bytes(host_bytes) + " of host memory, more than " +
                                      std::to_string(limit_gib) + " GiB allowed (use --layers N or a larger --vram-budget)");
-    gpu::device_loader<Exec> ld(x_, *src_);
-    const index_t H = c_.hidden_size, I = c_.moe_intermediate_size;
+    if (fit > 0) ld.use_slab(x_.alloc(fit * eslab, "routed experts (device slab)"), fit * eslab);
+    if (host_bytes > 0) {
+      host_arena_ = slots > 0 ? x_.host_staging(host_bytes) : x_.host_pageable(host_bytes);
+      host_arena_pinned_ = slots > 0;
+    }
     index_t placed = 0;
     for (int e = 0; e < c_.num_experts; ++e)  // expert-major: every layer gets its first experts on the GPU
-      for (int l : moe_layers) {
+      for (index_t li = 0; li < nl; ++li) {
+        const int l = moe_layers[std::size_t(li)];
         gpu::dlayer& L = m_.layers[std::size_t(l)];
         const gpu::expert_names n = gpu::names_of_expert(c_, l, e);
         if (placed < fit) {
@@ -537,17 +649,26 @@ class device_decoder {
           ++placed;
         } else {
           L.on_host[std::size_t(e)] = 1;
-          L.host_experts[std::size_t(e)] = ld.host_mlp(n, H, I);
-          rep.experts_host_bytes += L.host_experts[std::size_t(e)].gate.bytes() +
-                                    L.host_experts[std::size_t(e)].up.bytes() + L.host_experts[std::size_t(e)].down.bytes();
+          L.host_experts[std::size_t(e)] = ld.host_mlp(n, H, I, host_arena_.data() + host_off[std::size_t(li * E + e)]);
+          rep.experts_host_bytes += L.host_experts[std::size_t(e)].bytes();
           rep.host_experts[std::size_t(l)].push_back(e);
         }
       }
     rep.experts_total = int(total);
     rep.experts_gpu = int(placed);
-    rep.experts_host = int(total - placed);
-    rep.experts_gpu_bytes = ld.bytes();
+    rep.experts_host = int(host_count);
+    rep.experts_gpu_bytes = fit * eslab;
     any_host_experts_ = placed < total;
+    if (slots > 0) {
+      staging_slots_ = slots;
+      staging_slot_bytes_ = eslab;
+      staging_ = static_cast<std::byte*>(x_.alloc(index_t(slots) * eslab, "expert staging ring"));
+      workspace_bytes_ += index_t(slots) * eslab;
+      x_.ring_setup(slots);
+      rep.staging_slots = slots;
+      rep.staging_bytes = index_t(slots) * eslab;
+      rep.stream_min_rows = d_.stream_min_rows;
+    }
     rep.expert_kernels = build_expert_tables(moe_layers);
   }
 
@@ -821,12 +942,12 @@ class device_decoder {
     if (!L.is_moe)
       mlp(L.dense, h_, n, y_);
     else
-      moe(L, n, decode);
+      moe(L, l, n, decode);
     x_.run(gpu::add_op{x_buf_, y_}, n * H);
   }
 
   /// y_ = routed experts (+ shared experts) of h_, n tokens.
-  void moe(const gpu::dlayer& L, index_t n, bool decode) {
+  void moe(const gpu::dlayer& L, int l, index_t n, bool decode) {
     const int E = c_.num_experts, k = c_.experts_per_tok;
     const index_t H = c_.hidden_size;
     const index_t nk = n * k;
@@ -891,10 +1012,12 @@ class device_decoder {
     const int* offsets = route_dev_ + 3 * nk;
     x_.run(gpu::gather_rows_op{h_, H, src_rows, int(H), xg_}, nk * H);
 
-    // Host experts: their input rows go to page-locked staging first ...
+    // Host experts: streamed to the device in a streaming prefill wave, else
+    // on the CPU: their input rows go to page-locked staging first ...
+    const bool stream = streaming_ && !decode;
     index_t host_rows = 0;
     host_runs_.clear();
-    if (any_host_experts_)
+    if (any_host_experts_ && !stream)
       for (int e = 0; e < E; ++e) {
         const index_t m = count_[std::size_t(e) + 1] - count_[std::size_t(e)];
         if (m > 0 && L.on_host[std::size_t(e)]) {
@@ -947,22 +1070,47 @@ class device_decoder {
       }
       ++per_expert_passes_;
     }
+    if (stream) run_streamed_experts(l);
+    // shared experts next on the GPU, so that they too overlap the CPU experts
+    if (L.has_shared) mlp(L.shared, h_, n, y2_);
     // ... and the CPU runs the host experts, whose outputs go back to their rows.
     if (host_rows > 0) {
       x_.wait_recorded();
       const auto t0 = std::chrono::steady_clock::now();
-      for (const host_run& hr : host_runs_)
-        cpu_expert(L.host_experts[std::size_t(hr.expert)], stage_x_ + hr.stage_row * H, hr.rows, stage_y_ + hr.stage_row * H);
+      run_cpu_experts(L);
       cpu_expert_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       cpu_expert_rows_ += host_rows;
       for (const host_run& hr : host_runs_)
         x_.h2d_async(yg_ + hr.row * H, stage_y_ + hr.stage_row * H, hr.rows * H * 4);
     }
     x_.run(gpu::combine_op{yg_, comb_rows, comb_w, k, int(H), y_}, n * H);
-    if (L.has_shared) {
-      mlp(L.shared, h_, n, y2_);
-      x_.run(gpu::add_op{y_, y2_}, n * H);
+    if (L.has_shared) x_.run(gpu::add_op{y_, y2_}, n * H);
+  }
+
+  /// The layer's CPU host runs (host_runs_, inputs in stage_x_, outputs to
+  /// stage_y_): bf16 experts through cpu::run_experts on the engine's thread
+  /// count (one call for the whole layer: every weight read once, all cores);
+  /// fp32 experts (F16/F32 checkpoints) through the widening loop.
+  void run_cpu_experts(const gpu::dlayer& L) {
+    const index_t H = c_.hidden_size;
+    cpu_tasks_.clear();
+    for (const host_run& hr : host_runs_) {
+      const gpu::hmlp& w = L.host_experts[std::size_t(hr.expert)];
+      if (!w.is_bf16()) {
+        cpu_expert(w, stage_x_ + hr.stage_row * H, hr.rows, stage_y_ + hr.stage_row * H);
+        continue;
+      }
+      cpu::expert_task t;
+      t.w = cpu::expert_view{w.gate.bf16, w.up.bf16, w.down.bf16};
+      t.x = stage_x_ + hr.stage_row * H;
+      t.y = stage_y_ + hr.stage_row * H;
+      t.rows = hr.rows;
+      cpu_tasks_.push_back(t);
     }
+    if (!cpu_tasks_.empty())
+      cpu::run_experts(cpu_tasks_, cpu::expert_shape{H, c_.moe_intermediate_size},
+                       prec_ == wtype::bf16 ? cpu::expert_precision::bf16_inputs : cpu::expert_precision::fp32,
+                       cpu_threads_);
   }
 
   struct host_run {
@@ -1026,7 +1174,7 @@ class device_decoder {
 
   template <class Progress>
   void prefill_wave(const wave& w, const std::vector<std::vector<int>>& prompts,
-                    const std::vector<writescope::sequence_id>& seqs, Progress&& progress) {
+                    const std::vector<writescope::sequence_id>& seqs, Progress&& progress, device_report& rep) {
     using namespace writescope;
     const index_t N = w.offset.back();
     ids_host_.resize(std::size_t(N));
@@ -1041,13 +1189,24 @@ class device_decoder {
     }
     x_.h2d(ids_, ids_host_.data(), N * 4);
     x_.h2d(pos_, pos_host_.data(), N * 8);
+    const bool flash = use_flash_;
+    if (flash) {
+      wave_offsets_host_.assign(w.offset.begin(), w.offset.end());
+      x_.h2d(wave_offsets_, wave_offsets_host_.data(), index_t(wave_offsets_host_.size()) * 4);
+    }
+    begin_streaming_wave(N);
+    x_.reset_marks();
+    std::vector<std::array<int, 3>> marks(std::size_t(c_.num_layers));
     embed(N);
     const index_t H = c_.hidden_size;
     const index_t per = index_t(layout().kv_heads()) * ROW;
     for (int l = 0; l < c_.num_layers; ++l) {
       const gpu::dlayer& L = m_.layers[std::size_t(l)];
+      marks[std::size_t(l)][0] = x_.mark();
       rms_norm(x_buf_, H, L.input_norm, N, int(H), h_, H);
       project(L, N);
+      if (flash) flash_prefill_attention(L, w);  // enqueued before the KV write-out, which waits for the GPU
+      const auto t_kv = std::chrono::steady_clock::now();
       for (int i = w.begin; i < w.end; ++i) {
         const index_t o0 = w.offset[std::size_t(i - w.begin)];
         const index_t T = w.offset[std::size_t(i - w.begin) + 1] - o0;
@@ -1055,14 +1214,172 @@ class device_decoder {
         for (int p = 0; p < Layout::planes; ++p) kv.planes[std::size_t(p)] = kvb_[std::size_t(p)] + o0 * per;
         kv.num_tokens = T;
         cache_->append_prefill(l, seqs[std::size_t(i)], kv);  // to its final regions as it is produced
-        prefill_attention(o0, T);
+        if (!flash) prefill_attention(o0, T);
       }
-      attention_output(L, N);
+      rep.prefill_kv_write_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t_kv).count();
+      if (!(flash && mla)) attention_output(L, N);  // the MLA flash path applied o_proj itself
       x_.run(gpu::add_op{x_buf_, y_}, N * H);
+      marks[std::size_t(l)][1] = x_.mark();
+      const double cpu_before = cpu_expert_seconds_;
       ffn_residual(l, N, false);
+      rep.prefill_cpu_expert_seconds += cpu_expert_seconds_ - cpu_before;
+      marks[std::size_t(l)][2] = x_.mark();
       progress(l);
     }
+    x_.sync();
+    for (int l = 0; l < c_.num_layers; ++l) {
+      rep.prefill_attention_seconds += x_.seconds_between(marks[std::size_t(l)][0], marks[std::size_t(l)][1]);
+      rep.prefill_moe_seconds += x_.seconds_between(marks[std::size_t(l)][1], marks[std::size_t(l)][2]);
+    }
+    if (streaming_) {
+      rep.streamed_experts += index_t(stream_items_.size());
+      for (const stream_item& it : stream_items_) rep.streamed_bytes += it.bytes;
+    }
+    streaming_ = false;
+    sample_used();
   }
+
+  // ---------------------------------------------------------------------------
+  // Prefill attention (flash) and the streamed host experts
+  // ---------------------------------------------------------------------------
+
+  /// Causal self-attention of every sequence of the wave in one launch
+  /// (flash_prefill.hpp; bf16 q/k/v, fp32 out). GQA: q_ (fp32, RoPE applied)
+  /// to bf16, K/V straight from the bf16 planes that went to the cache; out
+  /// att_ [N][hq][d]. MLA (non-absorbed, qk = nope + rope, v = v_head_dim): q
+  /// from qf_ with RoPE on its rope part, per-head K/V expanded from the
+  /// latent by kv_b, out [N][hq][v] -> o_proj -> y_.
+  void flash_prefill_attention(const gpu::dlayer& L, const wave& w) {
+    const index_t N = w.offset.back();
+    const int hq = c_.num_heads;
+    gpu::flash_prefill_params fp;
+    fp.seq_offsets = wave_offsets_;
+    fp.num_seqs = w.end - w.begin;
+    fp.max_seq_tokens = 0;
+    for (std::size_t i = 0; i + 1 < w.offset.size(); ++i)
+      fp.max_seq_tokens = std::max(fp.max_seq_tokens, w.offset[i + 1] - w.offset[i]);
+    fp.hq = hq;
+    fp.scale = float(c_.softmax_scale());
+    if constexpr (mla) {
+      const int nope = c_.qk_nope_head_dim, rope = c_.qk_rope_head_dim, vh = c_.v_head_dim, rank = c_.kv_lora_rank;
+      const index_t qk = nope + rope;
+      const int half = rope_.dim() / 2;
+      // RoPE on q_pe inside the full queries (project() roped only the absorbed copy)
+      x_.run(gpu::rope_op{qf_ + nope, hq, index_t(hq) * qk, qk, pos_, inv_freq_, rope_.dim(), rope_.attention_factor(), 1},
+             N * hq * half);
+      x_.run(gpu::convert_op{qf_, qb_, wtype::bf16}, N * hq * qk);
+      // kvx [N][hq][nope + v] = c · kv_bᵀ (c: the normalised latent, first `rank` of each cache row)
+      x_.copy_2d(cbuf_, index_t(rank) * 4, kvf_[0], index_t(ROW) * 4, index_t(rank) * 4, N);
+      gpu::dlinear kvb;
+      kvb.w = L.kv_b;
+      linear(kvb, cbuf_, N, kvx_);
+      x_.run(gpu::mla_prefill_kv_op{kvx_, kvf_[0] + rank, ROW, hq, nope, rope, vh, kx_, vx_}, N * hq * (qk + vh));
+      fp.q = qb_;
+      fp.k = kx_;
+      fp.v = vx_;
+      fp.out = vexp_;
+      fp.hkv = hq;
+      fp.dqk = int(qk);
+      fp.dv = vh;
+      fp.q_token_stride = index_t(hq) * qk;
+      fp.q_head_stride = qk;
+      fp.k_token_stride = index_t(hq) * qk;
+      fp.k_head_stride = qk;
+      fp.v_token_stride = index_t(hq) * vh;
+      fp.v_head_stride = vh;
+      fp.o_token_stride = index_t(hq) * vh;
+      fp.o_head_stride = vh;
+      x_.flash_prefill(fp);
+      linear(L.o, vexp_, N, y_);
+    } else {
+      const int hkv = c_.num_kv_heads;
+      const int d = Layout::head_dim;
+      x_.run(gpu::convert_op{q_, qb_, wtype::bf16}, N * hq * d);
+      fp.q = qb_;
+      fp.k = reinterpret_cast<const std::uint16_t*>(kvb_[0]);
+      fp.v = reinterpret_cast<const std::uint16_t*>(kvb_[1]);
+      fp.out = att_;
+      fp.hkv = hkv;
+      fp.dqk = d;
+      fp.dv = d;
+      fp.q_token_stride = index_t(hq) * d;
+      fp.q_head_stride = d;
+      fp.k_token_stride = index_t(hkv) * d;
+      fp.k_head_stride = d;
+      fp.v_token_stride = index_t(hkv) * d;
+      fp.v_head_stride = d;
+      fp.o_token_stride = index_t(hq) * VD;
+      fp.o_head_stride = VD;
+      x_.flash_prefill(fp);
+    }
+  }
+
+  struct stream_item {
+    int layer;
+    int expert;
+    index_t bytes;
+  };
+
+  /// Decides whether this wave streams its host experts (mean routed rows per
+  /// expert at least stream_min_rows) and, if so, lists them in the order the
+  /// MoE layers will read them and enqueues the first `slots` copies.
+  void begin_streaming_wave(index_t tokens) {
+    streaming_ = false;
+    if (staging_slots_ == 0 || !any_host_experts_) return;
+    const double mean_rows = double(tokens) * c_.experts_per_tok / double(c_.num_experts);
+    if (mean_rows < d_.stream_min_rows) return;
+    streaming_ = true;
+    stream_items_.clear();
+    layer_first_item_.assign(std::size_t(c_.num_layers) + 1, 0);
+    for (int l = 0; l < c_.num_layers; ++l) {
+      layer_first_item_[std::size_t(l)] = index_t(stream_items_.size());
+      const gpu::dlayer& L = m_.layers[std::size_t(l)];
+      if (!L.is_moe) continue;
+      for (int e = 0; e < c_.num_experts; ++e)
+        if (L.on_host[std::size_t(e)]) stream_items_.push_back({l, e, L.host_experts[std::size_t(e)].bytes()});
+    }
+    layer_first_item_[std::size_t(c_.num_layers)] = index_t(stream_items_.size());
+    next_copy_ = 0;
+    while (next_copy_ < index_t(stream_items_.size()) && next_copy_ < staging_slots_) enqueue_stream_copy();
+  }
+
+  void enqueue_stream_copy() {
+    const stream_item& it = stream_items_[std::size_t(next_copy_)];
+    const int slot = int(next_copy_ % staging_slots_);
+    const gpu::hmlp& h = m_.layers[std::size_t(it.layer)].host_experts[std::size_t(it.expert)];
+    x_.ring_copy(slot, staging_ + index_t(slot) * staging_slot_bytes_, h.data(), it.bytes);
+    ++next_copy_;
+  }
+
+  /// Layer l's host experts on the device, each from its staging slot (after
+  /// its copy landed); the slot is released after the expert's last GEMM and
+  /// the next copy is enqueued into it.
+  void run_streamed_experts(int l) {
+    const index_t H = c_.hidden_size, I = c_.moe_intermediate_size;
+    for (index_t i = layer_first_item_[std::size_t(l)]; i < layer_first_item_[std::size_t(l) + 1]; ++i) {
+      const stream_item& it = stream_items_[std::size_t(i)];
+      const int slot = int(i % staging_slots_);
+      const gpu::hmlp& h = m_.layers[std::size_t(l)].host_experts[std::size_t(it.expert)];
+      const index_t m = count_[std::size_t(it.expert) + 1] - count_[std::size_t(it.expert)];
+      x_.ring_acquire(slot);
+      if (m > 0) {
+        const std::byte* base = staging_ + index_t(slot) * staging_slot_bytes_;
+        const wtype t = h.is_bf16() ? wtype::bf16 : wtype::f32;
+        const index_t es = gpu::type_bytes(t);
+        gpu::dmlp dm;
+        dm.gate.w = gpu::dmat{base, t, I, H};
+        dm.up.w = gpu::dmat{base + I * H * es, t, I, H};
+        dm.down.w = gpu::dmat{base + 2 * I * H * es, t, H, I};
+        const index_t row = count_[std::size_t(it.expert)];
+        mlp(dm, xg_ + row * H, m, yg_ + row * H);
+      }
+      x_.ring_release(slot);
+      if (next_copy_ < index_t(stream_items_.size())) enqueue_stream_copy();
+    }
+  }
+
+  /// Device memory in use now; keeps the highest value seen.
+  void sample_used() { peak_used_ = std::max(peak_used_, device_used()); }
 
   void layer_decode(int l, const std::vector<writescope::sequence_id>& seqs, generation_result& res) {
     using namespace writescope;
@@ -1145,6 +1462,26 @@ class device_decoder {
   float *stage_x_ = nullptr, *stage_y_ = nullptr;
   index_t stage_cap_ = 0;
   std::vector<float> xin_, gcpu_, ucpu_;
+  std::vector<cpu::expert_task> cpu_tasks_;
+  int cpu_threads_ = 0;
+  // host experts: the arena (page-locked when they stream) and the staging ring
+  writescope::host_allocation host_arena_;
+  bool host_arena_pinned_ = false;
+  std::byte* staging_ = nullptr;
+  int staging_slots_ = 0;
+  index_t staging_slot_bytes_ = 0;
+  bool streaming_ = false;
+  std::vector<stream_item> stream_items_;
+  std::vector<index_t> layer_first_item_;
+  index_t next_copy_ = 0;
+  // flash prefill
+  bool use_flash_ = false;
+  int* wave_offsets_ = nullptr;
+  std::vector<int> wave_offsets_host_;
+  std::uint16_t* qb_ = nullptr;
+  float *cbuf_ = nullptr, *kvx_ = nullptr;
+  std::uint16_t *kx_ = nullptr, *vx_ = nullptr;
+  index_t peak_used_ = 0;
   double cpu_expert_seconds_ = 0.0;
   index_t cpu_expert_rows_ = 0;
 

@@ -45,26 +45,37 @@ struct dmlp {
   dlinear gate, up, down;
 };
 
-/// A row-major matrix in host memory: bf16 bits, or fp32 (F16/F32 checkpoints).
+/// A row-major [rows][cols] matrix in host memory: bf16 bits, or fp32 (F16/F32
+/// checkpoints). A view: the bytes live in the decoder's host expert arena
+/// (page-locked under CUDA, so the prefill can stream them to the device).
 struct hmat {
-  std::vector<std::uint16_t> bf16;
-  std::vector<float> f32;
+  const std::uint16_t* bf16 = nullptr;
+  const float* f32 = nullptr;
   idx rows = 0, cols = 0;
-  [[nodiscard]] idx bytes() const noexcept { return idx(bf16.size()) * 2 + idx(f32.size()) * 4; }
+  [[nodiscard]] idx bytes() const noexcept { return rows * cols * (f32 != nullptr ? 4 : 2); }
+  [[nodiscard]] bool is_bf16() const noexcept { return f32 == nullptr; }
+  [[nodiscard]] const void* data() const noexcept {
+    return f32 != nullptr ? static_cast<const void*>(f32) : static_cast<const void*>(bf16);
+  }
   /// Row r widened to fp32 into `out` [cols].
   void widen_row(idx r, float* out) const {
-    if (!f32.empty()) {
-      std::memcpy(out, f32.data() + r * cols, std::size_t(cols) * 4);
+    if (f32 != nullptr) {
+      std::memcpy(out, f32 + r * cols, std::size_t(cols) * 4);
       return;
     }
-    const std::uint16_t* b = bf16.data() + r * cols;
+    const std::uint16_t* b = bf16 + r * cols;
     for (idx i = 0; i < cols; ++i) out[i] = bf16_to_float(b[i]);
   }
 };
 
-/// A SiLU-gated expert in host memory (run by the CPU).
+/// A SiLU-gated expert in host memory: gate [inter][hidden], up [inter][hidden],
+/// down [hidden][inter], contiguous in that order (one block of the arena, so one
+/// copy moves the whole expert to the device).
 struct hmlp {
   hmat gate, up, down;
+  [[nodiscard]] const void* data() const noexcept { return gate.data(); }
+  [[nodiscard]] idx bytes() const noexcept { return gate.bytes() + up.bytes() + down.bytes(); }
+  [[nodiscard]] bool is_bf16() const noexcept { return gate.f32 == nullptr; }
 };
 
 /// One decoder layer. GQA uses q, k, v, o (+ q_norm, k_norm for Qwen3); MLA
@@ -186,50 +197,97 @@ class device_loader {
     return p;
   }
 
-  /// A matrix kept in host memory (CPU experts): bf16 bits for BF16 and random
-  /// tensors, fp32 for F16/F32 ones.
-  hmat host_matrix(const std::string& name, idx rows, idx cols) {
+  /// Host bytes an expert takes in the host arena (bf16 for BF16 and random
+  /// tensors, fp32 for F16/F32 ones; the three matrices contiguous).
+  [[nodiscard]] idx host_expert_bytes(const expert_names& n, idx hidden, idx inter) const {
+    return 3 * hidden * inter * (host_is_bf16(n) ? 2 : 4);
+  }
+
+  /// Whether the expert is kept as bf16 in host memory: random weights, or all
+  /// three matrices BF16 in the checkpoint (otherwise all three are fp32).
+  [[nodiscard]] bool host_is_bf16(const expert_names& n) const {
+    if (src_->is_random()) return true;
+    for (const std::string* t : {&n.gate, &n.up, &n.down}) {
+      const std::string name = *t + ".weight";
+      if (!src_->ckpt()->contains(name) || src_->ckpt()->tensor(name).type != dtype::bf16) return false;
+    }
+    return true;
+  }
+
+  /// A matrix kept in host memory (CPU or streamed experts), written to `dst`
+  /// (host memory of at least rows*cols elements of the returned type): bf16
+  /// bits for BF16 and random tensors, fp32 for F16/F32 ones.
+  hmat host_matrix(const std::string& name, idx rows, idx cols, void* dst, bool as_bf16) {
     hmat m;
     m.rows = rows;
     m.cols = cols;
     const idx n = rows * cols;
     if (src_->is_random()) {
-      m.bf16.resize(std::size_t(n));
       const std::uint64_t h = src_->name_hash(name);
       const float scale = src_->random_scale();
-      std::uint16_t* out = m.bf16.data();
+      std::uint16_t* out = static_cast<std::uint16_t*>(dst);
 #pragma omp parallel for schedule(static)
       for (idx i = 0; i < n; ++i) out[i] = float_to_bf16(random_weight(h, i, scale));
+      m.bf16 = out;
       return m;
     }
     const std::int64_t shape[2] = {rows, cols};
     const tensor_view& v = src_->ckpt()->checked(name, std::span<const std::int64_t>(shape, 2));
-    if (v.type == dtype::bf16) {
-      m.bf16.resize(std::size_t(n));
-      std::memcpy(m.bf16.data(), v.data, std::size_t(n) * 2);
+    if (v.type == dtype::bf16 && as_bf16) {
+      std::memcpy(dst, v.data, std::size_t(n) * 2);
+      m.bf16 = static_cast<const std::uint16_t*>(dst);
     } else {
-      m.f32 = src_->ckpt()->load_f32(name, std::span<const std::int64_t>(shape, 2));
+      const std::vector<float> f = src_->ckpt()->load_f32(name, std::span<const std::int64_t>(shape, 2));
+      std::memcpy(dst, f.data(), std::size_t(n) * 4);
+      m.f32 = static_cast<const float*>(dst);
     }
     return m;
   }
 
-  hmlp host_mlp(const expert_names& n, idx hidden, idx inter) {
-    return {host_matrix(n.gate + ".weight", inter, hidden), host_matrix(n.up + ".weight", inter, hidden),
-            host_matrix(n.down + ".weight", hidden, inter)};
+  /// An expert into `dst` (host_expert_bytes(n, hidden, inter) bytes): gate, up, down.
+  hmlp host_mlp(const expert_names& n, idx hidden, idx inter, void* dst) {
+    auto* b = static_cast<std::byte*>(dst);
+    const bool bf = host_is_bf16(n);
+    const idx es = bf ? 2 : 4;
+    hmlp m;
+    m.gate = host_matrix(n.gate + ".weight", inter, hidden, b, bf);
+    m.up = host_matrix(n.up + ".weight", inter, hidden, b + inter * hidden * es, bf);
+    m.down = host_matrix(n.down + ".weight", hidden, inter, b + 2 * inter * hidden * es, bf);
+    return m;
   }
 
   /// Bytes allocated so far by this loader.
   [[nodiscard]] idx bytes() const noexcept { return bytes_; }
 
+  /// Sub-allocate the following device tensors from [base, base + bytes)
+  /// (256-byte aligned) instead of one cudaMalloc each: the routed experts
+  /// live in one slab, so the allocator's 2 MiB granularity costs nothing per
+  /// matrix. Throws std::logic_error when the slab is exhausted. A null base
+  /// returns to one allocation per tensor.
+  void use_slab(void* base, idx bytes) {
+    slab_ = static_cast<std::byte*>(base);
+    slab_left_ = base != nullptr ? bytes : 0;
+  }
+  /// Bytes a tensor of `bytes` takes in a slab.
+  static constexpr idx slab_bytes(idx bytes) noexcept { return (bytes + 255) / 256 * 256; }
+
  private:
   void* alloc(idx bytes, const std::string& what) {
     bytes_ += bytes;
-    return x_->alloc(bytes, what.c_str());
+    if (slab_ == nullptr) return x_->alloc(bytes, what.c_str());
+    const idx take = slab_bytes(bytes);
+    if (take > slab_left_) throw std::logic_error("device_loader: expert slab exhausted at " + what);
+    void* p = slab_;
+    slab_ += take;
+    slab_left_ -= take;
+    return p;
   }
 
   Exec* x_;
   const weight_source* src_;
   idx bytes_ = 0;
+  std::byte* slab_ = nullptr;
+  idx slab_left_ = 0;
 };
 
 }  // namespace ws_moe::gpu

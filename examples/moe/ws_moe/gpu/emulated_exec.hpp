@@ -21,6 +21,7 @@
 #include <writescope/host_backend.hpp>
 #include <writescope/host_memory.hpp>
 
+#include "flash_prefill.hpp"
 #include "gemm.hpp"
 #include "kernel_math.hpp"
 
@@ -82,6 +83,11 @@ class emulated_exec {
   }
 
   void expert_gemv(const expert_gemv_params& p) { expert_gemv_reference(p); }
+  /// The flash prefill's host twin (fp32 arithmetic on the same bf16 inputs).
+  void flash_prefill(const flash_prefill_params& p) {
+    check_flash_prefill(p);
+    flash_prefill_host(p);
+  }
 
   void gemm(const gemm_desc& d, const char* what) {
     check_gemm(d, what);
@@ -102,11 +108,29 @@ class emulated_exec {
 
   /// Host staging for the CPU experts' copies (page-locked under CUDA).
   writescope::host_allocation host_staging(idx bytes) { return backend_.allocate_staging(bytes); }
+  /// Pageable host memory (zero-filled, resident on first touch), e.g. host experts that never stream.
+  writescope::host_allocation host_pageable(idx bytes) { return writescope::detail::map_pageable(bytes, "host expert arena"); }
   void d2h_async(void* dst, const void* src, idx bytes) { copy(dst, src, bytes); }
   void h2d_async(void* dst, const void* src, idx bytes) { copy(dst, src, bytes); }
   /// record(): marks the work enqueued so far; wait_recorded(): the host waits for it.
   void record() {}
   void wait_recorded() {}
+
+  /// Expert streaming ring (cuda_exec.hpp): every call completes at once, in call order.
+  void ring_setup(int) {}
+  void ring_copy(int, void* dst, const void* src, idx bytes) { copy(dst, src, bytes); }
+  void ring_acquire(int) {}
+  void ring_release(int) {}
+
+  /// Phase timing: host wall-clock at each mark (the work before it is done).
+  int mark() {
+    marks_.push_back(std::chrono::steady_clock::now());
+    return int(marks_.size()) - 1;
+  }
+  double seconds_between(int a, int b) const {
+    return std::chrono::duration<double>(marks_[std::size_t(b)] - marks_[std::size_t(a)]).count();
+  }
+  void reset_marks() noexcept { marks_.clear(); }
 
   /// Device memory: none to report under emulation (total = free = 0).
   [[nodiscard]] idx device_total_bytes() const noexcept { return 0; }
@@ -122,6 +146,7 @@ class emulated_exec {
   backend_type backend_;
   std::vector<backend_type::device_buffer> bufs_;
   idx allocated_ = 0;
+  std::vector<std::chrono::steady_clock::time_point> marks_;
 };
 
 }  // namespace ws_moe::gpu

@@ -189,6 +189,33 @@ struct convert_op {
   WS_MOE_HD void operator()(idx i) const { store_from_float(out, type, i, in[i]); }
 };
 
+/// MLA prefill in the non-absorbed form (paper's MLA model; DeepSeek-V2): the
+/// per-head keys and values of n tokens from the expanded latent kvx
+/// [n][heads][nope + vd] (c·W_UKᵀ ‖ c·W_UVᵀ) and the shared rotary key k_pe
+/// (pe, token stride pe_stride, rope elements): k [n][heads][nope + rope] =
+/// k_nope ‖ k_pe, v [n][heads][vd], both bf16. Size n·heads·(nope + rope + vd).
+struct mla_prefill_kv_op {
+  const float* kvx;
+  const float* pe;
+  idx pe_stride;
+  int heads, nope, rope, vd;
+  std::uint16_t* k;
+  std::uint16_t* v;
+  WS_MOE_HD void operator()(idx i) const {
+    const int w = nope + rope + vd;
+    const idx th = i / w;
+    const int e = int(i - th * w);
+    const idx t = th / heads;
+    const float* x = kvx + th * (nope + vd);
+    if (e < nope)
+      k[th * (nope + rope) + e] = float_to_bf16(x[e]);
+    else if (e < nope + rope)
+      k[th * (nope + rope) + e] = float_to_bf16(pe[t * pe_stride + (e - nope)]);
+    else
+      v[th * vd + (e - nope - rope)] = float_to_bf16(x[nope + (e - nope - rope)]);
+  }
+};
+
 /// out[i] = in[i] widened to fp32 (exact). Size n.
 struct widen_op {
   const void* in;

@@ -205,5 +205,6 @@ template void launch_elementwise<random_op>(const random_op&, idx, cudaStream_t)
 template void launch_elementwise<route_op>(const route_op&, idx, cudaStream_t);
 template void launch_elementwise<pack_q_op>(const pack_q_op&, idx, cudaStream_t);
 template void launch_elementwise<unpack_o_op>(const unpack_o_op&, idx, cudaStream_t);
+template void launch_elementwise<mla_prefill_kv_op>(const mla_prefill_kv_op&, idx, cudaStream_t);
 
 }  // namespace ws_moe::gpu
