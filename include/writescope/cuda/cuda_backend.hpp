@@ -1318,7 +1318,7 @@ class cuda_backend::gpu_engine {
         throw pinned_memory_error(
             std::string("pinned memory: the H2D source at ") + addr + " (a run of " + format_bytes(bytes) +
             " of the pinned load region) is not page-locked, so the copy would be synchronous and staged "
-            "(FAULT-KINDS C9); use cuda_host_alloc or cuda_host_register, or set "
+            "(fault case C9 in docs/RELIABILITY.md); use cuda_host_alloc or cuda_host_register, or set "
             "cuda_debug_options::allow_pageable_sources for the pageable ablation");
       }
     }
