@@ -368,7 +368,10 @@ class inplace_kv_cache {
   /// holds because a block in use has been written and freeing a block
   /// (end_sequence, e.g. a sequence stopped at EOS) keeps its pages resident.
   ///
-  /// Cost: the bytes touched / the kernel's page-zeroing rate, plus, the first
+  /// Cost: the bytes touched / the kernel's page-zeroing rate (the blocks are
+  /// touched by an OpenMP team of the calling thread when there are at least
+  /// 256 of them; an engine can so prefault a prompt's blocks before its
+  /// prefill, off the write path), plus, the first
   /// time on cuda_backend, page-locking the bounce buffer (32 MiB by default)
   /// and a wait for its D2H stream. Call between steps from the thread that
   /// owns the cache (e.g. after prefill, with n = the decode's eviction blocks
@@ -387,7 +390,11 @@ class inplace_kv_cache {
     const index_t block_bytes = format_.block_bytes();
     const index_t page = index_t(::sysconf(_SC_PAGESIZE));
     index_t touched = 0;
-    for (index_t b = cpu_prefaulted_blocks_; b < end; ++b) {
+    const index_t begin = cpu_prefaulted_blocks_;
+#if defined(_OPENMP)
+#  pragma omp parallel for schedule(static) reduction(+ : touched) if (end - begin >= 256)
+#endif
+    for (index_t b = begin; b < end; ++b) {
       if (cpu_pool_.is_used(block_id(b))) continue;
       touched += block_bytes * spec_.num_layers;
       for (int l = 0; l < spec_.num_layers; ++l) {

@@ -135,6 +135,10 @@ struct device_report {
   double stream_min_rows = 0.0;
   index_t streamed_experts = 0;
   index_t streamed_bytes = 0;
+  /// The unpinned region's pages for the prompts' blocks, made resident
+  /// before the prefill (setup, not prefill time): bytes and seconds.
+  index_t kv_prefault_bytes = 0;
+  double kv_prefault_seconds = 0.0;
   index_t peak_used_bytes = 0;       ///< highest device memory in use sampled at phase boundaries and decode steps
   /// Prefill phases (device time between events on the compute stream; host
   /// time for the CPU parts): attention incl. projections and the KV
@@ -144,6 +148,14 @@ struct device_report {
   double prefill_moe_seconds = 0.0;
   double prefill_cpu_expert_seconds = 0.0;
   double prefill_kv_write_seconds = 0.0;
+  /// The MoE part split (device time): router and the host's grouping of the
+  /// rows up to their upload, gather + device-resident experts, streamed
+  /// experts (waiting for their copies included), CPU experts' return + shared
+  /// experts + combine.
+  double prefill_moe_route_seconds = 0.0;
+  double prefill_moe_device_expert_seconds = 0.0;
+  double prefill_moe_streamed_expert_seconds = 0.0;
+  double prefill_moe_combine_seconds = 0.0;
 };
 
 struct generation_result {

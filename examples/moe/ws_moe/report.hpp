@@ -177,9 +177,17 @@ inline void print_device(std::FILE* f, const generation_result& r) {
                  d.prefill_attention.c_str(), static_cast<long long>(d.prefill_block_rows));
   else
     std::fprintf(f, "prefill    %d wave(s), attention: %s\n", d.prefill_waves, d.prefill_attention.c_str());
+  if (d.kv_prefault_bytes > 0)
+    std::fprintf(f, "           before it (setup): the unpinned region's pages for the prompts made resident, %s in "
+                    "%.3f s\n",
+                 human_bytes(d.kv_prefault_bytes).c_str(), d.kv_prefault_seconds);
   std::fprintf(f, "           phases: attention + projections %.3f s, MoE %.3f s (CPU experts %.3f s), KV write-out "
                   "(host) %.3f s\n",
                d.prefill_attention_seconds, d.prefill_moe_seconds, d.prefill_cpu_expert_seconds, d.prefill_kv_write_seconds);
+  std::fprintf(f, "           MoE: routing %.3f s, gather + device experts %.3f s, streamed experts %.3f s, combine "
+                  "%.3f s\n",
+               d.prefill_moe_route_seconds, d.prefill_moe_device_expert_seconds, d.prefill_moe_streamed_expert_seconds,
+               d.prefill_moe_combine_seconds);
   if (d.staging_slots > 0)
     std::fprintf(f, "           host experts streamed to the GPU in waves of >= %.0f rows per expert: %lld copies, %s, "
                     "staging ring %d slots (%s)\n",
@@ -360,10 +368,15 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
                    {"prefill_waves", d.prefill_waves},
                    {"prefill_block_rows", d.prefill_block_rows},
                    {"prefill_attention", d.prefill_attention}};
+    j["kv_prefault"] = {{"bytes", d.kv_prefault_bytes}, {"seconds", d.kv_prefault_seconds}};
     j["prefill_phases_seconds"] = {{"attention", d.prefill_attention_seconds},
                                    {"moe", d.prefill_moe_seconds},
                                    {"cpu_experts", d.prefill_cpu_expert_seconds},
-                                   {"kv_write_host", d.prefill_kv_write_seconds}};
+                                   {"kv_write_host", d.prefill_kv_write_seconds},
+                                   {"moe_route", d.prefill_moe_route_seconds},
+                                   {"moe_device_experts", d.prefill_moe_device_expert_seconds},
+                                   {"moe_streamed_experts", d.prefill_moe_streamed_expert_seconds},
+                                   {"moe_combine", d.prefill_moe_combine_seconds}};
     j["expert_streaming"] = {{"staging_slots", d.staging_slots},
                              {"staging_bytes", d.staging_bytes},
                              {"min_rows", d.stream_min_rows},

@@ -231,6 +231,18 @@ class device_decoder {
     const float* logits = nullptr;  // the page-locked copy of the last head() (logits_host_)
     std::vector<int> cur(static_cast<std::size_t>(B));
 
+    // The unpinned region's pages for the prompts' blocks (an upper bound: every
+    // prompt block may be routed to it) are made resident now, by all cores,
+    // as an engine would at start-up, so that the prefill's KV write-out does
+    // not fault page by page on the thread that drives the GPU.
+    {
+      const auto t_pf = std::chrono::steady_clock::now();
+      index_t blocks = 0;
+      for (const auto& p : prompts) blocks += (index_t(p.size()) + res.spec.block_tokens - 1) / res.spec.block_tokens;
+      res.device.kv_prefault_bytes = cache_->prefault_cpu_region(blocks);
+      res.device.kv_prefault_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_pf).count();
+    }
+
     // ---- admission + prefill ---------------------------------------------------------
     const auto t_prefill = std::chrono::steady_clock::now();
     std::vector<sequence_id> seqs(static_cast<std::size_t>(B));
@@ -951,6 +963,8 @@ class device_decoder {
     const int E = c_.num_experts, k = c_.experts_per_tok;
     const index_t H = c_.hidden_size;
     const index_t nk = n * k;
+    const bool timed = !decode;  // prefill: the MoE layer's phases (moe_marks_, read after the wave's sync)
+    if (timed) moe_marks_.push_back({x_.mark(), 0, 0, 0, 0});
     linear(L.router, h_, n, router_logits_);
     gpu::route_op r{};
     r.logits = router_logits_;
@@ -1010,6 +1024,7 @@ class device_decoder {
     const int* comb_rows = route_dev_ + nk;
     const float* comb_w = reinterpret_cast<const float*>(route_dev_ + 2 * nk);
     const int* offsets = route_dev_ + 3 * nk;
+    if (timed) moe_marks_.back()[1] = x_.mark();  // routed: the host grouped the rows and uploaded them
     x_.run(gpu::gather_rows_op{h_, H, src_rows, int(H), xg_}, nk * H);
 
     // Host experts: streamed to the device in a streaming prefill wave, else
@@ -1070,7 +1085,9 @@ class device_decoder {
       }
       ++per_expert_passes_;
     }
+    if (timed) moe_marks_.back()[2] = x_.mark();  // device-resident experts done
     if (stream) run_streamed_experts(l);
+    if (timed) moe_marks_.back()[3] = x_.mark();  // streamed experts done
     // shared experts next on the GPU, so that they too overlap the CPU experts
     if (L.has_shared) mlp(L.shared, h_, n, y2_);
     // ... and the CPU runs the host experts, whose outputs go back to their rows.
@@ -1085,6 +1102,7 @@ class device_decoder {
     }
     x_.run(gpu::combine_op{yg_, comb_rows, comb_w, k, int(H), y_}, n * H);
     if (L.has_shared) x_.run(gpu::add_op{y_, y2_}, n * H);
+    if (timed) moe_marks_.back()[4] = x_.mark();
   }
 
   /// The layer's CPU host runs (host_runs_, inputs in stage_x_, outputs to
@@ -1196,6 +1214,7 @@ class device_decoder {
     }
     begin_streaming_wave(N);
     x_.reset_marks();
+    moe_marks_.clear();
     std::vector<std::array<int, 3>> marks(std::size_t(c_.num_layers));
     embed(N);
     const index_t H = c_.hidden_size;
@@ -1230,6 +1249,12 @@ class device_decoder {
     for (int l = 0; l < c_.num_layers; ++l) {
       rep.prefill_attention_seconds += x_.seconds_between(marks[std::size_t(l)][0], marks[std::size_t(l)][1]);
       rep.prefill_moe_seconds += x_.seconds_between(marks[std::size_t(l)][1], marks[std::size_t(l)][2]);
+    }
+    for (const auto& m : moe_marks_) {
+      rep.prefill_moe_route_seconds += x_.seconds_between(m[0], m[1]);
+      rep.prefill_moe_device_expert_seconds += x_.seconds_between(m[1], m[2]);
+      rep.prefill_moe_streamed_expert_seconds += x_.seconds_between(m[2], m[3]);
+      rep.prefill_moe_combine_seconds += x_.seconds_between(m[3], m[4]);
     }
     if (streaming_) {
       rep.streamed_experts += index_t(stream_items_.size());
@@ -1482,6 +1507,7 @@ class device_decoder {
   float *cbuf_ = nullptr, *kvx_ = nullptr;
   std::uint16_t *kx_ = nullptr, *vx_ = nullptr;
   index_t peak_used_ = 0;
+  std::vector<std::array<int, 5>> moe_marks_;  ///< prefill MoE layers: start, routed, device experts, streamed, end
   double cpu_expert_seconds_ = 0.0;
   index_t cpu_expert_rows_ = 0;
 
