@@ -76,7 +76,8 @@ struct cli {
   std::string launch_thread = "off", grouped_experts = "on";
   int grouped_expert_max_rows = 32, grouped_expert_min_active = 16;
   std::string stream_experts = "on", flash_prefill = "on";
-  double stream_min_rows = 32.0, expert_staging_mib = 0.0;
+  double stream_min_rows = 32.0, expert_staging_mib = 0.0, kv_write_bounce_mib = 512.0;
+  std::string batched_prefill_experts = "on";
   std::string calibration, calibration_preset;
   int threads = 0;
   std::string json_out, expect, logits_out;
@@ -468,6 +469,8 @@ int run(cli& a) {
   dopt.stream_min_rows = a.stream_min_rows;
   dopt.expert_staging_bytes = writescope::index_t(a.expert_staging_mib * double(1 << 20));
   dopt.flash_prefill = a.flash_prefill == "on";
+  dopt.batched_prefill_experts = a.batched_prefill_experts == "on";
+  dopt.deferred_kv_write_bytes = writescope::index_t(a.kv_write_bounce_mib * double(1 << 20));
   const generation_result r = kind == device_kind::host
                                   ? run_model(c, *src, prompts, std::move(policy), o, hooks)
                                   : run_model_device(kind, c, *src, prompts, std::move(policy), o, dopt, hooks);
@@ -583,6 +586,15 @@ int main(int argc, char** argv) {
                  "CUDA path, --precision bf16: on = prefill attention by the flash kernel (causal, online softmax, no "
                  "score matrix); off = materialised score blocks (--prefill-attn-mib). fp32 always materialises")
       ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--batched-prefill-experts", a.batched_prefill_experts,
+                 "CUDA path, --precision bf16: on = a prefill MoE layer's device experts run as batched GEMMs, one per "
+                 "group of experts with equal rows padded to a multiple of 64; off = three cuBLAS products per expert")
+      ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--kv-write-bounce-mib", a.kv_write_bounce_mib,
+                 "CUDA path: prefill KV bound for the unpinned region leaves through a page-locked bounce buffer of at "
+                 "most this many MiB without the host waiting, copied to its blocks during the next layer (0 = "
+                 "synchronous writes)")
+      ->group(g_dev)->capture_default_str()->check(at_least(0, false));
   app.add_option("--prefill-chunk-tokens", a.prefill_chunk_tokens,
                  "CUDA path: prefill whole sequences in waves of at most this many tokens")
       ->group(g_dev)->capture_default_str()->check(at_least(0, true));

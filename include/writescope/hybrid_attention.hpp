@@ -174,6 +174,7 @@ class hybrid_attention {
     const auto t_start = std::chrono::steady_clock::now();
     const int batch = int(seqs.size());
     validate(layer, seqs, q, scale, out);
+    complete_deferred_writes();
 
     const layer_views<layout_type> v = cache_->views(layer);
     const partition_spec& spec = cache_->spec();
@@ -230,6 +231,7 @@ class hybrid_attention {
     const int batch = int(seqs.size());
     const int hkv = L.kv_heads();
     validate(layer, seqs, q, scale, out);
+    complete_deferred_writes();
     if (hkv > max_sparse_kv_heads)
       throw config_error("step: a sparse step supports at most " + std::to_string(max_sparse_kv_heads) +
                          " KV heads; the layout has " + std::to_string(hkv));
@@ -351,6 +353,12 @@ class hybrid_attention {
   [[nodiscard]] engine_type& engine() noexcept { return engine_; }
 
  private:
+  // Host blocks the CPU engine may read were written by deferred pageable
+  // prefill writes (cuda_backend::set_deferred_host_writes): finish them first.
+  void complete_deferred_writes() {
+    if constexpr (requires(backend_type& b) { b.complete_host_writes(); }) cache_->backend().complete_host_writes();
+  }
+
   // The common part of both steps once plan_ holds the stream plan: the
   // D-window references, the GPU launch (asynchronous), the CPU side
   // concurrently (build_tasks() fills tasks_; the clock starts after the wait

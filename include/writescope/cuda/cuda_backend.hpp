@@ -305,6 +305,7 @@ class cuda_backend {
   ~cuda_backend() {
     cuda_detail::ignore(cudaStreamSynchronize(caller_));
     cuda_detail::ignore(cudaStreamSynchronize(d2h_.get()));
+    deferred_.clear();  // the blocks' owner (the cache) is gone or going: nothing reads them
     staging_ = device_buffer();
     eviction_bounce_ = host_allocation();
   }
@@ -393,6 +394,7 @@ class cuda_backend {
                     std::span<const block_write> writes) {
     if (writes.empty()) return;
     join_pending_launches();  // C9: a launched step's H2D reads are enqueued before h2d_done_ is waited on
+    complete_host_writes();   // the previous call's deferred bytes: their bounce buffer is reused below
     gpu::scatter_params& sp = scatter_;
     bool vec = kv.stride(fmt.layout) % 8 == 0;
     for (int p = 0; p < 2; ++p) {
@@ -483,7 +485,9 @@ class cuda_backend {
         }
       }
       if (!bounced.empty()) {
-        if (ensure_eviction_bounce(bounced)) {
+        if (deferred_max_bytes_ > 0) {
+          defer_to_pageable(bounced);  // D2H into the prefill bounce buffer; the host copies later
+        } else if (ensure_eviction_bounce(bounced)) {
           bounce_to_pageable(bounced);  // returns with the bytes in place
         } else {
           for (const block_copy& c : bounced) copy_d2h(c.dst, c.src, c.bytes);
@@ -492,7 +496,8 @@ class cuda_backend {
       cuda_detail::record(staging_free_, d2h_.get());
       cuda_detail::record(d2h_done_, d2h_.get());
     }
-    if (pageable) WS_CUDA_TRY(cudaStreamSynchronize(d2h_.get()));
+    if (pageable && deferred_max_bytes_ == 0) WS_CUDA_TRY(cudaStreamSynchronize(d2h_.get()));
+    if (!deferred_.empty()) cuda_detail::record(deferred_done_, d2h_.get());
   }
 
   /// Eviction (paper §4.2): device -> host copies on the d2h stream, ordered
@@ -512,6 +517,7 @@ class cuda_backend {
   /// page-locked, evictions fall back to direct copies (nothing else changes).
   void copy_blocks_to_host(std::span<const block_copy> copies) {
     join_pending_launches();  // C9, as in write_blocks
+    complete_host_writes();   // deferred prefill bytes land before any later write can reach their blocks
     if (copies.empty()) return;
     cuda_detail::record(evict_src_, caller_);
     if (!debug_.skip_eviction_wait) cuda_detail::wait(d2h_.get(), evict_src_);
@@ -572,8 +578,39 @@ class cuda_backend {
   }
 
   /// Waits until every host block written by write_blocks / copy_blocks_to_host
-  /// has landed (inplace_kv_cache::read_token calls it before reading host memory).
-  void synchronize_host_writes() { WS_CUDA_TRY(cudaStreamSynchronize(d2h_.get())); }
+  /// has landed (inplace_kv_cache::read_token calls it before reading host
+  /// memory), deferred pageable prefill writes included.
+  void synchronize_host_writes() {
+    complete_host_writes();
+    WS_CUDA_TRY(cudaStreamSynchronize(d2h_.get()));
+  }
+
+  /// Deferred pageable prefill writes (off by default): write_blocks then
+  /// enqueues the D2H of blocks bound for pageable memory (the unpinned
+  /// compute region) into a page-locked prefill bounce buffer and returns
+  /// without waiting; host threads copy those bytes to their blocks at the
+  /// next write_blocks, copy_blocks_to_host, complete_host_writes,
+  /// synchronize_host_writes or synchronize call (hybrid_attention::step calls
+  /// complete_host_writes before its CPU engine reads). The buffer grows to the
+  /// pageable bytes of one write_blocks call, at most `max_bytes` (larger calls
+  /// complete in pieces of that size); 0 turns deferral off (after completing
+  /// what is pending). Call between steps from the thread that drives the cache.
+  void set_deferred_host_writes(index_t max_bytes) {
+    complete_host_writes();
+    deferred_max_bytes_ = std::max<index_t>(max_bytes, 0);
+    if (deferred_max_bytes_ == 0) deferred_bounce_ = host_allocation();
+  }
+  [[nodiscard]] index_t deferred_host_writes() const noexcept { return deferred_max_bytes_; }
+
+  /// Finishes the deferred pageable writes: waits for their D2H, then copies
+  /// the bytes to their blocks (OpenMP threads when large). A no-op when none
+  /// is pending.
+  void complete_host_writes() {
+    if (deferred_.empty()) return;
+    WS_CUDA_TRY(cudaEventSynchronize(deferred_done_.get()));
+    copy_out_of_bounce(deferred_bounce_.data(), deferred_);
+    deferred_.clear();
+  }
 
   /// Waits for the caller, copy and d2h streams (after any engine's launcher
   /// thread has enqueued its pending launch).
@@ -582,6 +619,7 @@ class cuda_backend {
     WS_CUDA_TRY(cudaStreamSynchronize(caller_));
     WS_CUDA_TRY(cudaStreamSynchronize(h2d_.get()));
     WS_CUDA_TRY(cudaStreamSynchronize(d2h_.get()));
+    complete_host_writes();
   }
 
   /// The GPU side of a decode step for one layout (one per cache).
@@ -608,6 +646,7 @@ class cuda_backend {
     staged_ = cuda_detail::unique_event::create();
     staging_free_ = cuda_detail::unique_event::create();
     evict_src_ = cuda_detail::unique_event::create();
+    deferred_done_ = cuda_detail::unique_event::create();
   }
 
   // The bounce buffer for this eviction's pageable copies: grown to their
@@ -657,6 +696,64 @@ class cuda_backend {
     WS_CUDA_TRY(cudaStreamSynchronize(d2h_.get()));  // nothing may still write the old buffer
     eviction_bounce_ = std::move(grown);
     return true;
+  }
+
+  // A piece of a bounce buffer and the pageable block bytes it is copied to.
+  struct bounce_piece {
+    void* dst;
+    index_t offset;
+    index_t bytes;
+  };
+
+  // Host copies of bounce pieces to their pageable blocks, spread over up to
+  // 16 OpenMP threads when there is at least 1 MiB per thread.
+  static void copy_out_of_bounce(const std::byte* buf, const std::vector<bounce_piece>& g) {
+    if (g.empty()) return;
+    const int n = int(g.size());
+#if defined(_OPENMP)
+    const index_t bytes = g.back().offset + g.back().bytes;
+    const int threads = std::clamp(int(bytes / (index_t{1} << 20)), 1, std::min(16, n));
+#  pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+#endif
+    for (int i = 0; i < n; ++i)
+      std::memcpy(g[std::size_t(i)].dst, buf + g[std::size_t(i)].offset, static_cast<std::size_t>(g[std::size_t(i)].bytes));
+  }
+
+  // Deferred pageable prefill writes of one staging group (set_deferred_host_writes):
+  // D2H of each copy into the prefill bounce buffer after what is already
+  // pending there (d2h stream, after the group's waits); when the buffer is
+  // full, what is pending completes first (wait + host copies).
+  void defer_to_pageable(std::span<const block_copy> copies) {
+    index_t total = 0;
+    for (const block_copy& c : copies) total += c.bytes;
+    const index_t have = deferred_bounce_.size_bytes();
+    index_t used = deferred_.empty() ? 0 : deferred_.back().offset + deferred_.back().bytes;
+    if (have < std::min(used + total, deferred_max_bytes_)) {
+      const index_t want = std::min(std::max(used + total, 2 * have), deferred_max_bytes_);
+      if (!deferred_.empty()) {  // the pending bytes live in the old buffer
+        cuda_detail::record(deferred_done_, d2h_.get());
+        complete_host_writes();
+        used = 0;
+      }
+      deferred_bounce_ = host_allocation();
+      deferred_bounce_ = allocate_staging(want);
+    }
+    const index_t cap = deferred_bounce_.size_bytes();
+    for (const block_copy& c : copies) {
+      if (c.bytes > cap) {  // a single copy larger than the buffer: direct (driver-staged)
+        copy_d2h(c.dst, c.src, c.bytes);
+        continue;
+      }
+      if (used + c.bytes > cap) {
+        cuda_detail::record(deferred_done_, d2h_.get());
+        complete_host_writes();
+        used = 0;
+      }
+      WS_CUDA_TRY(cudaMemcpyAsync(deferred_bounce_.data() + used, c.src, static_cast<std::size_t>(c.bytes),
+                                  cudaMemcpyDeviceToHost, d2h_.get()));
+      deferred_.push_back({c.dst, used, c.bytes});
+      used += c.bytes;
+    }
   }
 
   // The pageable copies of an eviction through the bounce buffer, in groups
@@ -730,16 +827,15 @@ class cuda_backend {
   bool launch_thread_ = false;
   std::vector<pending_launch> pending_launches_;
   device_buffer staging_;
-  struct bounce_piece {
-    void* dst;
-    index_t offset;
-    index_t bytes;
-  };
   index_t eviction_bounce_max_bytes_ = index_t{32} << 20;
   host_allocation eviction_bounce_;
   bool eviction_bounce_refused_ = false;
   std::vector<bounce_piece> group_;
   std::vector<block_copy> prefill_bounce_copies_;
+  index_t deferred_max_bytes_ = 0;              ///< set_deferred_host_writes; 0 = off
+  host_allocation deferred_bounce_;             ///< page-locked; the pending pieces' bytes
+  std::vector<bounce_piece> deferred_;          ///< pending host copies (bounce offset -> block)
+  cuda_detail::unique_event deferred_done_;     ///< recorded on d2h after the pending D2H
   gpu::scatter_params scatter_{};
   std::vector<std::size_t> host_writes_;
 };

@@ -141,6 +141,19 @@ class cuda_exec {
     }
   }
 
+  /// One cublasGemmBatchedEx over device pointer tables (fp32 output, CUBLAS_COMPUTE_32F).
+  void gemm_batched(const gemm_batched_desc& d, const char* what) {
+    check_gemm_batched(d, what);
+    const gemm_desc& b = d.base;
+    if (d.count == 0 || b.m == 0 || b.n == 0) return;
+    const float one = 1.0f, zero = 0.0f;
+    const cudaDataType t = b.a_type == wtype::bf16 ? CUDA_R_16BF : CUDA_R_32F;
+    WS_CUBLAS_TRY(cublasGemmBatchedEx(blas_, b.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, b.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                      int(b.m), int(b.n), int(b.k), &one, d.a, t, int(b.lda), d.b, t, int(b.ldb), &zero,
+                                      reinterpret_cast<void* const*>(d.c), CUDA_R_32F, int(b.ldc), int(d.count),
+                                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
+
   void h2d(void* dst, const void* src, idx bytes) {
     if (bytes <= 0) return;
     WS_CUDA_TRY(cudaMemcpyAsync(dst, src, std::size_t(bytes), cudaMemcpyHostToDevice, stream_.get()));

@@ -116,6 +116,16 @@ struct device_options {
   /// bf16 precision: the flash prefill attention (flash_prefill.hpp) instead of
   /// materialised score blocks (the fp32 precision always materialises).
   bool flash_prefill = true;
+  /// bf16 precision, bf16 experts: a prefill MoE layer's device-resident
+  /// experts run as batched GEMMs (cublasGemmBatchedEx), one per group of
+  /// experts with equal row counts padded to a multiple of 64, instead of
+  /// three cuBLAS products per expert.
+  bool batched_prefill_experts = true;
+  /// cuda_backend: prefill KV bound for the unpinned region leaves through a
+  /// page-locked bounce buffer of at most this many bytes without the host
+  /// waiting; host threads copy it to its blocks during the next layer
+  /// (cuda_backend::set_deferred_host_writes; 0 = synchronous writes).
+  index_t deferred_kv_write_bytes = index_t{512} << 20;
   /// Device bytes kept free inside the budget for what is allocated after
   /// placement (cuBLAS workspaces, the attention engine's lazy buffers).
   index_t budget_reserve_bytes = index_t{256} << 20;
@@ -188,6 +198,8 @@ class device_decoder {
       x_.backend().set_eviction_bounce_bytes(d_.eviction_bounce_bytes);
     if constexpr (requires(backend_type& b) { b.set_launch_thread(true); })
       x_.backend().set_launch_thread(d_.launch_thread);
+    if constexpr (requires(backend_type& b) { b.set_deferred_host_writes(index_t{0}); })
+      x_.backend().set_deferred_host_writes(d_.deferred_kv_write_bytes);
     cache_ = std::make_unique<cache_type>(x_.backend(), layout(), res.spec, std::move(policy),
                                           typename Exec::pinned_allocator{}, cache_options{o.kv.poison});
     attention_options ao;
@@ -267,6 +279,7 @@ class device_decoder {
       logits = head(y2_, ns);
       take_tokens(res, pick, wv.begin, ns, logits, V, cur, o);
     }
+    complete_kv_writes();  // the last layer's deferred KV bytes are in their blocks before prefill ends
     res.prefill_tokens = 0;
     for (const auto& p : prompts) res.prefill_tokens += index_t(p.size());
     res.cpu_prefault_bytes = prefault_for_decode(*cache_, B, o.max_new_tokens);
@@ -324,6 +337,7 @@ class device_decoder {
     res.device.cpu_expert_rows = cpu_expert_rows_;
     res.device.grouped_moe_passes = grouped_passes_;
     res.device.per_expert_moe_passes = per_expert_passes_;
+    res.device.batched_moe_passes = batched_passes_;
     live.finish_all(*cache_, res);
     return res;
   }
@@ -494,13 +508,25 @@ class device_decoder {
       sel_e_ = buffer<int>(T * k, "routing: experts");
       sel_w_ = buffer<float>(T * k, "routing: weights");
       // one upload per MoE layer: gather rows, combine rows, combine weights, expert row offsets
-      route_dev_ = buffer<int>(3 * T * k + E + 1, "routing: rows, weights, expert offsets");
+      // batched prefill experts (bf16, bf16 experts): padded packed rows and the operand tables
+      batched_prefill_ = d_.batched_prefill_experts && prec_ == wtype::bf16 && T > B &&
+                         gpu::expert_bytes(c_, *src_, first_moe_layer()) == 6 * H * c_.moe_intermediate_size;
+      const index_t np_cap = T * k + (batched_prefill_ ? E * batch_pad : 0);
+      route_cap_ints_ = np_cap + 2 * T * k + E + 1 + 2 + (batched_prefill_ ? 2 * 9 * E : 0);
+      route_dev_ = buffer<int>(route_cap_ints_, "routing: rows, weights, expert offsets, batched GEMM tables");
       if (d_.grouped_experts) {
         grouped_rows_cap_ = index_t(B) * k;  // decode steps only
         eg_ = buffer<float>(grouped_rows_cap_ * c_.moe_intermediate_size, "grouped experts: gate-up outputs");
       }
-      xg_ = buffer<float>(T * k * H, "expert inputs");
-      yg_ = buffer<float>(T * k * H, "expert outputs");
+      xg_ = buffer<float>(np_cap * H, "expert inputs");
+      yg_ = buffer<float>(np_cap * H, "expert outputs");
+      if (batched_prefill_) {
+        const index_t I = c_.moe_intermediate_size;
+        x16_ = buffer<std::uint16_t>(np_cap * H, "batched prefill experts: bf16 inputs");
+        g_batch_ = buffer<float>(np_cap * I, "batched prefill experts: gate outputs");
+        u_batch_ = buffer<float>(np_cap * I, "batched prefill experts: up outputs");
+        a16_ = buffer<std::uint16_t>(np_cap * I, "batched prefill experts: bf16 SiLU products");
+      }
     }
     if (prec_ == wtype::bf16) {
       act16_cap_ = T * max_in;
@@ -548,6 +574,12 @@ class device_decoder {
     } else {
       return x_.device_used_bytes();
     }
+  }
+
+  int first_moe_layer() const {
+    for (int l = 0; l < c_.num_layers; ++l)
+      if (c_.is_moe_layer(l)) return l;
+    return -1;
   }
 
   /// Whether the prefill uses the flash kernel: bf16 precision, not switched
@@ -765,7 +797,7 @@ class device_decoder {
     for (sequence_id id : seqs) cache_->end_sequence(id);
     cpu_expert_seconds_ = 0.0;
     cpu_expert_rows_ = 0;
-    grouped_passes_ = per_expert_passes_ = 0;
+    grouped_passes_ = per_expert_passes_ = batched_passes_ = 0;
   }
 
   // ---------------------------------------------------------------------------
@@ -994,9 +1026,21 @@ class device_decoder {
       if (e < 0 || e >= E) throw std::logic_error("router returned expert " + std::to_string(e));
       ++count_[std::size_t(e) + 1];
     }
-    for (int e = 0; e < E; ++e) count_[std::size_t(e) + 1] += count_[std::size_t(e)];
+    // rows_[e]: expert e's rows; count_[e]: its first packed row. A batched
+    // prefill (batched_prefill_) pads every device-resident expert's rows to a
+    // multiple of batch_pad rows (padding rows gather token 0 and are never
+    // combined) so that experts of equal padded rows run as one batched GEMM.
+    const bool batched = !decode && batched_prefill_;
+    rows_.assign(std::size_t(E), 0);
+    for (int e = 0; e < E; ++e) rows_[std::size_t(e)] = count_[std::size_t(e) + 1];
+    for (int e = 0; e < E; ++e) {
+      index_t m = rows_[std::size_t(e)];
+      if (batched && m > 0 && !L.on_host[std::size_t(e)]) m = (m + batch_pad - 1) / batch_pad * batch_pad;
+      count_[std::size_t(e) + 1] = count_[std::size_t(e)] + int(m);
+    }
+    const index_t np = count_[std::size_t(E)];  // packed rows, padding included (= nk unless batched)
     cursor_.assign(count_.begin(), count_.end() - 1);
-    srow_.resize(std::size_t(nk));
+    srow_.assign(std::size_t(np), 0);
     crow_.resize(std::size_t(nk));
     cw_.resize(std::size_t(nk));
     for (index_t t = 0; t < n; ++t) {
@@ -1013,19 +1057,30 @@ class device_decoder {
         cw_[std::size_t(t * k + j)] = hw_[std::size_t(i)];
       }
     }
-    // One upload: [gather rows nk][combine rows nk][combine weights nk][expert offsets E+1].
-    route_host_.resize(std::size_t(3 * nk + E + 1));
+    // The batched GEMMs' operand tables (device pointers; gate, up, down), one
+    // group of experts per padded row count, in the same upload.
+    if (batched) build_batch_tables(L, E);
+    // One upload: [gather rows np][combine rows nk][combine weights nk][expert offsets E+1][pad][pointer tables].
+    const index_t ints = np + 2 * nk + E + 1;
+    const index_t table_at = (ints + 1) / 2 * 2;  // 8-byte aligned
+    route_host_.assign(std::size_t(table_at + 2 * index_t(batch_ptrs_.size())), 0);
     std::copy(srow_.begin(), srow_.end(), route_host_.begin());
-    std::copy(crow_.begin(), crow_.end(), route_host_.begin() + nk);
-    std::memcpy(route_host_.data() + 2 * nk, cw_.data(), std::size_t(nk) * 4);
-    std::copy(count_.begin(), count_.end(), route_host_.begin() + 3 * nk);
+    std::copy(crow_.begin(), crow_.end(), route_host_.begin() + np);
+    std::memcpy(route_host_.data() + np + nk, cw_.data(), std::size_t(nk) * 4);
+    std::copy(count_.begin(), count_.end(), route_host_.begin() + np + 2 * nk);
+    if (!batch_ptrs_.empty())
+      std::memcpy(route_host_.data() + table_at, batch_ptrs_.data(), batch_ptrs_.size() * sizeof(const void*));
+    if (index_t(route_host_.size()) > route_cap_ints_)
+      throw std::logic_error("device_decoder: routing upload of " + std::to_string(route_host_.size()) + " ints, room for " +
+                             std::to_string(route_cap_ints_));
     x_.h2d(route_dev_, route_host_.data(), index_t(route_host_.size()) * 4);
     const int* src_rows = route_dev_;
-    const int* comb_rows = route_dev_ + nk;
-    const float* comb_w = reinterpret_cast<const float*>(route_dev_ + 2 * nk);
-    const int* offsets = route_dev_ + 3 * nk;
+    const int* comb_rows = route_dev_ + np;
+    const float* comb_w = reinterpret_cast<const float*>(route_dev_ + np + nk);
+    const int* offsets = route_dev_ + np + 2 * nk;
+    void* const* tables = reinterpret_cast<void* const*>(route_dev_ + table_at);
     if (timed) moe_marks_.back()[1] = x_.mark();  // routed: the host grouped the rows and uploaded them
-    x_.run(gpu::gather_rows_op{h_, H, src_rows, int(H), xg_}, nk * H);
+    x_.run(gpu::gather_rows_op{h_, H, src_rows, int(H), xg_}, np * H);
 
     // Host experts: streamed to the device in a streaming prefill wave, else
     // on the CPU: their input rows go to page-locked staging first ...
@@ -1034,7 +1089,7 @@ class device_decoder {
     host_runs_.clear();
     if (any_host_experts_ && !stream)
       for (int e = 0; e < E; ++e) {
-        const index_t m = count_[std::size_t(e) + 1] - count_[std::size_t(e)];
+        const index_t m = rows_[std::size_t(e)];
         if (m > 0 && L.on_host[std::size_t(e)]) {
           host_runs_.push_back({e, count_[std::size_t(e)], m, host_rows});
           host_rows += m;
@@ -1050,7 +1105,7 @@ class device_decoder {
     index_t most = 0;
     int active = 0;  // device experts with rows
     for (int e = 0; e < E; ++e) {
-      const index_t m = count_[std::size_t(e) + 1] - count_[std::size_t(e)];
+      const index_t m = rows_[std::size_t(e)];
       most = std::max(most, m);
       active += m > 0 && !L.on_host[std::size_t(e)] ? 1 : 0;
     }
@@ -1076,9 +1131,12 @@ class device_decoder {
       products(L.expert_tables, L.expert_tables + E, I, H, xg_, eg_);  // gate‖up with SiLU
       products(L.expert_tables + 2 * E, nullptr, H, I, eg_, yg_);      // down
       ++grouped_passes_;
+    } else if (batched) {
+      run_batched_experts(tables, np);
+      ++batched_passes_;
     } else {
       for (int e = 0; e < E; ++e) {
-        const index_t m = count_[std::size_t(e) + 1] - count_[std::size_t(e)];
+        const index_t m = rows_[std::size_t(e)];
         if (m == 0 || L.on_host[std::size_t(e)]) continue;
         const index_t row = count_[std::size_t(e)];
         mlp(L.experts[std::size_t(e)], xg_ + row * H, m, yg_ + row * H);
@@ -1103,6 +1161,82 @@ class device_decoder {
     x_.run(gpu::combine_op{yg_, comb_rows, comb_w, k, int(H), y_}, n * H);
     if (L.has_shared) x_.run(gpu::add_op{y_, y2_}, n * H);
     if (timed) moe_marks_.back()[4] = x_.mark();
+  }
+
+  /// Rows of a prefill expert in the batched GEMMs are padded to a multiple of this.
+  static constexpr index_t batch_pad = 64;
+
+  /// The batched prefill GEMMs' operand tables of layer L (batch_ptrs_, uploaded
+  /// with the routing) and their groups (batch_groups_): device-resident
+  /// experts with rows, grouped by padded row count; per group 9 tables of
+  /// `count` pointers: gate (W, X, G), up (W, X, U), down (W, A, Y), where X is
+  /// the bf16 copy of the packed inputs, G/U the fp32 gate/up outputs, A the
+  /// bf16 SiLU products and Y the packed outputs (yg_), all at the expert's
+  /// first packed row.
+  void build_batch_tables(const gpu::dlayer& L, int E) {
+    const index_t H = c_.hidden_size, I = c_.moe_intermediate_size;
+    batch_ptrs_.clear();
+    batch_groups_.clear();
+    order_.clear();
+    for (int e = 0; e < E; ++e)
+      if (rows_[std::size_t(e)] > 0 && !L.on_host[std::size_t(e)]) order_.push_back(e);
+    auto padded = [&](int e) { return index_t(count_[std::size_t(e) + 1] - count_[std::size_t(e)]); };
+    std::stable_sort(order_.begin(), order_.end(), [&](int a, int b) { return padded(a) < padded(b); });
+    for (std::size_t i = 0; i < order_.size();) {
+      std::size_t j = i;
+      while (j < order_.size() && padded(order_[j]) == padded(order_[i])) ++j;
+      batch_group g;
+      g.rows = padded(order_[i]);
+      g.count = int(j - i);
+      g.first = index_t(batch_ptrs_.size());
+      batch_groups_.push_back(g);
+      for (int t = 0; t < 9; ++t)
+        for (std::size_t q = i; q < j; ++q) {
+          const int e = order_[q];
+          const gpu::dmlp& m = L.experts[std::size_t(e)];
+          const index_t r0 = count_[std::size_t(e)];
+          const void* p = nullptr;
+          switch (t) {
+            case 0: p = m.gate.w.p; break;
+            case 1: p = x16_ + r0 * H; break;
+            case 2: p = g_batch_ + r0 * I; break;
+            case 3: p = m.up.w.p; break;
+            case 4: p = x16_ + r0 * H; break;
+            case 5: p = u_batch_ + r0 * I; break;
+            case 6: p = m.down.w.p; break;
+            case 7: p = a16_ + r0 * I; break;
+            default: p = yg_ + r0 * H; break;
+          }
+          batch_ptrs_.push_back(p);
+        }
+      i = j;
+    }
+  }
+
+  /// The device-resident experts of a batched prefill layer: the packed inputs
+  /// to bf16 once, per group of equal padded rows one batched GEMM for gate and
+  /// one for up, SiLU · up over every packed row, to bf16, one batched GEMM per
+  /// group for down into yg_ (the padding rows compute garbage that no token
+  /// combines).
+  void run_batched_experts(void* const* tables, index_t np) {
+    const index_t H = c_.hidden_size, I = c_.moe_intermediate_size;
+    x_.run(gpu::convert_op{xg_, x16_, wtype::bf16}, np * H);
+    auto call = [&](const batch_group& g, int t, index_t out, index_t in) {
+      gpu::gemm_batched_desc d;
+      d.base = gpu::linear_desc(nullptr, wtype::bf16, out, in, nullptr, g.rows, nullptr, out);
+      d.a = tables + g.first + index_t(t) * g.count;
+      d.b = tables + g.first + index_t(t + 1) * g.count;
+      d.c = reinterpret_cast<float* const*>(tables + g.first + index_t(t + 2) * g.count);  // the C table holds float*
+      d.count = g.count;
+      x_.gemm_batched(d, "batched prefill experts");
+    };
+    for (const batch_group& g : batch_groups_) {
+      call(g, 0, I, H);  // gate
+      call(g, 3, I, H);  // up
+    }
+    x_.run(gpu::silu_mul_op{g_batch_, u_batch_}, np * I);
+    x_.run(gpu::convert_op{g_batch_, a16_, wtype::bf16}, np * I);
+    for (const batch_group& g : batch_groups_) call(g, 6, H, I);  // down
   }
 
   /// The layer's CPU host runs (host_runs_, inputs in stage_x_, outputs to
@@ -1224,7 +1358,11 @@ class device_decoder {
       marks[std::size_t(l)][0] = x_.mark();
       rms_norm(x_buf_, H, L.input_norm, N, int(H), h_, H);
       project(L, N);
-      if (flash) flash_prefill_attention(L, w);  // enqueued before the KV write-out, which waits for the GPU
+      // The KV write-out waits for the GPU when it is synchronous: the attention
+      // goes first then; deferred, the write-out is only enqueued and goes first
+      // (its D2H then runs beside the attention).
+      const bool deferred = kv_writes_deferred();
+      if (flash && !deferred) flash_prefill_attention(L, w);
       const auto t_kv = std::chrono::steady_clock::now();
       for (int i = w.begin; i < w.end; ++i) {
         const index_t o0 = w.offset[std::size_t(i - w.begin)];
@@ -1236,6 +1374,7 @@ class device_decoder {
         if (!flash) prefill_attention(o0, T);
       }
       rep.prefill_kv_write_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t_kv).count();
+      if (flash && deferred) flash_prefill_attention(L, w);
       if (!(flash && mla)) attention_output(L, N);  // the MLA flash path applied o_proj itself
       x_.run(gpu::add_op{x_buf_, y_}, N * H);
       marks[std::size_t(l)][1] = x_.mark();
@@ -1385,7 +1524,7 @@ class device_decoder {
       const stream_item& it = stream_items_[std::size_t(i)];
       const int slot = int(i % staging_slots_);
       const gpu::hmlp& h = m_.layers[std::size_t(l)].host_experts[std::size_t(it.expert)];
-      const index_t m = count_[std::size_t(it.expert) + 1] - count_[std::size_t(it.expert)];
+      const index_t m = rows_[std::size_t(it.expert)];
       x_.ring_acquire(slot);
       if (m > 0) {
         const std::byte* base = staging_ + index_t(slot) * staging_slot_bytes_;
@@ -1401,6 +1540,17 @@ class device_decoder {
       x_.ring_release(slot);
       if (next_copy_ < index_t(stream_items_.size())) enqueue_stream_copy();
     }
+  }
+
+  bool kv_writes_deferred() {
+    if constexpr (requires(backend_type& b) { b.deferred_host_writes(); })
+      return x_.backend().deferred_host_writes() > 0;
+    else
+      return false;
+  }
+
+  void complete_kv_writes() {
+    if constexpr (requires(backend_type& b) { b.complete_host_writes(); }) x_.backend().complete_host_writes();
   }
 
   /// Device memory in use now; keeps the highest value seen.
@@ -1507,7 +1657,21 @@ class device_decoder {
   float *cbuf_ = nullptr, *kvx_ = nullptr;
   std::uint16_t *kx_ = nullptr, *vx_ = nullptr;
   index_t peak_used_ = 0;
-  std::vector<std::array<int, 5>> moe_marks_;  ///< prefill MoE layers: start, routed, device experts, streamed, end
+  std::vector<std::array<int, 5>> moe_marks_;
+  // batched prefill experts
+  struct batch_group {
+    index_t rows = 0;   ///< padded rows of every expert of the group
+    int count = 0;      ///< experts
+    index_t first = 0;  ///< the group's first entry in the operand tables
+  };
+  bool batched_prefill_ = false;
+  index_t route_cap_ints_ = 0;
+  std::vector<int> rows_, order_;
+  std::vector<const void*> batch_ptrs_;
+  std::vector<batch_group> batch_groups_;
+  std::uint16_t *x16_ = nullptr, *a16_ = nullptr;
+  float *g_batch_ = nullptr, *u_batch_ = nullptr;
+  index_t batched_passes_ = 0;  ///< prefill MoE layers: start, routed, device experts, streamed, end
   double cpu_expert_seconds_ = 0.0;
   index_t cpu_expert_rows_ = 0;
 

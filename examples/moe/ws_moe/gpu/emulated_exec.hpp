@@ -93,6 +93,10 @@ class emulated_exec {
     check_gemm(d, what);
     reference_gemm(d);
   }
+  void gemm_batched(const gemm_batched_desc& d, const char* what) {
+    check_gemm_batched(d, what);
+    reference_gemm_batched(d);
+  }
 
   void h2d(void* dst, const void* src, idx bytes) { copy(dst, src, bytes); }
   void d2h(void* dst, const void* src, idx bytes) { copy(dst, src, bytes); }

@@ -62,6 +62,32 @@ inline void check_gemm(const gemm_desc& d, const char* what) {
   if (d.ldc < std::max<idx>(1, d.m)) fail("ldc " + std::to_string(d.ldc) + " < " + std::to_string(d.m));
 }
 
+/// A batch of products of one shape whose operands are device pointer tables
+/// (cublasGemmBatchedEx): item i computes `base` with a = a[i], b = b[i], c = c[i]
+/// (base's own pointers and strides unused; batch 1).
+struct gemm_batched_desc {
+  gemm_desc base;
+  const void* const* a = nullptr;  ///< [count] device pointers
+  const void* const* b = nullptr;
+  float* const* c = nullptr;
+  idx count = 0;
+};
+
+/// check_gemm on the shape of a batched descriptor; the tables must not be null.
+inline void check_gemm_batched(const gemm_batched_desc& d, const char* what) {
+  if (d.count < 0) throw writescope::config_error(std::string("GEMM ") + what + ": count < 0");
+  if (d.count == 0) return;
+  if (d.a == nullptr || d.b == nullptr || d.c == nullptr)
+    throw writescope::config_error(std::string("GEMM ") + what + ": null pointer table");
+  if (d.count > INT_MAX) throw writescope::config_error(std::string("GEMM ") + what + ": count exceeds 2^31-1");
+  gemm_desc s = d.base;
+  static float dummy;
+  s.a = s.b = &dummy;
+  s.c = &dummy;
+  s.batch = 1;
+  check_gemm(s, what);
+}
+
 /// The descriptor's product on the host (double accumulation), for the
 /// emulated executor and the tests. Parallel over (batch, column).
 inline void reference_gemm(const gemm_desc& d) {
@@ -83,6 +109,19 @@ inline void reference_gemm(const gemm_desc& d) {
       }
       c[i] = float(acc);
     }
+  }
+}
+
+/// A batched descriptor on the host: reference_gemm per item (its tables in host memory).
+inline void reference_gemm_batched(const gemm_batched_desc& d) {
+  check_gemm_batched(d, "reference");
+  for (idx i = 0; i < d.count; ++i) {
+    gemm_desc s = d.base;
+    s.a = d.a[i];
+    s.b = d.b[i];
+    s.c = d.c[i];
+    s.batch = 1;
+    reference_gemm(s);
   }
 }
 
