@@ -155,6 +155,9 @@ class device_decoder {
     if (c.num_experts > gpu::route_op::max_experts)
       throw writescope::config_error("the CUDA path routes at most " + std::to_string(gpu::route_op::max_experts) +
                                      " experts; the config has " + std::to_string(c.num_experts));
+    if (c.experts_per_tok > 64)
+      throw writescope::config_error("the CUDA path routes at most 64 experts per token; the config has " +
+                                     std::to_string(c.experts_per_tok));
     if (c.kind == arch::deepseek_v2 && c.topk_method == "group_limited_greedy" && c.n_group > gpu::route_op::max_groups)
       throw writescope::config_error("the CUDA path's router supports at most 64 expert groups");
   }
@@ -1020,12 +1023,30 @@ class device_decoder {
 
     // Group the (token, slot) pairs by expert: packed rows in expert order,
     // tokens ascending inside an expert; each token's slots in expert order.
-    count_.assign(std::size_t(E) + 1, 0);
-    for (index_t i = 0; i < nk; ++i) {
-      const int e = he_[std::size_t(i)];
-      if (e < 0 || e >= E) throw std::logic_error("router returned expert " + std::to_string(e));
-      ++count_[std::size_t(e) + 1];
+    // In parallel over chunks of tokens (the order is the sequential one):
+    // per chunk and expert the pairs it holds, so that every chunk knows the
+    // first row of its tokens inside each expert.
+    const int chunks = int(std::clamp<index_t>(n / 2048, 1, 64));
+    chunk_counts_.assign(std::size_t(chunks) * std::size_t(E + 1), 0);
+    bad_expert_ = -1;
+#pragma omp parallel for schedule(static) if (chunks > 1)
+    for (int ch = 0; ch < chunks; ++ch) {
+      int* cc = chunk_counts_.data() + std::size_t(ch) * std::size_t(E + 1);
+      const index_t t0 = n * ch / chunks, t1 = n * (ch + 1) / chunks;
+      for (index_t i = t0 * k; i < t1 * k; ++i) {
+        const int e = he_[std::size_t(i)];
+        if (e < 0 || e >= E) {
+#pragma omp atomic write
+          bad_expert_ = e;
+          continue;
+        }
+        ++cc[e];
+      }
     }
+    if (bad_expert_ != -1) throw std::logic_error("router returned expert " + std::to_string(bad_expert_));
+    count_.assign(std::size_t(E) + 1, 0);
+    for (int ch = 0; ch < chunks; ++ch)
+      for (int e = 0; e < E; ++e) count_[std::size_t(e) + 1] += chunk_counts_[std::size_t(ch) * std::size_t(E + 1) + std::size_t(e)];
     // rows_[e]: expert e's rows; count_[e]: its first packed row. A batched
     // prefill (batched_prefill_) pads every device-resident expert's rows to a
     // multiple of batch_pad rows (padding rows gather token 0 and are never
@@ -1039,27 +1060,45 @@ class device_decoder {
       count_[std::size_t(e) + 1] = count_[std::size_t(e)] + int(m);
     }
     const index_t np = count_[std::size_t(E)];  // packed rows, padding included (= nk unless batched)
-    cursor_.assign(count_.begin(), count_.end() - 1);
+    // chunk_counts_ -> each chunk's first row per expert (exclusive scan over the chunks)
+    for (int e = 0; e < E; ++e) {
+      int row = count_[std::size_t(e)];
+      for (int ch = 0; ch < chunks; ++ch) {
+        int& c = chunk_counts_[std::size_t(ch) * std::size_t(E + 1) + std::size_t(e)];
+        const int m = c;
+        c = row;
+        row += m;
+      }
+    }
     srow_.assign(std::size_t(np), 0);
     crow_.resize(std::size_t(nk));
     cw_.resize(std::size_t(nk));
-    for (index_t t = 0; t < n; ++t) {
-      slot_.clear();
-      for (int s = 0; s < k; ++s) slot_.push_back(s);
-      std::sort(slot_.begin(), slot_.end(),
-                [&](int a, int b) { return he_[std::size_t(t * k + a)] < he_[std::size_t(t * k + b)]; });
-      for (int j = 0; j < k; ++j) {
-        const index_t i = t * k + slot_[std::size_t(j)];
-        const int e = he_[std::size_t(i)];
-        const int row = cursor_[std::size_t(e)]++;
-        srow_[std::size_t(row)] = int(t);
-        crow_[std::size_t(t * k + j)] = row;
-        cw_[std::size_t(t * k + j)] = hw_[std::size_t(i)];
+#pragma omp parallel for schedule(static) if (chunks > 1)
+    for (int ch = 0; ch < chunks; ++ch) {
+      int* cursor = chunk_counts_.data() + std::size_t(ch) * std::size_t(E + 1);
+      const index_t t0 = n * ch / chunks, t1 = n * (ch + 1) / chunks;
+      int slot[64];
+      for (index_t t = t0; t < t1; ++t) {
+        const int* et = he_.data() + t * k;
+        for (int s = 0; s < k; ++s) slot[s] = s;
+        for (int a = 1; a < k; ++a)  // insertion sort of the token's slots by expert (k is small)
+          for (int b = a; b > 0 && et[slot[b]] < et[slot[b - 1]]; --b) std::swap(slot[b], slot[b - 1]);
+        for (int j = 0; j < k; ++j) {
+          const index_t i = t * k + slot[j];
+          const int e = he_[std::size_t(i)];
+          const int row = cursor[e]++;
+          srow_[std::size_t(row)] = int(t);
+          crow_[std::size_t(t * k + j)] = row;
+          cw_[std::size_t(t * k + j)] = hw_[std::size_t(i)];
+        }
       }
     }
     // The batched GEMMs' operand tables (device pointers; gate, up, down), one
     // group of experts per padded row count, in the same upload.
-    if (batched) build_batch_tables(L, E);
+    if (batched)
+      build_batch_tables(L, E);
+    else
+      batch_ptrs_.clear();
     // One upload: [gather rows np][combine rows nk][combine weights nk][expert offsets E+1][pad][pointer tables].
     const index_t ints = np + 2 * nk + E + 1;
     const index_t table_at = (ints + 1) / 2 * 2;  // 8-byte aligned
@@ -1666,7 +1705,8 @@ class device_decoder {
   };
   bool batched_prefill_ = false;
   index_t route_cap_ints_ = 0;
-  std::vector<int> rows_, order_;
+  std::vector<int> rows_, order_, chunk_counts_;
+  int bad_expert_ = -1;
   std::vector<const void*> batch_ptrs_;
   std::vector<batch_group> batch_groups_;
   std::uint16_t *x16_ = nullptr, *a16_ = nullptr;
