@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <sstream>
 #include <string>
@@ -87,7 +88,17 @@ struct cli {
   double vram_budget_gib = 0.0, prefill_attn_mib = 2048.0;
   long long max_gpu_experts = -1, prefill_chunk_tokens = 32768;
   bool skip_if_no_device = false, teacher_force = false, no_warmup = false;
+  bool allow_long_context = false;
+  /// The options the user gave, by long name, with their values as typed
+  /// (several uses joined by ','): an option acts or is refused (run()).
+  std::map<std::string, std::string> given;
+  [[nodiscard]] bool gave(const std::string& option) const { return given.count(option) > 0; }
 };
+
+/// A refused command line: "<option>: <rule>, not <value> (ws_decode --help lists the options)".
+[[noreturn]] void refuse(const std::string& option, const std::string& rule, const std::string& value) {
+  throw writescope::config_error(option + ": " + rule + ", not " + value + " (ws_decode --help lists the options)");
+}
 
 /// A CLI11 check that the number is > lo (strict) or >= lo, with a message
 /// naming the rule and the value ("must be > 0, not -1").
@@ -106,6 +117,25 @@ CLI::Validator at_least(double lo, bool strict) {
         return (strict ? x > lo : x >= lo) ? std::string() : "must be " + r + ", not " + v;
       },
       r);
+}
+
+/// A CLI11 check that the number is at most the machine's hardware threads
+/// (std::thread::hardware_concurrency; no check where it is unknown).
+CLI::Validator at_most_hardware_threads() {
+  const unsigned hw = std::thread::hardware_concurrency();
+  return CLI::Validator(
+      [hw](std::string& v) -> std::string {
+        long long x = 0;
+        try {
+          x = std::stoll(v);
+        } catch (const std::exception&) {
+          return "";  // the option's own conversion reports a non-number
+        }
+        return hw == 0 || x <= (long long)hw
+                   ? std::string()
+                   : "must be <= " + std::to_string(hw) + " (this machine's hardware threads), not " + v;
+      },
+      "<= hardware threads");
 }
 
 std::vector<int> parse_ids(const std::string& s, const std::string& where) {
@@ -306,17 +336,46 @@ bool check_expectation(const expectation& e, const generation_result& r, int voc
 }
 
 int run(cli& a) {
+  // Every refusal of the command line comes before any weights are read: an
+  // option either acts or is refused, naming the option, the rule and the value.
+  // ---- options that exclude each other --------------------------------------------
+  if (a.gave("--prompt") && a.gave("--prompt-file"))
+    refuse("--prompt-file", "excluded by --prompt (one source of prompts)", a.given["--prompt-file"]);
+  for (const char* source : {"--prompt", "--prompt-file"})
+    if (a.gave(source) && a.gave("--prompt-len"))
+      refuse("--prompt-len", std::string("excluded by ") + source + " (the length of random prompts)", a.given["--prompt-len"]);
+  if (!a.expect.empty() && a.temperature > 0.0)
+    refuse("--temperature", "must be 0 with --expect (the reference is greedy)", a.given["--temperature"]);
+  // the costs act on the roofline only; the bandwidths also set the adaptive assist's first balance
+  if (a.policy != "roofline") {
+    (void)parse_policy(a.policy, writescope::roofline_params{});  // a bad --policy is named first
+    const bool adaptive = parse_assist(a.cpu_assist).mode == writescope::assist_mode::adaptive;
+    for (const char* opt : {"--placement-headroom", "--cpu-fixed-us", "--gpu-fixed-us", "--track-gpu-cost"})
+      if (a.gave(opt)) refuse(opt, "acts on --policy roofline only", "--policy " + a.policy);
+    for (const char* opt : {"--cpu-bw-gbps", "--h2d-bw-gbps"})
+      if (a.gave(opt) && !adaptive)
+        refuse(opt, "acts on --policy roofline or --cpu-assist adaptive only", "--policy " + a.policy);
+  }
+
   // ---- model -----------------------------------------------------------------
   std::optional<arch> forced;
   if (a.arch != "auto") forced = parse_arch(a.arch);
+  if (a.random_weights && a.config.empty() && a.model_dir.empty())
+    throw writescope::config_error("--random-weights needs --config FILE (the config.json whose shapes the weights take)");
   if (!a.random_weights && a.model_dir.empty())
     throw writescope::config_error("give a checkpoint directory, or --random-weights --config <config.json>");
   std::error_code ec;
   if (!a.random_weights && !fs::is_directory(a.model_dir, ec))
-    throw checkpoint_error(a.model_dir + ": checkpoint directory does not exist");
+    throw checkpoint_error(a.model_dir + (fs::exists(a.model_dir, ec)
+                                              ? ": not a directory (the model is a checkpoint directory: config.json + "
+                                                "model.safetensors[.index.json])"
+                                              : ": checkpoint directory does not exist"));
   fs::path config_path = !a.config.empty() ? fs::path(a.config) : fs::path(a.model_dir) / "config.json";
   model_config c = load_model_config(config_path, forced);
-  if (a.layers > 0) c.num_layers = std::min(c.num_layers, a.layers);
+  if (a.layers > c.num_layers)
+    refuse("--layers", "must be <= num_hidden_layers " + std::to_string(c.num_layers) + " of " + config_path.string(),
+           a.given["--layers"]);
+  if (a.layers > 0) c.num_layers = a.layers;
   device_kind kind = device_kind::host;
   if (a.device == "auto") {
     kind = cuda_devices() > 0 ? device_kind::cuda : device_kind::host;
@@ -336,8 +395,55 @@ int run(cli& a) {
   } else {
     throw writescope::config_error("--device " + a.device + " is not one of auto, cuda, host, emulated");
   }
+  if (a.skip_if_no_device && a.device != "cuda")
+    refuse("--skip-if-no-device", "acts with --device cuda only", "--device " + a.device);
+  if (kind == device_kind::host) {  // --device emulated runs the CUDA path's code: these act there
+    static constexpr const char* cuda_only[] = {
+        "--precision",        "--launch-thread",           "--eviction-bounce-mib",       "--vram-budget",
+        "--max-gpu-experts",  "--grouped-experts",         "--grouped-expert-max-rows",   "--grouped-expert-min-active",
+        "--prefill-chunk-tokens", "--prefill-attn-mib",    "--stream-experts",            "--stream-min-rows",
+        "--expert-staging-mib", "--flash-prefill",         "--batched-prefill-experts",   "--kv-write-bounce-mib",
+        "--no-warmup"};
+    for (const char* opt : cuda_only)
+      if (a.gave(opt))
+        refuse(opt, "acts on the CUDA path only (--device cuda or emulated)",
+               a.device == "auto" ? "--device auto, the host path here (no usable CUDA device)" : "--device " + a.device);
+  }
   if (a.precision != "bf16" && a.precision != "fp32")
     throw writescope::config_error("--precision " + a.precision + " is not one of bf16, fp32");
+
+  // ---- expectation, prompts ------------------------------------------------------
+  std::optional<expectation> expected;
+  if (!a.expect.empty()) {
+    expected = load_expectation(a.expect);
+    // the reference must come from this architecture (make_fixtures.py records the transformers class)
+    static constexpr std::pair<arch, const char*> classes[] = {{arch::qwen3_moe, "Qwen3MoeForCausalLM"},
+                                                               {arch::mixtral, "MixtralForCausalLM"},
+                                                               {arch::deepseek_v2, "DeepseekV2ForCausalLM"}};
+    if (const auto it = expected->meta.find("architecture"); it != expected->meta.end() && it->is_string())
+      for (const auto& [k, cls] : classes)
+        if (k == c.kind && *it != cls)
+          throw checkpoint_error("--expect " + a.expect + " was made with " + it->get<std::string>() + "; the model is " +
+                                 to_string(c.kind) + " (" + cls + ")");
+    const int steps = int(expected->tokens[0].size());
+    if (a.gave("--max-new-tokens") && a.max_new_tokens != steps)
+      refuse("--max-new-tokens", "must be " + std::to_string(steps) + " with --expect (the reference's steps)",
+             a.given["--max-new-tokens"]);
+    a.max_new_tokens = steps;
+  }
+  const auto prompts = build_prompts(a, c, expected ? &expected->meta : nullptr);
+  // a sequence takes its prompt's positions and one per generated token but the last
+  std::size_t longest = 0;
+  for (const auto& p : prompts) longest = std::max(longest, p.size());
+  const long long positions = (long long)longest + a.max_new_tokens - 1;
+  if (c.max_position_embeddings > 0 && positions > c.max_position_embeddings && !a.allow_long_context)
+    refuse(a.gave("--prompt") ? "--prompt" : a.gave("--prompt-file") ? "--prompt-file" : expected ? "--expect" : "--prompt-len",
+           "the longest prompt + --max-new-tokens - 1 must be <= max_position_embeddings " +
+               std::to_string(c.max_position_embeddings) + " of " + config_path.string() +
+               " (--allow-long-context runs past it)",
+           std::to_string(longest) + " + " + std::to_string(a.max_new_tokens) + " - 1 = " + std::to_string(positions));
+
+  // ---- weights -----------------------------------------------------------------
   const double need_gib = double(c.parameter_count()) * 4.0 / double(1ull << 30);
   const double limit = a.max_host_weights_gib > 0 ? a.max_host_weights_gib : 0.8 * physical_memory_gib();
   if (kind == device_kind::host && limit > 0 && need_gib > limit) {
@@ -356,24 +462,6 @@ int run(cli& a) {
     ckpt = std::make_unique<checkpoint>(a.model_dir);
     src = std::make_unique<weight_source>(*ckpt);
   }
-
-  // ---- expectation, prompts ------------------------------------------------------
-  std::optional<expectation> expected;
-  if (!a.expect.empty()) {
-    expected = load_expectation(a.expect);
-    // the reference must come from this architecture (make_fixtures.py records the transformers class)
-    static constexpr std::pair<arch, const char*> classes[] = {{arch::qwen3_moe, "Qwen3MoeForCausalLM"},
-                                                               {arch::mixtral, "MixtralForCausalLM"},
-                                                               {arch::deepseek_v2, "DeepseekV2ForCausalLM"}};
-    if (const auto it = expected->meta.find("architecture"); it != expected->meta.end() && it->is_string())
-      for (const auto& [k, cls] : classes)
-        if (k == c.kind && *it != cls)
-          throw checkpoint_error("--expect " + a.expect + " was made with " + it->get<std::string>() + "; the model is " +
-                                 to_string(c.kind) + " (" + cls + ")");
-    a.temperature = 0.0;
-    a.max_new_tokens = int(expected->tokens[0].size());
-  }
-  const auto prompts = build_prompts(a, c, expected ? &expected->meta : nullptr);
 
   // ---- run options -----------------------------------------------------------------
   run_options o;
@@ -541,7 +629,8 @@ int main(int argc, char** argv) {
   app.add_flag("--random-weights", a.random_weights, "seeded random weights of the config's exact shapes (no checkpoint)")
       ->group(g_model);
   app.add_option("--config", a.config, "config.json (default: MODEL/config.json)")->group(g_model);
-  app.add_option("--layers", a.layers, "use only the first N decoder layers (0 = all)")->group(g_model);
+  app.add_option("--layers", a.layers, "use only the first N decoder layers (0 = all)")
+      ->group(g_model)->check(at_least(0, false));
   app.add_option("--max-host-weights-gib", a.max_host_weights_gib,
                  "host path: refuse models whose fp32 weights exceed this; CUDA path: the same limit for the experts "
                  "kept in host memory (default: 80% of host RAM)")->group(g_model);
@@ -618,12 +707,18 @@ int main(int argc, char** argv) {
       ->check(at_least(1, false));
   app.add_option("--prompt-len", a.prompt_len, "random prompts: N tokens, or MIN:MAX (ragged)")
       ->group(g_prompt)->capture_default_str();
-  app.add_option("--max-new-tokens", a.max_new_tokens, "tokens to generate per sequence")
+  app.add_option("--max-new-tokens", a.max_new_tokens, "tokens to generate per sequence (with --expect: the reference's steps)")
       ->group(g_prompt)->capture_default_str()->check(at_least(1, false));
+  app.add_flag("--allow-long-context", a.allow_long_context,
+               "run sequences past the config's max_position_embeddings (longest prompt + --max-new-tokens - 1 "
+               "positions; refused without this flag)")
+      ->group(g_prompt);
   auto* g_sample = "Sampling";
-  app.add_option("--temperature", a.temperature, "0 = greedy")->group(g_sample)->capture_default_str();
+  app.add_option("--temperature", a.temperature, "0 = greedy")
+      ->group(g_sample)->capture_default_str()->check(at_least(0, false));
   app.add_option("--top-p", a.top_p, "nucleus sampling mass")->group(g_sample)->capture_default_str();
-  app.add_option("--top-k", a.top_k, "keep the K most likely (0 = all)")->group(g_sample)->capture_default_str();
+  app.add_option("--top-k", a.top_k, "keep the K most likely (0 = all)")
+      ->group(g_sample)->capture_default_str()->check(at_least(0, false));
   app.add_option("--seed", a.seed, "seed of random weights, random prompts and sampling")->group(g_sample)->capture_default_str();
   app.add_flag("--stop-at-eos", a.stop_at_eos,
                "a sequence stops after sampling an EOS token (config.json's eos_token_id) and leaves the batch, its KV "
@@ -688,7 +783,8 @@ int main(int argc, char** argv) {
                  "CPU threads: GEMMs use N, the CPU attention engine N-1 (0 = all cores; unless OMP_WAIT_POLICY "
                  "is set, OpenMP threads spin with --device cuda and wait passively otherwise)")
       ->group(g_kv)
-      ->check(at_least(0, false));
+      ->check(at_least(0, false))
+      ->check(at_most_hardware_threads());
   app.add_flag("--poison", a.poison, "fill every cache region with poison at init (debug)")->group(g_kv);
   auto* g_out = "Output";
   app.add_option("--json", a.json_out, "write the summary as JSON")->group(g_out);
@@ -700,7 +796,8 @@ int main(int argc, char** argv) {
   app.add_flag("--no-progress", a.no_progress, "no progress bar")->group(g_out);
   app.add_flag("-q,--quiet", a.quiet, "no summary")->group(g_out);
   app.add_option("--expect", a.expect,
-                 "reference run (expected.json from tools/make_fixtures.py): greedy, compare logits and tokens, exit 3 on mismatch")
+                 "reference run (expected.json from tools/make_fixtures.py): greedy over the reference's prompts and steps, "
+                 "compare logits and tokens, exit 3 on mismatch")
       ->group(g_out);
   app.add_flag("--teacher-force", a.teacher_force,
                "with --expect: feed the reference's greedy tokens back (logits stay comparable where a greedy choice "
@@ -714,6 +811,12 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
     for (int i = 0; i < argc; ++i) a.command_line += (i ? " " : "") + std::string(argv[i]);
+    for (const CLI::Option* opt : app.get_options())
+      if (opt->count() > 0 && !opt->get_lnames().empty()) {
+        std::string v;
+        for (const std::string& r : opt->results()) v += (v.empty() ? "" : ",") + r;
+        a.given["--" + opt->get_lnames().front()] = v;
+      }
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help
     std::fprintf(stderr, "ws_decode: error: %s (ws_decode --help lists the options)\n", e.what());

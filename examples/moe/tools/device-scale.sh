@@ -83,7 +83,7 @@ if [ -n "${CALIBRATION:-}" ]; then
 fi
 cfg=$root/examples/moe/configs
 kv="--block-tokens 32 --d-window 64 --ping-pong-mib 64 --cpu-task-blocks 16 --no-progress"
-long=32736
+long=32736  # with the new tokens past Mixtral's max_position_embeddings 32768: its runs pass --allow-long-context
 n=$NEW_TOKENS
 
 # name | kind (ws: ws_decode, hf: hf_peer.py) | optional (1: only with PEER=1 or named in RUNS;
@@ -96,20 +96,20 @@ done
 for pol in roofline gpu_only cpu_only; do
   add "dsv2lite.$pol" ws 0 "--random-weights --config $cfg/deepseek_v2_lite.json --layers 4 --batch 32 --prompt-len $long --max-new-tokens $n --policy $pol"
 done
-add "mixtral.roofline" ws 0 "--random-weights --config $cfg/mixtral_8x7b.json --layers 4 --batch 4 --prompt-len $long --max-new-tokens $n --policy roofline"
+add "mixtral.roofline" ws 0 "--random-weights --config $cfg/mixtral_8x7b.json --layers 4 --batch 4 --prompt-len $long --max-new-tokens $n --policy roofline --allow-long-context"
 add "dsv2lite.headroom" ws 2 "--random-weights --config $cfg/deepseek_v2_lite.json --layers 4 --batch 32 --prompt-len $long --max-new-tokens $n --policy roofline --placement-headroom 0.05"
 for m in "qwen3:qwen3_30b_a3b.json --layers 8 --batch 8" "dsv2lite:deepseek_v2_lite.json --layers 4 --batch 32" \
-         "mixtral:mixtral_8x7b.json --layers 4 --batch 4"; do
+         "mixtral:mixtral_8x7b.json --layers 4 --batch 4 --allow-long-context"; do
   add "${m%%:*}.balance" ws 2 "--random-weights --config $cfg/${m#*:} --prompt-len $long --max-new-tokens $n --policy roofline --placement-headroom 0"
 done
 add "dsv2lite.headroom03" ws 2 "--random-weights --config $cfg/deepseek_v2_lite.json --layers 4 --batch 32 --prompt-len $long --max-new-tokens $n --policy roofline --placement-headroom 0.03"
 add "dsv2lite.assist" ws 2 "--random-weights --config $cfg/deepseek_v2_lite.json --layers 4 --batch 32 --prompt-len $long --max-new-tokens $n --policy roofline --cpu-assist adaptive"
 for pol in gpu_only cpu_only; do
-  add "mixtral.$pol" ws 2 "--random-weights --config $cfg/mixtral_8x7b.json --layers 4 --batch 4 --prompt-len $long --max-new-tokens $n --policy $pol"
+  add "mixtral.$pol" ws 2 "--random-weights --config $cfg/mixtral_8x7b.json --layers 4 --batch 4 --prompt-len $long --max-new-tokens $n --policy $pol --allow-long-context"
 done
-add "mixtral.headroom" ws 2 "--random-weights --config $cfg/mixtral_8x7b.json --layers 4 --batch 4 --prompt-len $long --max-new-tokens $n --policy roofline --placement-headroom 0.05"
+add "mixtral.headroom" ws 2 "--random-weights --config $cfg/mixtral_8x7b.json --layers 4 --batch 4 --prompt-len $long --max-new-tokens $n --policy roofline --placement-headroom 0.05 --allow-long-context"
 for pol in roofline gpu_only; do
-  add "mixtral_full4.$pol" ws 2 "--random-weights --config $cfg/mixtral_8x7b.json --batch 4 --prompt-len $long --max-new-tokens 66 --policy $pol"
+  add "mixtral_full4.$pol" ws 2 "--random-weights --config $cfg/mixtral_8x7b.json --batch 4 --prompt-len $long --max-new-tokens 66 --policy $pol --allow-long-context"
 done
 add "qwen3_8k.roofline" ws 1 "--random-weights --config $cfg/qwen3_30b_a3b.json --layers 8 --batch 8 --prompt-len 8160 --max-new-tokens $PEER_NEW_TOKENS --policy roofline"
 add "hf.qwen3_8k" hf 1 "--config $cfg/qwen3_30b_a3b.json --layers 8 --batch 8 --prompt-len 8160 --new-tokens $PEER_NEW_TOKENS"
@@ -118,18 +118,18 @@ add "hf.qwen3_8k" hf 1 "--config $cfg/qwen3_30b_a3b.json --layers 8 --batch 8 --
 # Mixtral at the mixtral.* shape
 add "dsv2lite_8k.roofline" ws 2 "--random-weights --config $cfg/deepseek_v2_lite.json --layers 4 --batch 8 --prompt-len 8160 --max-new-tokens $PEER_NEW_TOKENS --policy roofline"
 add "hf.dsv2lite_8k" hf 2 "--config $cfg/deepseek_v2_lite.json --layers 4 --batch 8 --prompt-len 8160 --new-tokens $PEER_NEW_TOKENS"
-add "mixtral_peer.roofline" ws 2 "--random-weights --config $cfg/mixtral_8x7b.json --layers 4 --batch 4 --prompt-len $long --max-new-tokens $PEER_NEW_TOKENS --policy roofline"
+add "mixtral_peer.roofline" ws 2 "--random-weights --config $cfg/mixtral_8x7b.json --layers 4 --batch 4 --prompt-len $long --max-new-tokens $PEER_NEW_TOKENS --policy roofline --allow-long-context"
 add "hf.mixtral" hf 2 "--config $cfg/mixtral_8x7b.json --layers 4 --batch 4 --prompt-len $long --new-tokens $PEER_NEW_TOKENS"
 add "qwen3_spill.roofline" ws 0 "--random-weights --config $cfg/qwen3_30b_a3b.json --layers 8 --batch 8 --prompt-len 992 --max-new-tokens $n --policy roofline --max-gpu-experts 512"
 # Mixtral toward host RAM (only when named in RUNS; about 4 minutes each: prefill of 524K tokens at
 # ~3.3K tok/s): all 32 layers at 16 x 32736, 64 GiB of KV in host memory, 34 new tokens
 for pol in roofline gpu_only; do
-  add "mixtral_ram.$pol" ws 2 "--random-weights --config $cfg/mixtral_8x7b.json --batch 16 --prompt-len $long --max-new-tokens 34 --policy $pol"
+  add "mixtral_ram.$pol" ws 2 "--random-weights --config $cfg/mixtral_8x7b.json --batch 16 --prompt-len $long --max-new-tokens 34 --policy $pol --allow-long-context"
 done
 for pol in roofline gpu_only cpu_only; do
   add "qwen3_full.$pol" ws 2 "--random-weights --config $cfg/qwen3_30b_a3b.json --batch 8 --prompt-len $long --max-new-tokens $n --policy $pol"
   add "dsv2lite_full.$pol" ws 2 "--random-weights --config $cfg/deepseek_v2_lite.json --batch 32 --prompt-len $long --max-new-tokens $n --policy $pol"
-  add "mixtral_full.$pol" ws 2 "--random-weights --config $cfg/mixtral_8x7b.json --batch 8 --prompt-len $long --max-new-tokens $n --policy $pol"
+  add "mixtral_full.$pol" ws 2 "--random-weights --config $cfg/mixtral_8x7b.json --batch 8 --prompt-len $long --max-new-tokens $n --policy $pol --allow-long-context"
 done
 
 tmp=$(mktemp -d)

@@ -77,6 +77,7 @@ struct model_config {
   bool attention_bias = false;
   double initializer_range = 0.02;
   std::vector<int> eos_token_ids;
+  int max_position_embeddings = 0;  ///< longest sequence the model was made for (0 = not in config.json)
   // Qwen3-MoE
   int decoder_sparse_step = 1;
   std::vector<int> mlp_only_layers;
@@ -279,6 +280,7 @@ inline model_config parse_model_config(const nlohmann::json& j, const std::strin
   c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
   c.initializer_range = r.number("initializer_range", 0.02);
   c.eos_token_ids = r.int_list("eos_token_id");
+  c.max_position_embeddings = r.integer("max_position_embeddings", 0);
   c.rope = detail::parse_rope(r);
   const std::string act = r.string("hidden_act", "silu");
   if (act != "silu") throw config_error("hidden_act \"" + act + "\" is not supported; supported: silu");
