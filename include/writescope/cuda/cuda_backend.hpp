@@ -394,7 +394,6 @@ class cuda_backend {
                     std::span<const block_write> writes) {
     if (writes.empty()) return;
     join_pending_launches();  // C9: a launched step's H2D reads are enqueued before h2d_done_ is waited on
-    complete_host_writes();   // the previous call's deferred bytes: their bounce buffer is reused below
     gpu::scatter_params& sp = scatter_;
     bool vec = kv.stride(fmt.layout) % 8 == 0;
     for (int p = 0; p < 2; ++p) {
@@ -485,19 +484,20 @@ class cuda_backend {
         }
       }
       if (!bounced.empty()) {
-        if (deferred_max_bytes_ > 0) {
+        if (deferred_max_bytes_ > 0 && !deferred_refused_) {
           defer_to_pageable(bounced);  // D2H into the prefill bounce buffer; the host copies later
         } else if (ensure_eviction_bounce(bounced)) {
           bounce_to_pageable(bounced);  // returns with the bytes in place
         } else {
           for (const block_copy& c : bounced) copy_d2h(c.dst, c.src, c.bytes);
+          pageable_direct_ = true;
         }
       }
       cuda_detail::record(staging_free_, d2h_.get());
       cuda_detail::record(d2h_done_, d2h_.get());
     }
-    if (pageable && deferred_max_bytes_ == 0) WS_CUDA_TRY(cudaStreamSynchronize(d2h_.get()));
-    if (!deferred_.empty()) cuda_detail::record(deferred_done_, d2h_.get());
+    if (pageable && (deferred_max_bytes_ == 0 || pageable_direct_)) WS_CUDA_TRY(cudaStreamSynchronize(d2h_.get()));
+    pageable_direct_ = false;
   }
 
   /// Eviction (paper §4.2): device -> host copies on the d2h stream, ordered
@@ -588,13 +588,18 @@ class cuda_backend {
   /// Deferred pageable prefill writes (off by default): write_blocks then
   /// enqueues the D2H of blocks bound for pageable memory (the unpinned
   /// compute region) into a page-locked prefill bounce buffer and returns
-  /// without waiting; host threads copy those bytes to their blocks at the
-  /// next write_blocks, copy_blocks_to_host, complete_host_writes,
+  /// without waiting; host threads copy those bytes to their blocks when the
+  /// buffer is full or at the next copy_blocks_to_host, complete_host_writes,
   /// synchronize_host_writes or synchronize call (hybrid_attention::step calls
   /// complete_host_writes before its CPU engine reads). The buffer grows to the
   /// pageable bytes of one write_blocks call, at most `max_bytes` (larger calls
   /// complete in pieces of that size); 0 turns deferral off (after completing
-  /// what is pending). Call between steps from the thread that drives the cache.
+  /// what is pending). If the buffer cannot be page-locked, writes stay
+  /// synchronous (through the eviction bounce buffer). Call between steps from
+  /// the thread that drives the cache; complete (or synchronize) before
+  /// destroying a cache whose blocks have pending writes. The completing calls
+  /// (read_token through synchronize_host_writes included) are not safe to
+  /// make from two threads at once.
   void set_deferred_host_writes(index_t max_bytes) {
     complete_host_writes();
     deferred_max_bytes_ = std::max<index_t>(max_bytes, 0);
@@ -602,7 +607,8 @@ class cuda_backend {
   }
   [[nodiscard]] index_t deferred_host_writes() const noexcept { return deferred_max_bytes_; }
 
-  /// Finishes the deferred pageable writes: waits for their D2H, then copies
+  /// Finishes the deferred pageable writes (those of every earlier
+  /// write_blocks call; they accumulate until the buffer is full): waits for their D2H, then copies
   /// the bytes to their blocks (OpenMP threads when large). A no-op when none
   /// is pending.
   void complete_host_writes() {
@@ -736,12 +742,24 @@ class cuda_backend {
         used = 0;
       }
       deferred_bounce_ = host_allocation();
-      deferred_bounce_ = allocate_staging(want);
+      try {
+        deferred_bounce_ = allocate_staging(want);
+      } catch (const pinned_memory_error&) {  // no page-locked buffer: these and later writes stay synchronous
+        deferred_refused_ = true;
+        if (ensure_eviction_bounce(copies)) {
+          bounce_to_pageable(copies);
+        } else {
+          for (const block_copy& c : copies) copy_d2h(c.dst, c.src, c.bytes);
+          pageable_direct_ = true;
+        }
+        return;
+      }
     }
     const index_t cap = deferred_bounce_.size_bytes();
     for (const block_copy& c : copies) {
       if (c.bytes > cap) {  // a single copy larger than the buffer: direct (driver-staged)
         copy_d2h(c.dst, c.src, c.bytes);
+        pageable_direct_ = true;
         continue;
       }
       if (used + c.bytes > cap) {
@@ -754,6 +772,8 @@ class cuda_backend {
       deferred_.push_back({c.dst, used, c.bytes});
       used += c.bytes;
     }
+    // every pending D2H so far is behind this record (one stream), also when a later step throws
+    if (!deferred_.empty()) cuda_detail::record(deferred_done_, d2h_.get());
   }
 
   // The pageable copies of an eviction through the bounce buffer, in groups
@@ -836,6 +856,8 @@ class cuda_backend {
   host_allocation deferred_bounce_;             ///< page-locked; the pending pieces' bytes
   std::vector<bounce_piece> deferred_;          ///< pending host copies (bounce offset -> block)
   cuda_detail::unique_event deferred_done_;     ///< recorded on d2h after the pending D2H
+  bool deferred_refused_ = false;               ///< the prefill bounce buffer could not be page-locked
+  bool pageable_direct_ = false;                ///< this write_blocks made a direct pageable copy
   gpu::scatter_params scatter_{};
   std::vector<std::size_t> host_writes_;
 };

@@ -623,7 +623,7 @@ class device_decoder {
       if constexpr (Exec::is_emulated)
         budget = std::numeric_limits<index_t>::max() / 4;
       else
-        budget = x_.device_free_at_start() - (index_t{1} << 30);
+        budget = x_.device_total_bytes() - (index_t{1} << 30);  // in the units of device_used(): total - free
     }
     rep.budget_bytes = Exec::is_emulated && d_.vram_budget_bytes <= 0 ? 0 : budget;  // 0: no budget (emulated)
     const index_t used = device_used();
@@ -633,7 +633,7 @@ class device_decoder {
                                      " cannot hold the non-expert weights, the KV cache's device regions and the "
                                      "workspaces: they take " + writescope::format_bytes(used) + " (+ " +
                                      writescope::format_bytes(reserve) + " kept free for cuBLAS and the engine)");
-    const index_t avail = budget - used - reserve;
+    const index_t avail = std::max<index_t>(0, budget - used - reserve);
     index_t fit = std::min(total, avail / eslab);
     if (d_.max_gpu_experts >= 0) fit = std::min<index_t>(fit, d_.max_gpu_experts);
     // The staging ring for streamed host experts, inside the budget: the
@@ -672,7 +672,14 @@ class device_decoder {
             continue;
           }
           host_off[std::size_t(li * E + e)] = host_bytes;
-          host_bytes += ld.host_expert_bytes(gpu::names_of_expert(c_, moe_layers[std::size_t(li)], int(e)), H, I);
+          const index_t b = ld.host_expert_bytes(gpu::names_of_expert(c_, moe_layers[std::size_t(li)], int(e)), H, I);
+          if (slots > 0 && b > eslab)  // a staging slot holds one expert of the first expert's dtype
+            throw writescope::config_error("expert " + std::to_string(e) + " of layer " +
+                                           std::to_string(moe_layers[std::size_t(li)]) + " takes " +
+                                           writescope::format_bytes(b) + " in host memory, more than a staging slot (" +
+                                           writescope::format_bytes(eslab) +
+                                           "): the experts mix dtypes; use --stream-experts off");
+          host_bytes += b;
         }
     }
     const double limit_gib = d_.max_host_expert_gib > 0 ? d_.max_host_expert_gib : 0.8 * d_.physical_memory_gib;
@@ -717,6 +724,15 @@ class device_decoder {
       rep.stream_min_rows = d_.stream_min_rows;
     }
     rep.expert_kernels = build_expert_tables(moe_layers);
+    // the batched prefill GEMMs read bf16 weights: every device expert must be bf16
+    for (int l : moe_layers)
+      for (int e = 0; e < c_.num_experts && batched_prefill_; ++e) {
+        const gpu::dlayer& L = m_.layers[std::size_t(l)];
+        if (L.on_host[std::size_t(e)]) continue;
+        const gpu::dmlp& m = L.experts[std::size_t(e)];
+        if (m.gate.w.type != wtype::bf16 || m.up.w.type != wtype::bf16 || m.down.w.type != wtype::bf16)
+          batched_prefill_ = false;
+      }
   }
 
   /// The device pointer tables of the grouped expert kernels (one per MoE
