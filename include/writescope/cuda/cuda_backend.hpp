@@ -394,6 +394,7 @@ class cuda_backend {
                     std::span<const block_write> writes) {
     if (writes.empty()) return;
     join_pending_launches();  // C9: a launched step's H2D reads are enqueued before h2d_done_ is waited on
+    complete_host_writes();   // the previous call's deferred bytes: the bounce buffer is reused from offset 0
     gpu::scatter_params& sp = scatter_;
     bool vec = kv.stride(fmt.layout) % 8 == 0;
     for (int p = 0; p < 2; ++p) {
@@ -588,8 +589,8 @@ class cuda_backend {
   /// Deferred pageable prefill writes (off by default): write_blocks then
   /// enqueues the D2H of blocks bound for pageable memory (the unpinned
   /// compute region) into a page-locked prefill bounce buffer and returns
-  /// without waiting; host threads copy those bytes to their blocks when the
-  /// buffer is full or at the next copy_blocks_to_host, complete_host_writes,
+  /// without waiting; host threads copy those bytes to their blocks at the
+  /// next write_blocks, copy_blocks_to_host, complete_host_writes,
   /// synchronize_host_writes or synchronize call (hybrid_attention::step calls
   /// complete_host_writes before its CPU engine reads). The buffer grows to the
   /// pageable bytes of one write_blocks call, at most `max_bytes` (larger calls
@@ -607,8 +608,8 @@ class cuda_backend {
   }
   [[nodiscard]] index_t deferred_host_writes() const noexcept { return deferred_max_bytes_; }
 
-  /// Finishes the deferred pageable writes (those of every earlier
-  /// write_blocks call; they accumulate until the buffer is full): waits for their D2H, then copies
+  /// Finishes the deferred pageable writes (of the last write_blocks call):
+  /// waits for their D2H, then copies
   /// the bytes to their blocks (OpenMP threads when large). A no-op when none
   /// is pending.
   void complete_host_writes() {
