@@ -411,6 +411,15 @@ int run(cli& a) {
   }
   if (a.precision != "bf16" && a.precision != "fp32")
     throw writescope::config_error("--precision " + a.precision + " is not one of bf16, fp32");
+  if (kind == device_kind::emulated)  // cuda_backend's own settings: the host backend has none of them
+    for (const char* opt : {"--launch-thread", "--eviction-bounce-mib", "--kv-write-bounce-mib"})
+      if (a.gave(opt)) refuse(opt, "acts with --device cuda only (a setting of cuda_backend)", "--device emulated");
+  if (a.precision == "fp32")  // the fp32 precision materialises the prefill scores and runs experts per expert
+    for (const char* opt : {"--flash-prefill", "--batched-prefill-experts"})
+      if (a.gave(opt)) refuse(opt, "acts with --precision bf16 only", "--precision fp32");
+  if (a.stream_experts == "off")
+    for (const char* opt : {"--stream-min-rows", "--expert-staging-mib"})
+      if (a.gave(opt)) refuse(opt, "acts with --stream-experts on only", "--stream-experts off");
 
   // ---- expectation, prompts ------------------------------------------------------
   std::optional<expectation> expected;

@@ -589,9 +589,10 @@ class device_decoder {
   /// off, and head dims the kernel is built for.
   bool flash_applies() const {
     if (!d_.flash_prefill || prec_ != wtype::bf16) return false;
-    // the (qk, v) head dims the kernel is instantiated for (flash_prefill.cu)
-    auto built = [](int dqk, int dv) {
-      return (dqk == 64 && dv == 64) || (dqk == 128 && dv == 128) || (dqk == 192 && dv == 128) || (dqk == 48 && dv == 16);
+    auto built = [](int dqk, int dv) {  // the (qk, v) head dims the kernel is instantiated for
+      for (const gpu::flash_prefill_dims& d : gpu::flash_prefill_supported_dims)
+        if (d.dqk == dqk && d.dv == dv) return true;
+      return false;
     };
     if constexpr (mla)
       return built(c_.qk_nope_head_dim + c_.qk_rope_head_dim, c_.v_head_dim);
@@ -1497,17 +1498,7 @@ class device_decoder {
       fp.k = kx_;
       fp.v = vx_;
       fp.out = vexp_;
-      fp.hkv = hq;
-      fp.dqk = int(qk);
-      fp.dv = vh;
-      fp.q_token_stride = index_t(hq) * qk;
-      fp.q_head_stride = qk;
-      fp.k_token_stride = index_t(hq) * qk;
-      fp.k_head_stride = qk;
-      fp.v_token_stride = index_t(hq) * vh;
-      fp.v_head_stride = vh;
-      fp.o_token_stride = index_t(hq) * vh;
-      fp.o_head_stride = vh;
+      dense_heads(fp, hq, int(qk), vh, vh);
       x_.flash_prefill(fp);
       linear(L.o, vexp_, N, y_);
     } else {
@@ -1518,19 +1509,26 @@ class device_decoder {
       fp.k = reinterpret_cast<const std::uint16_t*>(kvb_[0]);
       fp.v = reinterpret_cast<const std::uint16_t*>(kvb_[1]);
       fp.out = att_;
-      fp.hkv = hkv;
-      fp.dqk = d;
-      fp.dv = d;
-      fp.q_token_stride = index_t(hq) * d;
-      fp.q_head_stride = d;
-      fp.k_token_stride = index_t(hkv) * d;
-      fp.k_head_stride = d;
-      fp.v_token_stride = index_t(hkv) * d;
-      fp.v_head_stride = d;
-      fp.o_token_stride = index_t(hq) * VD;
-      fp.o_head_stride = VD;
+      dense_heads(fp, hkv, d, d, VD);
       x_.flash_prefill(fp);
     }
+  }
+
+  /// Strides of dense operands: q [N][hq][dqk], k [N][hkv][dqk], v [N][hkv][dv],
+  /// out [N][hq][o_head] (elements).
+  static void dense_heads(gpu::flash_prefill_params& fp, int hkv, int dqk, int dv, int o_head) {
+    const index_t hq = fp.hq;
+    fp.hkv = hkv;
+    fp.dqk = dqk;
+    fp.dv = dv;
+    fp.q_token_stride = hq * dqk;
+    fp.q_head_stride = dqk;
+    fp.k_token_stride = index_t(hkv) * dqk;
+    fp.k_head_stride = dqk;
+    fp.v_token_stride = index_t(hkv) * dv;
+    fp.v_head_stride = dv;
+    fp.o_token_stride = hq * o_head;
+    fp.o_head_stride = o_head;
   }
 
   struct stream_item {
