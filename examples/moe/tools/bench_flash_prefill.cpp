@@ -15,6 +15,16 @@
 // rows of every case with a host fp64 computation (spot_max_err, relative to
 // max|v|) so that a fast wrong kernel does not pass unnoticed.
 //
+// Built with WS_MOE_HAVE_CUDNN (CMake found cuDNN and cudnn-frontend), each
+// case also runs cuDNN's fused SDPA (ws_moe/gpu/cudnn_prefill.hpp: ragged
+// layout, padding + causal masks, bf16 out) on the same inputs: a row with
+// impl "cudnn_sdpa", its TFLOP/s, vs_ws_flash_prefill (its TFLOP/s over
+// ours) and its own spot check (bf16 out: 8e-3 instead of 4e-3). A shape cuDNN
+// refuses gives a row with supported false and cuDNN's reason; a machine
+// without a loadable cuDNN gives "cudnn": {"available": false, "reason": ...}.
+// The plan is built before the timed runs; its workspace is allocated once per
+// case.
+//
 // Inputs: q, k, v random bf16 (unit variance, scale 1/sqrt(dqk)) in the
 // decoders' layout [tokens][heads][d], dense; out fp32 [tokens][hq][dv]; no
 // lse. One allocation per model at its largest token count, reused.
@@ -23,7 +33,9 @@
 //
 // Options: --reps N (10), --warmup N (2), --models LIST (qwen3,mixtral,dsv2),
 // --shapes LIST (4x32768,8x8192,32x2048), --json FILE (rewritten after every
-// case). The table is printed last. Exit status 1 when a spot check fails.
+// case), --impls LIST (ws,cudnn: which implementations run; cudnn only with
+// WS_MOE_HAVE_CUDNN). The table is printed last. Exit status 1 when a spot
+// check fails.
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
@@ -36,6 +48,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -43,6 +56,9 @@
 #include <writescope/cuda/cuda_error.hpp>
 
 #include "ws_moe/gpu/flash_prefill_launch.hpp"
+#if defined(WS_MOE_HAVE_CUDNN)
+#  include "ws_moe/gpu/cudnn_prefill.hpp"
+#endif
 #include "ws_moe/gpu/kernel_math.hpp"
 
 namespace gpu = ws_moe::gpu;
@@ -164,9 +180,12 @@ json gemm_ceiling(int n, int warmup, int reps) {
           {"best_seconds", *std::min_element(s.begin(), s.end())}, {"tflops", flops / med * 1e-12}};
 }
 
-/// Max over a few (sequence, head, row) of |device - fp64| / max|v|.
+/// Max over a few (sequence, head, row) of |device - fp64| / max|v|; the
+/// device rows are read from p.out (fp32), or from out_bf16 when it is given
+/// (same strides).
 double spot_check(const gpu::flash_prefill_params& p, const std::vector<int>& offsets, const std::vector<std::uint16_t>& q,
-                  const std::vector<std::uint16_t>& k, const std::vector<std::uint16_t>& v) {
+                  const std::vector<std::uint16_t>& k, const std::vector<std::uint16_t>& v,
+                  const std::uint16_t* out_bf16 = nullptr) {
   const int seqs = int(offsets.size()) - 1;
   const int group = p.hq / p.hkv;
   double vmax = 0;
@@ -191,8 +210,15 @@ double spot_check(const gpu::flash_prefill_params& p, const std::vector<int>& of
           mx = std::max(mx, w[std::size_t(j)]);
         }
         for (double& x : w) sum += (x = std::exp(x - mx));
-        WS_CUDA_TRY(cudaMemcpy(row.data(), p.out + tok * p.o_token_stride + idx(h) * p.o_head_stride,
-                               std::size_t(p.dv) * 4, cudaMemcpyDeviceToHost));
+        if (out_bf16 != nullptr) {
+          std::vector<std::uint16_t> raw(std::size_t(p.dv));
+          WS_CUDA_TRY(cudaMemcpy(raw.data(), out_bf16 + tok * p.o_token_stride + idx(h) * p.o_head_stride,
+                                 std::size_t(p.dv) * 2, cudaMemcpyDeviceToHost));
+          for (int e = 0; e < p.dv; ++e) row[std::size_t(e)] = gpu::bf16_to_float(raw[std::size_t(e)]);
+        } else {
+          WS_CUDA_TRY(cudaMemcpy(row.data(), p.out + tok * p.o_token_stride + idx(h) * p.o_head_stride,
+                                 std::size_t(p.dv) * 4, cudaMemcpyDeviceToHost));
+        }
         for (int e = 0; e < p.dv; ++e) {
           double ref = 0;
           for (int j = 0; j <= t; ++j) ref += w[std::size_t(j)] * at(v, idx(start + j) * p.v_token_stride + idx(g) * p.v_head_stride + e);
@@ -212,6 +238,7 @@ int main(int argc, char** argv) try {
   std::string json_path;
   std::vector<std::string> model_names = {"qwen3", "mixtral", "dsv2"};
   std::vector<std::string> shape_names = {"4x32768", "8x8192", "32x2048"};
+  std::vector<std::string> impl_names = {"ws", "cudnn"};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     const auto value = [&]() -> std::string {
@@ -223,9 +250,10 @@ int main(int argc, char** argv) try {
     else if (a == "--json") json_path = value();
     else if (a == "--models") model_names = split(value());
     else if (a == "--shapes") shape_names = split(value());
+    else if (a == "--impls") impl_names = split(value());
     else if (a == "--help" || a == "-h") {
       std::printf("usage: ws_moe_bench_flash_prefill [--reps N] [--warmup N] [--models qwen3,mixtral,dsv2] "
-                  "[--shapes 4x32768,8x8192,32x2048] [--json FILE]\n");
+                  "[--shapes 4x32768,8x8192,32x2048] [--impls ws,cudnn] [--json FILE]\n");
       return 0;
     } else {
       throw usage_error("unknown option '" + a + "' (--help)");
@@ -241,6 +269,12 @@ int main(int argc, char** argv) try {
         found = true;
       }
     if (!found) throw usage_error("--models: unknown model '" + n + "' (qwen3, mixtral, dsv2)");
+  }
+  bool run_ws = false, run_cudnn = false;
+  for (const std::string& n : impl_names) {
+    if (n == "ws") run_ws = true;
+    else if (n == "cudnn") run_cudnn = true;
+    else throw usage_error("--impls: unknown implementation '" + n + "' (ws, cudnn)");
   }
   std::vector<batch_shape> shapes;
   for (const std::string& s : shape_names) {
@@ -269,6 +303,19 @@ int main(int argc, char** argv) try {
   doc["ceiling"] = gemm_ceiling(8192, warmup, std::max(reps, 5));
   const double ceiling = doc["ceiling"]["tflops"].get<double>();
   std::printf("ceiling: cuBLAS bf16 GEMM 8192^3, fp32 out: %.1f TFLOP/s\n", ceiling);
+#if defined(WS_MOE_HAVE_CUDNN)
+  std::unique_ptr<gpu::cudnn_prefill> cudnn;
+  if (run_cudnn) {
+    const bool avail = gpu::cudnn_prefill::available();
+    doc["cudnn"] = {{"available", avail}, {"version", gpu::cudnn_prefill::loaded_version()},
+                    {"reason", gpu::cudnn_prefill::unavailable_reason()}};
+    if (avail) cudnn = std::make_unique<gpu::cudnn_prefill>();
+    std::printf("cuDNN: %s\n", avail ? ("version " + std::to_string(gpu::cudnn_prefill::loaded_version())).c_str()
+                                      : gpu::cudnn_prefill::unavailable_reason().c_str());
+  }
+#else
+  if (run_cudnn) doc["cudnn"] = {{"available", false}, {"reason", "built without WS_MOE_HAVE_CUDNN"}};
+#endif
   save();
 
   bool spot_ok = true;
@@ -280,6 +327,9 @@ int main(int argc, char** argv) try {
     const std::vector<std::uint16_t> hv_data = random_bf16(std::size_t(max_tokens * m.hkv * m.dv), 13);
     device_buffer<std::uint16_t> q(hq_data.size()), k(hk_data.size()), v(hv_data.size());
     device_buffer<float> out(std::size_t(max_tokens * m.hq * m.dv));
+#if defined(WS_MOE_HAVE_CUDNN)
+    device_buffer<std::uint16_t> out_bf16(cudnn ? std::size_t(max_tokens * m.hq * m.dv) : 0);
+#endif
     WS_CUDA_TRY(cudaMemcpy(q.p, hq_data.data(), hq_data.size() * 2, cudaMemcpyHostToDevice));
     WS_CUDA_TRY(cudaMemcpy(k.p, hk_data.data(), hk_data.size() * 2, cudaMemcpyHostToDevice));
     WS_CUDA_TRY(cudaMemcpy(v.p, hv_data.data(), hv_data.size() * 2, cudaMemcpyHostToDevice));
@@ -310,35 +360,96 @@ int main(int argc, char** argv) try {
       p.o_head_stride = m.dv;
       p.scale = float(1.0 / std::sqrt(double(m.dqk)));
       gpu::check_flash_prefill_offsets(p, offsets.data());
-      const std::vector<double> s = time_runs([&] { gpu::launch_flash_prefill(p, nullptr); }, warmup, reps);
       const double T = b.tokens_per_sequence;
       const double flops = 2.0 * (m.dqk + m.dv) * m.hq * b.sequences * T * (T + 1) / 2;
-      const double med = median(s), tflops = flops / med * 1e-12;
-      const double spot = spot_check(p, offsets, hq_data, hk_data, hv_data);
-      const bool ok = spot <= 4e-3;  // bf16 rounding of P: at most 2^-8 of max|v|
-      spot_ok = spot_ok && ok;
-      doc["rows"].push_back({{"impl", "ws_flash_prefill"}, {"model", m.name}, {"hq", m.hq}, {"hkv", m.hkv},
-                             {"dqk", m.dqk}, {"dv", m.dv}, {"batch", b.sequences},
-                             {"seq_tokens", b.tokens_per_sequence}, {"causal", true}, {"flops", flops},
-                             {"median_seconds", med}, {"best_seconds", *std::min_element(s.begin(), s.end())},
-                             {"tflops", tflops}, {"fraction_of_ceiling", tflops / ceiling},
-                             {"spot_max_err", spot}, {"spot_ok", ok}});
-      std::printf("%-8s %2dx%-6d %8.3f ms  %6.1f TFLOP/s  spot %.2e%s\n", m.name.c_str(), b.sequences,
-                  b.tokens_per_sequence, med * 1e3, tflops, spot, ok ? "" : "  FAILED");
-      std::fflush(stdout);
-      save();
+      const json shape = {{"model", m.name}, {"hq", m.hq}, {"hkv", m.hkv}, {"dqk", m.dqk}, {"dv", m.dv},
+                          {"batch", b.sequences}, {"seq_tokens", b.tokens_per_sequence}, {"causal", true},
+                          {"flops", flops}};
+      [[maybe_unused]] double ws_tflops = 0;  // for the cuDNN row's vs_ws_flash_prefill
+      if (run_ws) {
+        const std::vector<double> s = time_runs([&] { gpu::launch_flash_prefill(p, nullptr); }, warmup, reps);
+        const double med = median(s), tflops = flops / med * 1e-12;
+        ws_tflops = tflops;
+        const double spot = spot_check(p, offsets, hq_data, hk_data, hv_data);
+        const bool ok = spot <= 4e-3;  // bf16 rounding of P: at most 2^-8 of max|v|
+        spot_ok = spot_ok && ok;
+        json row = shape;
+        row.update({{"impl", "ws_flash_prefill"}, {"out_dtype", "fp32"}, {"median_seconds", med},
+                    {"best_seconds", *std::min_element(s.begin(), s.end())}, {"tflops", tflops},
+                    {"fraction_of_ceiling", tflops / ceiling}, {"spot_max_err", spot}, {"spot_ok", ok}});
+        doc["rows"].push_back(row);
+        std::printf("%-8s %2dx%-6d ws     %8.3f ms  %6.1f TFLOP/s  spot %.2e%s\n", m.name.c_str(), b.sequences,
+                    b.tokens_per_sequence, med * 1e3, tflops, spot, ok ? "" : "  FAILED");
+        std::fflush(stdout);
+        save();
+      }
+#if defined(WS_MOE_HAVE_CUDNN)
+      if (cudnn) {
+        gpu::cudnn_prefill_params c;
+        c.q = p.q;
+        c.k = p.k;
+        c.v = p.v;
+        c.out = out_bf16.p;
+        c.seq_offsets = p.seq_offsets;
+        c.num_seqs = p.num_seqs;
+        c.max_seq_tokens = p.max_seq_tokens;
+        c.buffer_tokens = max_tokens;
+        c.hq = p.hq;
+        c.hkv = p.hkv;
+        c.dqk = p.dqk;
+        c.dv = p.dv;
+        c.q_token_stride = p.q_token_stride;
+        c.q_head_stride = p.q_head_stride;
+        c.k_token_stride = p.k_token_stride;
+        c.k_head_stride = p.k_head_stride;
+        c.v_token_stride = p.v_token_stride;
+        c.v_head_stride = p.v_head_stride;
+        c.o_token_stride = p.o_token_stride;
+        c.o_head_stride = p.o_head_stride;
+        c.scale = p.scale;
+        json row = shape;
+        row.update({{"impl", "cudnn_sdpa"}, {"out_dtype", "bf16"}});
+        if (!cudnn->supported(c)) {
+          row.update({{"supported", false}, {"refusal", cudnn->last_refusal()}, {"spot_ok", true}});
+          std::printf("%-8s %2dx%-6d cudnn  refused: %s\n", m.name.c_str(), b.sequences, b.tokens_per_sequence,
+                      cudnn->last_refusal().c_str());
+        } else {
+          const std::size_t ws_bytes = cudnn->workspace_bytes(c);  // builds the plan, before the timed runs
+          device_buffer<unsigned char> ws(ws_bytes);
+          const std::vector<double> s = time_runs([&] { cudnn->run(c, ws.p, ws_bytes, nullptr); }, warmup, reps);
+          const double med = median(s), tflops = flops / med * 1e-12;
+          // bf16 out adds at most 2^-8 |out| <= 2^-8 max|v| to the rounding of P.
+          const double spot = spot_check(p, offsets, hq_data, hk_data, hv_data, out_bf16.p);
+          const bool ok = spot <= 8e-3;
+          spot_ok = spot_ok && ok;
+          row.update({{"supported", true}, {"workspace_bytes", ws_bytes}, {"median_seconds", med},
+                      {"best_seconds", *std::min_element(s.begin(), s.end())}, {"tflops", tflops},
+                      {"fraction_of_ceiling", tflops / ceiling}, {"spot_max_err", spot}, {"spot_ok", ok}});
+          if (ws_tflops > 0) row["vs_ws_flash_prefill"] = tflops / ws_tflops;
+          std::printf("%-8s %2dx%-6d cudnn  %8.3f ms  %6.1f TFLOP/s  spot %.2e%s\n", m.name.c_str(), b.sequences,
+                      b.tokens_per_sequence, med * 1e3, tflops, spot, ok ? "" : "  FAILED");
+        }
+        doc["rows"].push_back(row);
+        std::fflush(stdout);
+        save();
+      }
+#endif
     }
   }
 
-  std::printf("\nflash prefill (causal, bf16 in, fp32 out) on %s; ceiling cuBLAS bf16 GEMM %.1f TFLOP/s\n", prop.name,
-              ceiling);
-  std::printf("%-8s %-5s %-8s %-10s %10s %9s %8s\n", "model", "heads", "d", "batch", "median ms", "TFLOP/s", "of ceil");
+  std::printf("\nprefill attention (causal, bf16 in; ws_flash_prefill fp32 out, cudnn_sdpa bf16 out) on %s; "
+              "ceiling cuBLAS bf16 GEMM %.1f TFLOP/s\n",
+              prop.name, ceiling);
+  std::printf("%-8s %-5s %-8s %-10s %-16s %10s %9s %8s\n", "model", "heads", "d", "batch", "impl", "median ms", "TFLOP/s",
+              "of ceil");
   for (const json& r : doc["rows"]) {
+    if (r.contains("supported") && !r["supported"].get<bool>()) continue;
     const std::string heads = std::to_string(r["hq"].get<int>()) + "/" + std::to_string(r["hkv"].get<int>());
     const std::string d = std::to_string(r["dqk"].get<int>()) + "/" + std::to_string(r["dv"].get<int>());
     const std::string batch = std::to_string(r["batch"].get<int>()) + "x" + std::to_string(r["seq_tokens"].get<int>());
-    std::printf("%-8s %-5s %-8s %-10s %10.3f %9.1f %7.0f%%%s\n", r["model"].get<std::string>().c_str(), heads.c_str(),
-                d.c_str(), batch.c_str(), r["median_seconds"].get<double>() * 1e3, r["tflops"].get<double>(),
+    std::printf("%-8s %-5s %-8s %-10s %-16s %10.3f %9.1f %7.0f%%%s\n", r["model"].get<std::string>().c_str(),
+                heads.c_str(), d.c_str(), batch.c_str(), r["impl"].get<std::string>().c_str(),
+                r["median_seconds"].get<double>() * 1e3, r["tflops"].get<double>(),
                 100.0 * r["fraction_of_ceiling"].get<double>(), r["spot_ok"].get<bool>() ? "" : "  SPOT CHECK FAILED");
   }
   return spot_ok ? 0 : 1;
