@@ -385,28 +385,7 @@ int main(int argc, char** argv) try {
       }
 #if defined(WS_MOE_HAVE_CUDNN)
       if (cudnn) {
-        gpu::cudnn_prefill_params c;
-        c.q = p.q;
-        c.k = p.k;
-        c.v = p.v;
-        c.out = out_bf16.p;
-        c.seq_offsets = p.seq_offsets;
-        c.num_seqs = p.num_seqs;
-        c.max_seq_tokens = p.max_seq_tokens;
-        c.buffer_tokens = max_tokens;
-        c.hq = p.hq;
-        c.hkv = p.hkv;
-        c.dqk = p.dqk;
-        c.dv = p.dv;
-        c.q_token_stride = p.q_token_stride;
-        c.q_head_stride = p.q_head_stride;
-        c.k_token_stride = p.k_token_stride;
-        c.k_head_stride = p.k_head_stride;
-        c.v_token_stride = p.v_token_stride;
-        c.v_head_stride = p.v_head_stride;
-        c.o_token_stride = p.o_token_stride;
-        c.o_head_stride = p.o_head_stride;
-        c.scale = p.scale;
+        const gpu::cudnn_prefill_params c = gpu::to_cudnn_prefill_params(p, out_bf16.p, max_tokens);
         json row = shape;
         row.update({{"impl", "cudnn_sdpa"}, {"out_dtype", "bf16"}});
         if (!cudnn->supported(c)) {

@@ -61,6 +61,7 @@
 
 #include <writescope/error.hpp>
 
+#include "flash_prefill.hpp"
 #include "kernel_math.hpp"
 
 namespace ws_moe::gpu {
@@ -107,6 +108,37 @@ struct cudnn_prefill_params {
   idx o_token_stride = 0, o_head_stride = 0;
   float scale = 0;                   ///< softmax scale applied to q·k
 };
+
+/// The cuDNN parameters of a flash_prefill_params call over the same q, k, v,
+/// offsets, shape and strides, writing bf16 `out_bf16` with f's out strides
+/// (f.out is not used) and f.lse; `buffer_tokens` as in cudnn_prefill_params.
+[[nodiscard]] inline cudnn_prefill_params to_cudnn_prefill_params(const flash_prefill_params& f, std::uint16_t* out_bf16,
+                                                                  idx buffer_tokens) {
+  cudnn_prefill_params c;
+  c.q = f.q;
+  c.k = f.k;
+  c.v = f.v;
+  c.out = out_bf16;
+  c.lse = f.lse;
+  c.seq_offsets = f.seq_offsets;
+  c.num_seqs = f.num_seqs;
+  c.max_seq_tokens = f.max_seq_tokens;
+  c.buffer_tokens = buffer_tokens;
+  c.hq = f.hq;
+  c.hkv = f.hkv;
+  c.dqk = f.dqk;
+  c.dv = f.dv;
+  c.q_token_stride = f.q_token_stride;
+  c.q_head_stride = f.q_head_stride;
+  c.k_token_stride = f.k_token_stride;
+  c.k_head_stride = f.k_head_stride;
+  c.v_token_stride = f.v_token_stride;
+  c.v_head_stride = f.v_head_stride;
+  c.o_token_stride = f.o_token_stride;
+  c.o_head_stride = f.o_head_stride;
+  c.scale = f.scale;
+  return c;
+}
 
 /// Checks our rules on the host, without touching device memory or cuDNN:
 /// num_seqs, max_seq_tokens, buffer_tokens >= 0 and max_seq_tokens <=
