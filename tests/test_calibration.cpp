@@ -448,12 +448,8 @@ namespace {
 // seconds of the previous launch (0 before one completed), and
 // take_completed_gpu_cost() reports each completed launch once, with that
 // launch's own streamed tokens.
-struct lagged_cost {
-  double seconds = 0.0;
-  index_t streamed_tokens = 0;
-};
-inline std::vector<lagged_cost>& lagged_launches() {
-  static std::vector<lagged_cost> v;
+inline std::vector<completed_gpu_cost>& lagged_launches() {
+  static std::vector<completed_gpu_cost> v;
   return v;
 }
 
@@ -464,6 +460,7 @@ struct lagged_backend : host_backend {
 
    public:
     using base::base;
+    static constexpr bool asynchronous = true;
     void launch(const typename base::args_type& a) {
       tokens_ = a.plan->streamed_blocks * a.format.block_tokens;
       base::launch(a);
@@ -471,12 +468,12 @@ struct lagged_backend : host_backend {
     double finish(const step_outputs<pageable_host_space>& o) {
       const double s = base::finish(o);
       auto& log = lagged_launches();
-      log.push_back({s, tokens_});
+      log.push_back({s, 0.0, tokens_, false});
       if (log.size() < 2) return 0.0;
       fresh_ = true;
       return log[log.size() - 2].seconds;
     }
-    lagged_cost take_completed_gpu_cost() {
+    completed_gpu_cost take_completed_gpu_cost() {
       if (!fresh_) return {};
       fresh_ = false;
       const auto& log = lagged_launches();
@@ -515,7 +512,7 @@ TEST_CASE("hybrid_attention feeds B with each completed launch's own seconds and
 
   CHECK(d.step(two).ok());
   REQUIRE(lagged_launches().size() == 2);
-  const lagged_cost l0 = lagged_launches()[0], l1 = lagged_launches()[1];
+  const completed_gpu_cost l0 = lagged_launches()[0], l1 = lagged_launches()[1];
   REQUIRE(l1.streamed_tokens != l0.streamed_tokens);
   // B = the first launch's seconds over the first launch's tokens, not over this step's.
   CHECK(cache.policy().gpu_cost_per_token_seconds() == doctest::Approx(std::max(l0.seconds / double(l0.streamed_tokens), 1e-15)));

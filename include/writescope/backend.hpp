@@ -21,6 +21,8 @@
 #include "host_memory.hpp"
 #include "layout.hpp"
 #include "memory_space.hpp"
+#include "partial_state.hpp"
+#include "sparse_pipeline.hpp"
 #include "stream_plan.hpp"
 
 namespace writescope {
@@ -81,39 +83,6 @@ struct debug_partials {
   std::vector<float> window_o, window_lse;      ///< D-window
 };
 
-/// What a gpu_engine reserves for sparse steps (docs/SPARSE.md): two staging
-/// buffers of `chunk_blocks` blocks of `block_bytes` (page-locked on a real
-/// device, like the load region; none when `device_pull`), per-chunk block
-/// lists for up to `buffers` ping-pong buffers of `kv_heads` heads, and
-/// `gather_threads` host threads (cuda_backend) that gather selected blocks
-/// into staging and write the block lists. Reserved once, off the step path; a
-/// larger request later grows it (between steps); the transfer mode is the
-/// latest reservation's.
-struct sparse_reservation {
-  index_t chunk_blocks = 0;
-  index_t block_bytes = 0;
-  int buffers = 2;
-  int kv_heads = 1;
-  int gather_threads = 1;
-  /// sparse_transfer::device_pull: gathered chunks are pulled out of the pinned
-  /// region by a copy kernel (cuda_backend; host_backend emulates it by copying
-  /// the runs straight into ping-pong), no staging buffers.
-  bool device_pull = false;
-  /// device_pull: the most CTAs of one pull-kernel launch (sparse_options::pull_ctas), >= 1.
-  int pull_ctas = 64;
-};
-
-/// The gather of the last sparse step (filled in by gpu_engine::finish).
-/// Every chunk of the step's plan is counted once: as gathered, pulled or direct.
-struct gather_stats {
-  double seconds = 0.0;        ///< wall time from the first host gather memcpy to the last (0 if none)
-  index_t bytes = 0;           ///< bytes gathered into staging by host memcpy (host_gather chunks only)
-  index_t gathered_chunks = 0; ///< chunks gathered into staging and moved as one copy out of it
-  index_t pulled_chunks = 0;   ///< stream_chunk::gathered chunks pulled by the device (sparse_transfer::device_pull)
-  index_t pulled_bytes = 0;    ///< their bytes: read by the device over PCIe, no host copy (not in `bytes`)
-  index_t direct_chunks = 0;   ///< chunks copied run by run from the pinned region
-};
-
 /// Arguments of the GPU side of one step (one layer), see gpu_engine::launch.
 template <kv_layout Layout, memory_space ActSpace>
 struct gpu_step_args {
@@ -136,8 +105,63 @@ struct step_outputs {
   debug_partials* debug = nullptr; ///< when set, receives each engine's partial (host copies)
 };
 
-/// The structural part of the backend concept. Layout-dependent operations
-/// (write_blocks, gpu_engine<Layout>) are checked where they are instantiated.
+/// GPU-side cost of one completed launch, reported by an asynchronous engine
+/// (gpu_engine::take_completed_gpu_cost) for a launch that finished since the
+/// last report; hybrid_attention feeds it to the policy in place of the step's.
+struct completed_gpu_cost {
+  double seconds = 0.0;         ///< stream + attend, merge excluded
+  /// From the moment the caller's work before the launch was done (the
+  /// compute stream may start) to the end of the attention: `seconds` without
+  /// the copies that ran ahead of it. What the CPU engine's time compares with.
+  double critical_seconds = 0.0;
+  index_t streamed_tokens = 0;  ///< KV tokens that launch streamed through ping-pong
+  bool sparse = false;          ///< that launch was a sparse step's (selected blocks)
+};
+
+/// The GPU side of a decode step for one layout, as hybrid_attention drives it
+/// once per step from one thread: launch(args) starts it (the engine may work
+/// asynchronously until finish); host_queries() gives the step's queries in
+/// host memory ([batch][Hq][q_dim] fp32, for the CPU engine); the CPU engine
+/// writes its merged partial into cpu_partial(batch) (host memory, dense);
+/// finish(out) merges streamed ⊕ D-window ⊕ CPU into `out` (activation space)
+/// and returns the GPU side's seconds; reserve_sparse / last_gather serve
+/// sparse steps (sparse_pipeline.hpp). `E::asynchronous` declares whether the
+/// engine's timing is of an earlier launch: then take_completed_gpu_cost()
+/// reports it, and the step's host enqueue time feeds the policy's K.
+/// Construction: E(backend, layout, max_batch), allocating every workspace.
+template <class E, class Backend, class Layout>
+concept gpu_attention_engine =
+    kv_layout<Layout> && std::constructible_from<E, Backend&, const Layout&, int> &&
+    std::convertible_to<decltype(E::asynchronous), bool> &&
+    requires(E& e, const gpu_step_args<Layout, typename Backend::activation_space>& args,
+             const step_outputs<typename Backend::activation_space>& out, const sparse_reservation& r, int batch) {
+      { e.launch(args) } -> std::same_as<void>;
+      { e.host_queries() } -> std::convertible_to<const float*>;
+      { e.cpu_partial(batch) } -> std::same_as<host_partial_view<float>>;
+      { e.finish(out) } -> std::same_as<double>;
+      { e.reserve_sparse(r) } -> std::same_as<void>;
+      { e.last_gather() } -> std::convertible_to<const gather_stats&>;
+    } && (!E::asynchronous || requires(E& e) {
+      { e.take_completed_gpu_cost() } -> std::same_as<completed_gpu_cost>;
+    });
+
+/// The GPU engine hybrid_attention<Cache, CpuKernel> runs on backend B: B's
+/// gpu_engine<Layout>. A backend whose device is emulated by CPU kernels
+/// (host_backend) specializes it so that its device runs CpuKernel too.
+template <class B, class Layout, class CpuKernel>
+struct gpu_engine_for {
+  using type = typename B::template gpu_engine<Layout>;
+};
+template <class B, class Layout, class CpuKernel>
+using gpu_engine_for_t = typename gpu_engine_for<B, Layout, CpuKernel>::type;
+
+/// The structural part of the backend concept: device memory, staging,
+/// evictions, and the host-write ordering hybrid_attention relies on —
+/// synchronize_host_writes() returns once every host-region write issued so
+/// far (evictions, prefill) has landed; complete_host_writes() once deferred
+/// prefill writes have (a backend whose writes land on return makes both
+/// no-ops). Layout-dependent operations (write_blocks, gpu_attention_engine)
+/// are checked where they are instantiated.
 template <class B>
 concept backend = std::same_as<typename B::backend_concept, backend_tag> &&
                   memory_space<typename B::activation_space> &&
@@ -149,6 +173,8 @@ concept backend = std::same_as<typename B::backend_concept, backend_tag> &&
                     { b.fill_device(dev, bytes, pattern) } -> std::same_as<void>;
                     { b.copy_blocks_to_host(copies) } -> std::same_as<void>;
                     { b.copy_to_host_sync(dst, src, bytes) } -> std::same_as<void>;
+                    { b.synchronize_host_writes() } -> std::same_as<void>;
+                    { b.complete_host_writes() } -> std::same_as<void>;
                     { cb.name() } -> std::convertible_to<std::string_view>;
                   };
 

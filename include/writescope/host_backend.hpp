@@ -5,7 +5,8 @@
 // GPU, CI included (docs/ARCHITECTURE.md).
 //
 // Emulation: "device memory" is host memory that only this backend touches,
-// typed device_space; DMA is memcpy; a GPU kernel is the CPU kernel run on one
+// typed device_space; DMA is memcpy; a GPU kernel is a CPU attention kernel
+// (gpu_engine's Kernel: hybrid_attention's CpuKernel, cpu/kernel.hpp) run on one
 // persistent worker thread (the "device"), concurrently with the CPU engine's
 // threads, as the real GPU side runs concurrently with them. The worker
 // executes exactly the order the CUDA backend enqueues: for each chunk, copy
@@ -40,9 +41,11 @@
 #include "backend.hpp"
 #include "detail/thread_affinity.hpp"
 #include "cpu/attention.hpp"
+#include "cpu/kernel.hpp"
 #include "error.hpp"
 #include "host_memory.hpp"
 #include "partial_state.hpp"
+#include "sparse_pipeline.hpp"
 #include "stream_plan.hpp"
 
 namespace writescope {
@@ -101,15 +104,31 @@ class host_backend {
     std::memcpy(dst, src, static_cast<std::size_t>(bytes));
   }
 
-  /// The GPU side of a decode step for one layout (one per cache).
-  template <kv_layout Layout>
+  /// Host-region writes complete on return here: nothing to wait for.
+  void synchronize_host_writes() noexcept {}
+  void complete_host_writes() noexcept {}
+
+  /// The GPU side of a decode step for one layout (one per cache); its
+  /// emulated device attends with `Kernel` (hybrid_attention passes its
+  /// CpuKernel: gpu_engine_for below).
+  template <kv_layout Layout, cpu_attention_kernel<Layout> Kernel = cpu::decode_kernel<Layout>>
   class gpu_engine;
 };
 
-template <kv_layout Layout>
+/// hybrid_attention<Cache, CpuKernel> on host_backend: the emulated device runs
+/// CpuKernel as well. (A type derived from host_backend gets its own
+/// gpu_engine<Layout>, as any backend, unless it specializes gpu_engine_for.)
+template <class Layout, class CpuKernel>
+struct gpu_engine_for<host_backend, Layout, CpuKernel> {
+  using type = host_backend::gpu_engine<Layout, CpuKernel>;
+};
+
+template <kv_layout Layout, cpu_attention_kernel<Layout> Kernel>
 class host_backend::gpu_engine {
  public:
   using args_type = gpu_step_args<Layout, pageable_host_space>;
+  /// finish() waits for this step's GPU side and times it.
+  static constexpr bool asynchronous = false;
 
   /// max_batch: sequences per step; nothing is allocated per step afterwards.
   gpu_engine(host_backend&, const Layout& layout, int max_batch) : layout_(layout), max_batch_(max_batch) {
@@ -265,14 +284,7 @@ class host_backend::gpu_engine {
           segs.clear();
           for (int b = 0; b < sp.num_blocks; ++b)
             segs.push_back({buf + (sp.first_block + b) * block_elems, f.block_tokens});
-          for (int kvh = 0; kvh < layout_.kv_heads(); ++kvh) {
-            const std::size_t row0 = std::size_t(sp.batch_index) * std::size_t(hq) + std::size_t(kvh) * group;
-            cpu::decode_kernel<Layout>::run(f, kvh, q + row0 * Layout::q_dim, Layout::q_dim, group, a.softmax_scale,
-                                            segs, split_o_.data(), V, split_lse_.data());
-            for (int g = 0; g < group; ++g)  // fold into the running state, split order
-              merge_state_row(&streamed_o_[(row0 + g) * V], streamed_lse_[row0 + g], &split_o_[std::size_t(g) * V],
-                              split_lse_[std::size_t(g)], &streamed_o_[(row0 + g) * V], &streamed_lse_[row0 + g], V);
-          }
+          for (int kvh = 0; kvh < layout_.kv_heads(); ++kvh) attend_split(a, sp.batch_index, kvh, segs);
         }
       }
     }
@@ -283,24 +295,34 @@ class host_backend::gpu_engine {
         segs.push_back({w.slot + index_t(t0 / f.block_tokens) * block_elems, std::min(f.block_tokens, w.tokens - t0)});
       for (int kvh = 0; kvh < layout_.kv_heads(); ++kvh) {
         const std::size_t row0 = std::size_t(i) * std::size_t(hq) + std::size_t(kvh) * group;
-        cpu::decode_kernel<Layout>::run(f, kvh, q + row0 * Layout::q_dim, Layout::q_dim, group, a.softmax_scale, segs,
-                                        &window_o_[row0 * V], V, &window_lse_[row0]);
+        Kernel::run(f, kvh, q + row0 * Layout::q_dim, Layout::q_dim, group, a.softmax_scale, segs, &window_o_[row0 * V],
+                    V, &window_lse_[row0]);
       }
     }
+  }
+
+  // One streamed split of sequence `batch_index` for KV head `kvh` over
+  // `segs`: attended into the split workspace, then folded into the running
+  // streamed state of the head's query group (split order).
+  void attend_split(const args_type& a, int batch_index, int kvh, std::span<const cpu::kv_segment> segs) {
+    const int group = layout_.group_size();
+    constexpr int V = Layout::v_dim;
+    const std::size_t row0 = std::size_t(batch_index) * std::size_t(layout_.num_q_heads()) + std::size_t(kvh) * group;
+    Kernel::run(a.format, kvh, a.q.data() + row0 * Layout::q_dim, Layout::q_dim, group, a.softmax_scale, segs,
+                split_o_.data(), V, split_lse_.data());
+    for (int g = 0; g < group; ++g)
+      merge_state_row(&streamed_o_[(row0 + g) * V], streamed_lse_[row0 + g], &split_o_[std::size_t(g) * V],
+                      split_lse_[std::size_t(g)], &streamed_o_[(row0 + g) * V], &streamed_lse_[row0 + g], V);
   }
 
   // Sparse plan: per chunk, gather (if gathered) into staging (serial % 2) and
   // copy it whole into the chunk's buffer, or copy its runs straight; then
   // attend each split per KV head over that head's list, folding in split order.
   void stream_sparse(const args_type& a) {
-    const int hq = layout_.num_q_heads();
-    const int group = layout_.group_size();
     const int hkv = layout_.kv_heads();
-    constexpr int V = Layout::v_dim;
     const block_format<Layout>& f = a.format;
     const index_t block_elems = f.block_elems();
     const index_t block_bytes = f.block_bytes();
-    const float* q = a.q.data();
     const stream_plan& plan = *a.plan;
     std::vector<cpu::kv_segment>& segs = segs_;
     gather_stats gs;
@@ -341,12 +363,7 @@ class host_backend::gpu_engine {
           segs.clear();
           for (int j = 0; j < lst[0]; ++j)
             segs.push_back({buf + (sp.first_block + lst[1 + j]) * block_elems, f.block_tokens});
-          const std::size_t row0 = std::size_t(sp.batch_index) * std::size_t(hq) + std::size_t(kvh) * group;
-          cpu::decode_kernel<Layout>::run(f, kvh, q + row0 * Layout::q_dim, Layout::q_dim, group, a.softmax_scale,
-                                          segs, split_o_.data(), V, split_lse_.data());
-          for (int g = 0; g < group; ++g)  // fold into the running state, split order
-            merge_state_row(&streamed_o_[(row0 + g) * V], streamed_lse_[row0 + g], &split_o_[std::size_t(g) * V],
-                            split_lse_[std::size_t(g)], &streamed_o_[(row0 + g) * V], &streamed_lse_[row0 + g], V);
+          attend_split(a, sp.batch_index, kvh, segs);
         }
       }
     }
@@ -373,5 +390,6 @@ class host_backend::gpu_engine {
 };
 
 static_assert(backend<host_backend>);
+static_assert(gpu_attention_engine<host_backend::gpu_engine<gqa_layout<128>>, host_backend, gqa_layout<128>>);
 
 }  // namespace writescope

@@ -48,13 +48,16 @@
 #  include <omp.h>
 #endif
 
+#include "assist.hpp"
 #include "cpu/amx_attention.hpp"
 #include "cpu/attention.hpp"
+#include "cpu/kernel.hpp"
 #include "error.hpp"
 #include "inplace_kv_cache.hpp"
 #include "partial_state.hpp"
 #include "policy.hpp"
 #include "sparse.hpp"
+#include "sparse_pipeline.hpp"
 #include "stream_plan.hpp"
 
 namespace writescope {
@@ -118,16 +121,22 @@ struct step_report {
   index_t pulled_bytes = 0;      ///< bytes of gathered chunks pulled by the device instead (sparse_transfer::device_pull)
 };
 
-/// CpuKernel: the CPU engine's kernel, any type with decode_kernel's static
-/// run(). Default cpu::auto_decode_kernel: AMX-BF16 tiles for MLA where the
-/// CPU has them (cpu/amx_attention.hpp; WRITESCOPE_CPU_AMX), else fp32 FMA.
-template <class Cache, class CpuKernel = cpu::auto_decode_kernel<typename Cache::layout_type>>
+/// CpuKernel: the CPU engine's kernel, a cpu_attention_kernel (cpu/kernel.hpp)
+/// for the cache's layout; host_backend's emulated device runs it too
+/// (gpu_engine_for). Default cpu::auto_decode_kernel: AMX-BF16 tiles for MLA
+/// where the CPU has them (cpu/amx_attention.hpp; WRITESCOPE_CPU_AMX), else
+/// fp32 FMA. The GPU engine is the backend's (gpu_attention_engine, backend.hpp).
+template <class Cache, cpu_attention_kernel<typename Cache::layout_type> CpuKernel =
+                           cpu::auto_decode_kernel<typename Cache::layout_type>>
 class hybrid_attention {
  public:
   using layout_type = typename Cache::layout_type;
   using backend_type = typename Cache::backend_type;
   using activation_space = typename Cache::activation_space;
-  using engine_type = typename backend_type::template gpu_engine<layout_type>;
+  using cpu_kernel_type = CpuKernel;
+  using engine_type = gpu_engine_for_t<backend_type, layout_type, CpuKernel>;
+  static_assert(gpu_attention_engine<engine_type, backend_type, layout_type>,
+                "hybrid_attention: the backend's GPU engine does not model gpu_attention_engine (backend.hpp)");
 
   /// Binds to `cache` (which must outlive this object) and creates the GPU
   /// engine with workspaces for up to spec().max_sequences sequences per step;
@@ -245,10 +254,7 @@ class hybrid_attention {
 
     // 1-3. queries on the host, summaries of new blocks, the selection
     const float* sel_q = selection_queries(q, index_t(batch) * L.num_q_heads() * layout_type::q_dim);
-    summaries_.update(v, seqs, options_.cpu_threads, [&] {
-      if constexpr (requires(backend_type& b) { b.synchronize_host_writes(); })
-        cache_->backend().synchronize_host_writes();
-    });
+    summaries_.update(v, seqs, options_.cpu_threads, [&] { cache_->backend().synchronize_host_writes(); });
     selection_.clear();
     for (int i = 0; i < batch; ++i) {
       const sequence_state& st = v.sequences[std::size_t(seqs[std::size_t(i)])];
@@ -355,9 +361,7 @@ class hybrid_attention {
  private:
   // Host blocks the CPU engine may read were written by deferred pageable
   // prefill writes (cuda_backend::set_deferred_host_writes): finish them first.
-  void complete_deferred_writes() {
-    if constexpr (requires(backend_type& b) { b.complete_host_writes(); }) cache_->backend().complete_host_writes();
-  }
+  void complete_deferred_writes() { cache_->backend().complete_host_writes(); }
 
   // The common part of both steps once plan_ holds the stream plan: the
   // D-window references, the GPU launch (asynchronous), the CPU side
@@ -392,10 +396,8 @@ class hybrid_attention {
     rep.launch_seconds = std::chrono::duration<double>(t_launched - t_start).count();
 
     const float* host_q = engine_.host_queries();
-    if (assisting_) {  // pinned blocks the CPU reads may still be landing (asynchronous D2H)
-      if constexpr (requires(backend_type& b) { b.synchronize_host_writes(); })
-        cache_->backend().synchronize_host_writes();
-    }
+    if (assisting_)  // pinned blocks the CPU reads may still be landing (asynchronous D2H)
+      cache_->backend().synchronize_host_writes();
     const auto t_cpu = std::chrono::steady_clock::now();
     rep.query_wait_seconds = std::chrono::duration<double>(t_cpu - t_launched).count();
     build_tasks();
@@ -419,15 +421,15 @@ class hybrid_attention {
     s.gpu_streamed_tokens = rep.streamed_tokens;
     double gpu_critical = 0.0;  // the GPU side's critical seconds where the engine reports them
     bool gpu_sample_sparse = sparse_tasks_;  // whether the GPU sample is a sparse launch's
-    if constexpr (requires(engine_type& e) { e.take_completed_gpu_cost(); }) {
+    if constexpr (engine_type::asynchronous) {
       // An asynchronous engine (cuda_backend) times an earlier launch: pair
       // those seconds with that launch's streamed tokens, and send no GPU
       // sample when no launch completed since the last step (B unchanged).
-      const auto c = engine_.take_completed_gpu_cost();
+      const completed_gpu_cost c = engine_.take_completed_gpu_cost();
       s.gpu_seconds = c.seconds;
       s.gpu_streamed_tokens = c.streamed_tokens;
-      if constexpr (requires { c.critical_seconds; }) gpu_critical = c.critical_seconds;
-      if constexpr (requires { c.sparse; }) gpu_sample_sparse = c.sparse;
+      gpu_critical = c.critical_seconds;
+      gpu_sample_sparse = c.sparse;
       // This step's enqueue (the roofline's K): host time on the CPU side's
       // path. Dense steps only: a sparse step's launch includes the selection.
       if (!sparse_tasks_) {

@@ -19,11 +19,16 @@
 // Each (plane, kv_head) slice of a block is contiguous — the per-head layout the
 // CPU kernel streams — and each block is contiguous as a whole, which is what a
 // DMA engine moves. Eviction and streaming are therefore whole-block copies.
+//
+// `placement` names the host region a placed block lives in (unpinned compute
+// or pinned load); routing policies (policy.hpp) choose it, the cache's block
+// tables record it.
 #pragma once
 
 #include <array>
-#include <optional>
 #include <concepts>
+#include <cstdint>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -194,6 +199,23 @@ static_assert(block_format<mla_layout<512, 64>>{mla_layout<512, 64>(16), 64}.blo
 static_assert(gqa_layout<128>(32, 4).token_bytes() == 2048);   // Qwen3-30B-A3B
 static_assert(gqa_layout<128>(32, 8).token_bytes() == 4096);   // Mixtral-8x7B
 static_assert(mla_layout<512, 64>(16).token_bytes() == 1152);  // DeepSeek-V2-Lite
+
+// -----------------------------------------------------------------------------
+// Host regions
+// -----------------------------------------------------------------------------
+
+/// The host region a placed block lives in, chosen for good when its eviction
+/// batch is written (the write-time principle, paper §4.1, §5). Both regions
+/// hold blocks in the block format above; a block's id indexes its region.
+enum class placement : std::uint8_t {
+  cpu_compute = 0,  ///< unpinned compute region, attended in place by the CPU engine
+  gpu_load = 1,     ///< pinned load region, streamed to the GPU through ping-pong
+};
+
+/// "cpu_compute" / "gpu_load".
+[[nodiscard]] constexpr const char* to_string(placement p) noexcept {
+  return p == placement::cpu_compute ? "cpu_compute" : "gpu_load";
+}
 
 // -----------------------------------------------------------------------------
 // Runtime -> compile-time dispatch (one small table per parameter)

@@ -27,6 +27,8 @@
 //   select_all           every block (a sparse step then equals the dense one bit for bit)
 //   step_selection       a validated selection of one step (KV-head mask per block)
 // The step itself is hybrid_attention::step(layer, seqs, q, scale, out, selector).
+// The transfer side's types (sparse_options, sparse_transfer, the engine's
+// reservation and gather statistics) are in sparse_pipeline.hpp.
 #pragma once
 
 #include <algorithm>
@@ -50,79 +52,9 @@
 #include "layout.hpp"
 #include "partition_spec.hpp"
 #include "policy.hpp"
+#include "sparse_pipeline.hpp"  // sparse_options and the pipeline types, reachable through this header too
 
 namespace writescope {
-
-/// Most KV heads a sparse step supports (one bit per KV head per block).
-inline constexpr int max_sparse_kv_heads = 64;
-
-/// How the blocks of a gathered chunk (stream_chunk::gathered: a ping-pong
-/// chunk with a short copy run) reach its ping-pong buffer on cuda_backend
-/// (docs/SPARSE.md §4.1). Direct chunks (long runs) are DMA-copied run by run
-/// in both modes; the attention side is the same in both.
-enum class sparse_transfer : std::uint8_t {
-  /// Host gather threads memcpy the chunk's blocks (non-temporal stores) into a
-  /// page-locked staging buffer; ONE DMA copy then moves it to ping-pong. Host
-  /// DRAM traffic is about three times the chunk's bytes (read the blocks,
-  /// write staging, the DMA reads staging again), so on a fast link the gather,
-  /// not the link, can bound the step (docs/SPARSE.md).
-  host_gather,
-  /// A copy kernel on the copy stream reads the chunk's blocks straight out of
-  /// the pinned load region (page-locked and device-mapped: the GPU addresses
-  /// it with the host pointers, unified addressing) over PCIe, and writes them
-  /// contiguously into ping-pong in the order and layout staging would have
-  /// had. Host DRAM is read once (by PCIe) and never written; no staging
-  /// buffer, no host memcpy. It occupies up to sparse_options::pull_ctas CTAs
-  /// beside the attention kernels while it runs. Needs a device with unified
-  /// addressing and cudaDevAttrCanUseHostPointerForRegisteredMem (config_error
-  /// at reservation otherwise) and every pulled block inside a range page-locked
-  /// by cuda_host_alloc / cuda_host_register / cuda_backend (pinned_memory_error
-  /// at launch otherwise, in every build type).
-  device_pull,
-};
-
-/// "host_gather" / "device_pull".
-[[nodiscard]] constexpr const char* to_string(sparse_transfer t) noexcept {
-  return t == sparse_transfer::device_pull ? "device_pull" : "host_gather";
-}
-
-/// Options of the sparse pipeline (attention_options::sparse).
-struct sparse_options {
-  /// Reserve the sparse pipeline when the attention object is constructed: the
-  /// GPU engine's two staging buffers (one ping-pong buffer each, page-locked on
-  /// cuda_backend like the load region; none with sparse_transfer::device_pull),
-  /// its block-list buffers and gather threads, and the summary store's address
-  /// space. Otherwise the first sparse step reserves them (a one-time
-  /// allocation; later steps allocate nothing).
-  bool reserve = false;
-  /// Host threads that gather selected pinned blocks into staging
-  /// (cuda_backend; the host backend gathers on its emulated-device thread).
-  /// They sleep unless a sparse step streams gathered chunks; keeping up with a
-  /// PCIe Gen5 link takes several (docs/SPARSE.md). They compete with the CPU engine's threads in a hybrid
-  /// step: lower attention_options::cpu_threads by as many. With
-  /// sparse_transfer::device_pull no block is gathered on the host and one
-  /// thread is started whatever this says (it only writes the chunks' block lists).
-  int gather_threads = 4;
-  /// How gathered chunks move: host gather + one DMA, or a device pull kernel
-  /// (see sparse_transfer for what each does and why device_pull exists).
-  /// Default device_pull: one pass over host memory and no host thread
-  /// (docs/SPARSE.md §4.1; the rates of both modes: docs/SPARSE.md).
-  /// A device without mapped page-locked memory gets a config_error naming the
-  /// attribute at reservation: choose host_gather there.
-  sparse_transfer transfer = sparse_transfer::device_pull;
-  /// sparse_transfer::device_pull: the most CTAs (of 256 threads) one launch of
-  /// the pull kernel uses; each CTA copies whole blocks. More CTAs keep more
-  /// PCIe reads in flight and take more SM slots from the attention kernels.
-  /// A tuning knob (sparse_bench --pull-ctas), used by device_pull on
-  /// cuda_backend only; must be >= 1 whatever the mode and backend
-  /// (config_error when the pipeline is reserved).
-  int pull_ctas = 64;
-  /// A ping-pong chunk whose copy runs all hold at least this many bytes is
-  /// copied run by run straight from the pinned region (dense-like); any
-  /// shorter run sends the chunk through staging (gather, then one copy).
-  /// 0: never gather (the discrete-copy ablation); a huge value: always gather.
-  index_t direct_run_bytes = index_t{2} << 20;
-};
 
 // -----------------------------------------------------------------------------
 // Summaries

@@ -18,9 +18,10 @@
 // has a fixed cost of microseconds, so copies must be megabytes to reach the
 // link's rate (docs/BENCHMARKS.md, "Machine facts").
 //
-// Sparse plans (build_sparse, docs/SPARSE.md; paper §4.4, Fig. 6): the same
-// splits, chunks and runs over each sequence's SELECTED pinned blocks (the
-// union over its KV heads), plus, per split and KV head, the list of the
+// One builder makes both kinds of plan; the dense plan is its select-all
+// case. Sparse plans (build_sparse, docs/SPARSE.md; paper §4.4, Fig. 6): the
+// same splits, chunks and runs over each sequence's SELECTED pinned blocks
+// (the union over its KV heads), plus, per split and KV head, the list of the
 // split's blocks that head attends. A chunk whose copy runs are all long is
 // copied run by run from the pinned region (`gathered == false`); otherwise
 // its runs are first gathered by host memcpy into a contiguous staging buffer
@@ -39,6 +40,7 @@
 #include "bf16.hpp"
 #include "config.hpp"
 #include "memory_space.hpp"
+#include "sparse_pipeline.hpp"  // sparse_block
 
 namespace writescope {
 
@@ -77,13 +79,6 @@ struct stream_chunk {
   bool gathered = false;
 };
 
-/// A selected pinned block of a sparse step: its id and the KV heads that
-/// attend it (bit h = KV head h; never 0).
-struct sparse_block {
-  block_id id = 0;
-  std::uint64_t kv_head_mask = 0;
-};
-
 class stream_plan {
  public:
   std::vector<stream_run> runs;
@@ -108,61 +103,19 @@ class stream_plan {
     return std::min(cap, chunk_blocks);
   }
 
-  /// Builds the plan for `batch` sequences. `blocks_of(i)` returns sequence i's
-  /// pinned block ids (std::span<const block_id>, logical order);
-  /// `block_ptr(id)` the block's address in the pinned region. Requires
-  /// 1 <= split_blocks <= chunk_blocks and buffers >= 1. `first_chunk_blocks`
-  /// > 0 ramps the chunk sizes: chunk k holds at most
-  /// min(chunk_blocks, max(first_chunk_blocks, split_blocks) * 2^k) blocks
-  /// (0: every chunk may fill a whole buffer).
+  /// Builds the dense plan for `batch` sequences: the select-all case of the
+  /// builder (every pinned block, attended by every KV head, so no block lists
+  /// and no chunk gathered). `blocks_of(i)` returns sequence i's pinned block
+  /// ids (std::span<const block_id>, logical order); `block_ptr(id)` the
+  /// block's address in the pinned region. Requires 1 <= split_blocks <=
+  /// chunk_blocks and buffers >= 1. `first_chunk_blocks` > 0 ramps the chunk
+  /// sizes: chunk k holds at most min(chunk_blocks, max(first_chunk_blocks,
+  /// split_blocks) * 2^k) blocks (0: every chunk may fill a whole buffer).
   template <class BlocksOf, class BlockPtr>
   void build(int batch, BlocksOf&& blocks_of, BlockPtr&& block_ptr, index_t block_elems, index_t chunk_blocks,
              int split_blocks, int buffers, index_t first_chunk_blocks = 0) {
-    runs.clear();
-    splits.clear();
-    chunks.clear();
-    streamed_blocks = 0;
-    max_run_blocks = 0;
-    sparse = false;
-    block_lists.clear();
-    max_chunk_list_ints = 0;
-    gathered_blocks = 0;
-    stream_chunk cur{};
-    const bf16* run_end_ptr = nullptr;  // address right after the open run's last source block
-    auto close_chunk = [&] {
-      if (cur.num_blocks == 0) return;
-      cur.run_end = index_t(runs.size());
-      cur.split_end = index_t(splits.size());
-      chunks.push_back(cur);
-      cur = stream_chunk{};
-      cur.buffer = int(chunks.size() % std::size_t(buffers));
-      cur.run_begin = index_t(runs.size());
-      cur.split_begin = index_t(splits.size());
-      run_end_ptr = nullptr;
-    };
-    for (int i = 0; i < batch; ++i) {
-      const auto ids = blocks_of(i);
-      const index_t n = index_t(ids.size());
-      for (index_t b0 = 0; b0 < n; b0 += split_blocks) {
-        const int nb = int(std::min<index_t>(split_blocks, n - b0));
-        if (cur.num_blocks + nb > chunk_capacity(chunks.size(), chunk_blocks, split_blocks, first_chunk_blocks))
-          close_chunk();
-        splits.push_back({i, cur.num_blocks, nb});
-        for (int k = 0; k < nb; ++k) {
-          const bf16* src = block_ptr(ids[std::size_t(b0 + k)]);
-          if (src == run_end_ptr && !runs.empty() && runs.back().dst_block + runs.back().num_blocks == cur.num_blocks) {
-            ++runs.back().num_blocks;
-          } else {
-            runs.push_back({src, cur.num_blocks, 1});
-          }
-          max_run_blocks = std::max(max_run_blocks, runs.back().num_blocks);
-          run_end_ptr = src + block_elems;
-          ++cur.num_blocks;
-        }
-        streamed_blocks += nb;
-      }
-    }
-    close_chunk();
+    build_plan<false>(batch, blocks_of, block_ptr, block_elems, chunk_blocks, split_blocks, buffers, 0, 0,
+                      first_chunk_blocks);
   }
 
   /// Builds a sparse plan: `selected_of(i)` returns sequence i's selected
@@ -178,6 +131,21 @@ class stream_plan {
   void build_sparse(int batch, SelectedOf&& selected_of, BlockPtr&& block_ptr, index_t block_elems,
                     index_t chunk_blocks, int split_blocks, int buffers, int kv_heads, index_t direct_run_blocks,
                     index_t first_chunk_blocks = 0) {
+    build_plan<true>(batch, selected_of, block_ptr, block_elems, chunk_blocks, split_blocks, buffers, kv_heads,
+                     direct_run_blocks, first_chunk_blocks);
+  }
+
+ private:
+  [[nodiscard]] static block_id entry_id(block_id id) noexcept { return id; }
+  [[nodiscard]] static block_id entry_id(const sparse_block& b) noexcept { return b.id; }
+
+  // The one builder. Entries are block ids (dense: every KV head attends every
+  // block) or sparse_blocks (Lists: per-split, per-KV-head block lists from
+  // the masks, and chunks with a run shorter than direct_run_blocks gathered).
+  template <bool Lists, class EntriesOf, class BlockPtr>
+  void build_plan(int batch, EntriesOf& entries_of, BlockPtr& block_ptr, index_t block_elems, index_t chunk_blocks,
+                  int split_blocks, int buffers, int kv_heads, index_t direct_run_blocks,
+                  index_t first_chunk_blocks) {
     runs.clear();
     splits.clear();
     chunks.clear();
@@ -186,19 +154,22 @@ class stream_plan {
     max_run_blocks = 0;
     max_chunk_list_ints = 0;
     gathered_blocks = 0;
-    sparse = true;
+    sparse = Lists;
     stream_chunk cur{};
-    const bf16* run_end_ptr = nullptr;
+    const bf16* run_end_ptr = nullptr;  // address right after the open run's last source block
     auto close_chunk = [&] {
       if (cur.num_blocks == 0) return;
       cur.run_end = index_t(runs.size());
       cur.split_end = index_t(splits.size());
-      cur.list_end = index_t(block_lists.size());
-      index_t shortest = std::numeric_limits<index_t>::max();
-      for (index_t r = cur.run_begin; r < cur.run_end; ++r) shortest = std::min(shortest, runs[std::size_t(r)].num_blocks);
-      cur.gathered = shortest < direct_run_blocks;
-      if (cur.gathered) gathered_blocks += cur.num_blocks;
-      max_chunk_list_ints = std::max(max_chunk_list_ints, cur.list_end - cur.list_begin);
+      if constexpr (Lists) {
+        cur.list_end = index_t(block_lists.size());
+        index_t shortest = std::numeric_limits<index_t>::max();
+        for (index_t r = cur.run_begin; r < cur.run_end; ++r)
+          shortest = std::min(shortest, runs[std::size_t(r)].num_blocks);
+        cur.gathered = shortest < direct_run_blocks;
+        if (cur.gathered) gathered_blocks += cur.num_blocks;
+        max_chunk_list_ints = std::max(max_chunk_list_ints, cur.list_end - cur.list_begin);
+      }
       chunks.push_back(cur);
       cur = stream_chunk{};
       cur.buffer = int(chunks.size() % std::size_t(buffers));
@@ -208,27 +179,31 @@ class stream_plan {
       run_end_ptr = nullptr;
     };
     for (int i = 0; i < batch; ++i) {
-      const auto sel = selected_of(i);
-      const index_t n = index_t(sel.size());
+      const auto entries = entries_of(i);
+      const index_t n = index_t(entries.size());
       for (index_t b0 = 0; b0 < n; b0 += split_blocks) {
         const int nb = int(std::min<index_t>(split_blocks, n - b0));
         if (cur.num_blocks + nb > chunk_capacity(chunks.size(), chunk_blocks, split_blocks, first_chunk_blocks))
           close_chunk();
-        splits.push_back({i, cur.num_blocks, nb, index_t(block_lists.size()) - cur.list_begin});
-        for (int h = 0; h < kv_heads; ++h) {  // [count, indices..., padding] per KV head
-          const std::size_t at = block_lists.size();
-          block_lists.push_back(0);
-          std::int32_t count = 0;
-          for (int k = 0; k < nb; ++k)
-            if ((sel[std::size_t(b0 + k)].kv_head_mask >> h) & 1u) {
-              block_lists.push_back(k);
-              ++count;
-            }
-          block_lists[at] = count;
-          block_lists.resize(at + std::size_t(nb) + 1, -1);
+        if constexpr (Lists) {
+          splits.push_back({i, cur.num_blocks, nb, index_t(block_lists.size()) - cur.list_begin});
+          for (int h = 0; h < kv_heads; ++h) {  // [count, indices..., padding] per KV head
+            const std::size_t at = block_lists.size();
+            block_lists.push_back(0);
+            std::int32_t count = 0;
+            for (int k = 0; k < nb; ++k)
+              if ((entries[std::size_t(b0 + k)].kv_head_mask >> h) & 1u) {
+                block_lists.push_back(k);
+                ++count;
+              }
+            block_lists[at] = count;
+            block_lists.resize(at + std::size_t(nb) + 1, -1);
+          }
+        } else {
+          splits.push_back({i, cur.num_blocks, nb});
         }
         for (int k = 0; k < nb; ++k) {
-          const bf16* src = block_ptr(sel[std::size_t(b0 + k)].id);
+          const bf16* src = block_ptr(entry_id(entries[std::size_t(b0 + k)]));
           if (src == run_end_ptr && !runs.empty() && runs.back().dst_block + runs.back().num_blocks == cur.num_blocks) {
             ++runs.back().num_blocks;
           } else {

@@ -5,8 +5,10 @@
 // <writescope/cuda/cuda_backend.hpp>.
 #pragma once
 
+#include "assist.hpp"
 #include "backend.hpp"
 #include "bf16.hpp"
+#include "block_allocator.hpp"
 #include "block_pool.hpp"
 #include "config.hpp"
 #include "error.hpp"
@@ -20,4 +22,5 @@
 #include "partition_spec.hpp"
 #include "policy.hpp"
 #include "presets.hpp"
+#include "sparse_pipeline.hpp"
 #include "stream_plan.hpp"

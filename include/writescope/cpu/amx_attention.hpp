@@ -351,6 +351,7 @@ inline amx_use amx_setting() noexcept {
 /// against fp64 (test_amx_kernel; docs/CPU-KERNEL.md). Paper §6.1.
 template <kv_layout Layout, class Tiles = amx_detail::hw_tiles, class Arch = default_arch>
 struct amx_decode_kernel {
+  using kernel_concept = cpu_attention_kernel_tag;
   using precision = fp32_scores;
   using fbatch = xsimd::batch<float, Arch>;
   using ubatch = xsimd::batch<std::uint32_t, Arch>;
@@ -655,6 +656,7 @@ struct amx_decode_kernel {
 /// it runs. Host memory, any thread.
 template <kv_layout Layout, class Arch = default_arch>
 struct auto_decode_kernel {
+  using kernel_concept = cpu_attention_kernel_tag;
   using precision = fp32_scores;
   static bool uses_amx() noexcept {
     const amx_use u = amx_setting();
@@ -669,5 +671,8 @@ struct auto_decode_kernel {
       decode_kernel<Layout, Arch>::run(fmt, kv_head, q, q_head_stride, group, scale, segs, o, o_head_stride, lse);
   }
 };
+
+static_assert(cpu_attention_kernel<auto_decode_kernel<mla_layout<512, 64>>, mla_layout<512, 64>>);
+static_assert(cpu_attention_kernel<amx_decode_kernel<mla_layout<512, 64>, amx_detail::emulated_tiles>, mla_layout<512, 64>>);
 
 }  // namespace writescope::cpu

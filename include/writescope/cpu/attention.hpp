@@ -74,6 +74,7 @@
 #include "../config.hpp"
 #include "../error.hpp"
 #include "../layout.hpp"
+#include "kernel.hpp"
 
 // Kept out of line: GCC 12 spills (to unaligned stack slots) when the QK and
 // PV loops are inlined into one large function.
@@ -91,14 +92,6 @@
 #endif
 
 namespace writescope::cpu {
-
-/// One block (or the valid prefix of one) for the kernel: `block` points at the
-/// block's first element in the block format of layout.hpp; `tokens` in
-/// [0, block_tokens] rows of it are attended. Host-readable memory.
-struct kv_segment {
-  const bf16* block = nullptr;
-  int tokens = 0;
-};
 
 /// The architecture the kernels are compiled for: xsimd's best for the
 /// compiler flags in effect (CMake option WRITESCOPE_CPU_ARCH sets them).
@@ -294,6 +287,7 @@ template <kv_layout Layout, class Arch = default_arch, score_precision ScorePrec
 struct decode_kernel {
   using fbatch = xsimd::batch<float, Arch>;
   using ubatch = xsimd::batch<std::uint32_t, Arch>;
+  using kernel_concept = cpu_attention_kernel_tag;
   using precision = ScorePrecision;
   static constexpr int W = static_cast<int>(fbatch::size);  ///< lanes
   static constexpr int C = 2 * W;                            ///< elements per de-interleaved chunk
@@ -679,5 +673,8 @@ struct decode_kernel {
     }
   }
 };
+
+static_assert(cpu_attention_kernel<decode_kernel<gqa_layout<128>>, gqa_layout<128>>);
+static_assert(cpu_attention_kernel<decode_kernel<mla_layout<512, 64>, default_arch, bf16_scores>, mla_layout<512, 64>>);
 
 }  // namespace writescope::cpu

@@ -71,6 +71,7 @@
 #include "../layout.hpp"
 #include "../memory_space.hpp"
 #include "../partial_state.hpp"
+#include "../sparse_pipeline.hpp"
 #include "../stream_plan.hpp"
 #include "cuda_error.hpp"
 #include "kernels.hpp"
@@ -147,17 +148,6 @@ struct cuda_ablation_options {
   /// index, each the size of the plan's largest chunk) instead of using the
   /// cache's, and finish() cudaFrees them, which synchronizes the device.
   bool per_step_allocation = false;
-};
-
-/// GPU-side cost of one completed launch (see gpu_engine::take_completed_gpu_cost).
-struct completed_gpu_cost {
-  double seconds = 0.0;         ///< stream + attend, merge excluded (CUDA events)
-  /// From the moment the caller's work before the launch was done (the
-  /// compute stream may start) to the end of the attention: `seconds` without
-  /// the copies that ran ahead of it. What the CPU engine's time compares with.
-  double critical_seconds = 0.0;
-  index_t streamed_tokens = 0;  ///< KV tokens that launch streamed through ping-pong
-  bool sparse = false;          ///< that launch was a sparse step's (selected blocks)
 };
 
 namespace cuda_detail {
@@ -912,6 +902,8 @@ template <kv_layout Layout>
 class cuda_backend::gpu_engine {
  public:
   using args_type = gpu_step_args<Layout, device_space>;
+  /// finish() never blocks: its timing is of an earlier launch (take_completed_gpu_cost).
+  static constexpr bool asynchronous = true;
   static constexpr int Q = Layout::q_dim;
   static constexpr int V = Layout::v_dim;
 
@@ -2021,5 +2013,6 @@ class cuda_backend::gpu_engine {
 };
 
 static_assert(backend<cuda_backend>);
+static_assert(gpu_attention_engine<cuda_backend::gpu_engine<gqa_layout<128>>, cuda_backend, gqa_layout<128>>);
 
 }  // namespace writescope

@@ -21,8 +21,8 @@
 // running max, running sum and outputs are fp32; exp/log are the natural-base
 // expf/logf (no exp2, so no base conversion is needed: fault kind K2); the
 // running max starts at -inf (never a finite stand-in); an item with no tokens
-// yields the empty partial (o = 0, lse = -inf); merges follow merge_state_row
-// (partial_state.hpp) exactly, including its identities for empty partials.
+// yields the empty partial (o = 0, lse = -inf); merges call merge_state_row
+// (partial_state.hpp), the host's merge, including its identities for empty partials.
 // Every reduction has a fixed order: results are deterministic and do not depend
 // on other items of the launch (batch invariance, K10).
 //
@@ -48,6 +48,7 @@
 #include <string>
 
 #include "../layout.hpp"
+#include "../partial_state.hpp"
 #include "cuda_error.hpp"
 #include "kernels.hpp"
 
@@ -83,23 +84,12 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-/// One element of merge_state_row (partial_state.hpp): (oa, la) ⊕= (ob, lb).
-/// Exact identities: an empty b leaves a untouched; an empty a takes b as is.
+/// (oa, la) ⊕= (ob, lb) for one output element: merge_state_row
+/// (partial_state.hpp) over a row of one element, so the kernels merge with the
+/// host's arithmetic and identities (an empty b leaves a untouched; an empty a
+/// takes b as is).
 __device__ __forceinline__ void merge_into(float& oa, float& la, float ob, float lb) {
-  if (lb == -INFINITY) return;
-  if (la == -INFINITY) {
-    oa = ob;
-    la = lb;
-    return;
-  }
-  const float m = la > lb ? la : lb;
-  const float wa = expf(la - m);
-  const float wb = expf(lb - m);
-  const float s = wa + wb;
-  const float ca = wa / s;
-  const float cb = wb / s;
-  oa = oa * ca + ob * cb;
-  la = m + logf(s);
+  merge_state_row(&oa, la, &ob, lb, &oa, &la, 1);
 }
 
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
