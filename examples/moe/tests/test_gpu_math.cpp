@@ -12,6 +12,8 @@
 #include <random>
 #include <vector>
 
+#include <writescope/bf16.hpp>
+
 #include "ws_moe/gpu/emulated_exec.hpp"
 #include "ws_moe/gpu/gemm.hpp"
 #include "ws_moe/gpu/kernel_math.hpp"
@@ -355,4 +357,43 @@ TEST_CASE("expert_gemv_reference equals one GEMM per expert, skips host experts"
       }
     }
   }
+}
+
+TEST_CASE("four-wide MoE passes (gather to bf16, SiLU product to bf16, combine) equal plain loops bit for bit") {
+  const int H = 12, I = 8, k = 3, n_tokens = 5;
+  const auto src = randn(std::size_t(n_tokens) * H, 31);
+  const std::vector<int> rows = {4, 0, 0, 3, 2, 1, 4, 2};  // packed rows -> token (repeats, any order)
+  const idx np = idx(rows.size());
+  // gather: dst[j][e] = bf16(src[rows[j]][e])
+  std::vector<std::uint16_t> g16(std::size_t(np * H) + 4, 0xdead);  // poisoned tail must survive
+  gpu::gather_rows_bf16x4_op gop{src.data(), H, rows.data(), H / 4, g16.data()};
+  REQUIRE(gpu::fits_x4(H, src.data()));
+  for (idx i = 0; i < np * H / 4; ++i) gop(i);
+  for (idx j = 0; j < np; ++j)
+    for (int e = 0; e < H; ++e)
+      CHECK(g16[std::size_t(j * H + e)] == writescope::bf16::from_float(src[std::size_t(rows[std::size_t(j)] * H + e)]).bits);
+  for (std::size_t t = std::size_t(np * H); t < g16.size(); ++t) CHECK(g16[t] == 0xdead);
+  // SiLU product: a = bf16(g / (1 + exp(-g)) * u)
+  const auto g = randn(std::size_t(np * I), 32, 3.0f), u = randn(std::size_t(np * I), 33);
+  std::vector<std::uint16_t> a16(std::size_t(np * I), 0xdead);
+  gpu::silu_mul_bf16x4_op sop{g.data(), u.data(), a16.data()};
+  for (idx i = 0; i < np * I / 4; ++i) sop(i);
+  for (std::size_t i = 0; i < a16.size(); ++i)
+    CHECK(a16[i] == writescope::bf16::from_float(g[i] / (1.0f + std::exp(-g[i])) * u[i]).bits);
+  // combine: out[t][e] = sum_s w[t][s] * y[crow[t][s]][e], s ascending, from 0
+  const auto y = randn(std::size_t(np * H), 34);
+  std::vector<int> crow(std::size_t(n_tokens * k));
+  for (std::size_t i = 0; i < crow.size(); ++i) crow[i] = int((i * 5 + 3) % std::size_t(np));
+  const auto w = randn(crow.size(), 35);
+  std::vector<float> out(std::size_t(n_tokens * H), -7.0f);
+  gpu::combine_x4_op cop{y.data(), crow.data(), w.data(), k, H / 4, out.data()};
+  for (idx i = 0; i < idx(n_tokens) * H / 4; ++i) cop(i);
+  for (int t = 0; t < n_tokens; ++t)
+    for (int e = 0; e < H; ++e) {
+      float acc = 0.0f;
+      for (int s = 0; s < k; ++s) acc += y[std::size_t(crow[std::size_t(t * k + s)] * H + e)] * w[std::size_t(t * k + s)];
+      CHECK(out[std::size_t(t * H + e)] == acc);
+    }
+  CHECK_FALSE(gpu::fits_x4(10, src.data()));
+  CHECK_FALSE(gpu::fits_x4(H, src.data() + 1));
 }

@@ -18,6 +18,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -27,6 +28,7 @@
 #include <writescope/cuda/cuda_error.hpp>
 #include <writescope/cuda/pinned_allocators.hpp>
 
+#include "cudnn_prefill.hpp"
 #include "flash_prefill.hpp"
 #include "flash_prefill_launch.hpp"
 #include "gemm.hpp"
@@ -110,6 +112,63 @@ class cuda_exec {
   void rms_norm(const rms_norm_params& p) { launch_rms_norm(p, stream_.get()); }
   void causal_softmax(const softmax_params& p) { launch_causal_softmax(p, stream_.get()); }
   void expert_gemv(const expert_gemv_params& p) { launch_expert_gemv(p, stream_.get()); }
+  /// Whether this build has the bf16-output prefill attention (cuDNN's fused
+  /// SDPA through cudnn_prefill.hpp; WS_MOE_HAVE_CUDNN).
+#ifdef WS_MOE_HAVE_CUDNN
+  static constexpr bool has_bf16_prefill_attention = true;
+#else
+  static constexpr bool has_bf16_prefill_attention = false;
+#endif
+
+  /// Prepares the bf16-output prefill attention for p's shape (builds and
+  /// caches cuDNN's plan): its device workspace bytes, or nullopt with the
+  /// reason in `why` when it cannot run here (cuDNN not built or not loadable,
+  /// or refusing the shape). Throws config_error for broken parameters.
+  std::optional<std::size_t> prepare_bf16_prefill_attention(const cudnn_prefill_params& p, std::string& why) {
+#ifdef WS_MOE_HAVE_CUDNN
+    if (!cudnn_prefill::available()) {
+      why = "cuDNN does not load: " + cudnn_prefill::unavailable_reason();
+      return std::nullopt;
+    }
+    if (!cudnn_) cudnn_ = std::make_unique<cudnn_prefill>();
+    if (!cudnn_->supported(p)) {
+      why = "cuDNN refused the shape: " + cudnn_->last_refusal();
+      return std::nullopt;
+    }
+    return cudnn_->workspace_bytes(p);
+#else
+    (void)p;
+    why = "not built with cuDNN (WRITESCOPE_CUDNN found no cudnn.h / cudnn_frontend.h)";
+    return std::nullopt;
+#endif
+  }
+  /// Runs the prepared bf16-output prefill attention on the stream.
+  void bf16_prefill_attention(const cudnn_prefill_params& p, void* workspace, std::size_t workspace_bytes) {
+#ifdef WS_MOE_HAVE_CUDNN
+    if (!cudnn_) throw std::logic_error("cuda_exec: bf16_prefill_attention before prepare_bf16_prefill_attention");
+    cudnn_->run(p, workspace, workspace_bytes, stream_.get());
+#else
+    (void)p;
+    (void)workspace;
+    (void)workspace_bytes;
+    throw std::logic_error("cuda_exec: bf16_prefill_attention without cuDNN");
+#endif
+  }
+  /// The loaded cuDNN version (e.g. 91900), 0 when none.
+  [[nodiscard]] static long cudnn_version() noexcept {
+#ifdef WS_MOE_HAVE_CUDNN
+    return cudnn_prefill::loaded_version();
+#else
+    return 0;
+#endif
+  }
+
+  [[nodiscard]] static std::size_t sort_pairs_temp_bytes(idx n) { return gpu::sort_pairs_temp_bytes(n); }
+  /// Stable sort of n (key, value) pairs by key (ops.hpp launch_sort_pairs).
+  void sort_pairs(const unsigned* keys_in, unsigned* keys_out, const int* values_in, int* values_out, idx n, void* temp,
+                  std::size_t temp_bytes) {
+    launch_sort_pairs(keys_in, keys_out, values_in, values_out, n, temp, temp_bytes, stream_.get());
+  }
   void flash_prefill(const flash_prefill_params& p) {
     check_flash_prefill(p);
     launch_flash_prefill(p, stream_.get());
@@ -255,6 +314,9 @@ class cuda_exec {
   std::optional<backend_type> backend_;
   writescope::cuda_detail::unique_event done_;
   cublasHandle_t blas_ = nullptr;
+#ifdef WS_MOE_HAVE_CUDNN
+  std::unique_ptr<cudnn_prefill> cudnn_;  ///< created at the first prepare_bf16_prefill_attention
+#endif
   std::vector<backend_type::device_buffer> bufs_;
   idx allocated_ = 0;
   writescope::cuda_detail::unique_stream copy_stream_;

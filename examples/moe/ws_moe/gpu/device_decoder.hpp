@@ -70,6 +70,7 @@
 #include "../weights.hpp"
 #include "../cpu_experts.hpp"
 #include "device_weights.hpp"
+#include "cudnn_prefill.hpp"
 #include "flash_prefill.hpp"
 #include "gemm.hpp"
 #include "kernel_math.hpp"
@@ -116,6 +117,9 @@ struct device_options {
   /// bf16 precision: the flash prefill attention (flash_prefill.hpp) instead of
   /// materialised score blocks (the fp32 precision always materialises).
   bool flash_prefill = true;
+  /// With flash_prefill: cuDNN's fused SDPA (cudnn_prefill.hpp, bf16 output)
+  /// when the build has it and it accepts the waves' shapes; else the flash kernel.
+  bool cudnn_prefill = true;
   /// bf16 precision, bf16 experts: a prefill MoE layer's device-resident
   /// experts run as batched GEMMs (cublasGemmBatchedEx), one per group of
   /// experts with equal row counts padded to a multiple of 64, instead of
@@ -229,8 +233,16 @@ class device_decoder {
     res.device.used_bytes = device_used();
     res.device.prefill_waves = int(waves_.size());
     res.device.prefill_block_rows = use_flash_ ? 0 : rows_blk_;
-    res.device.prefill_attention = use_flash_ ? (mla ? "flash (MLA non-absorbed: per-head K/V expanded from the latent)" : "flash")
-                                              : "materialised score blocks (cuBLAS QK, softmax kernel, cuBLAS PV)";
+    if (use_cudnn_)
+      res.device.prefill_attention = std::string(Exec::is_emulated ? "cuDNN SDPA path (emulated: the flash host twin, bf16 output)"
+                                                                   : "cuDNN SDPA " + std::to_string(x_.cudnn_version())) +
+                                     (mla ? " (MLA non-absorbed: per-head K/V expanded from the latent)" : "");
+    else if (use_flash_)
+      res.device.prefill_attention =
+          std::string("flash") + (mla ? " (MLA non-absorbed: per-head K/V expanded from the latent)" : "") +
+          (cudnn_why_.empty() ? "" : "; not cuDNN: " + cudnn_why_);
+    else
+      res.device.prefill_attention = "materialised score blocks (cuBLAS QK, softmax kernel, cuBLAS PV)";
     sample_used();
 
     if (d_.warmup) {
@@ -529,6 +541,14 @@ class device_decoder {
         g_batch_ = buffer<float>(np_cap * I, "batched prefill experts: gate outputs");
         u_batch_ = buffer<float>(np_cap * I, "batched prefill experts: up outputs");
         a16_ = buffer<std::uint16_t>(np_cap * I, "batched prefill experts: bf16 SiLU products");
+        // the grouping on the device: sorted experts and pairs, pair indices, expert bounds, sort scratch
+        sort_keys_ = buffer<unsigned>(T * k, "prefill routing: sorted experts");
+        sort_pairs_ = buffer<int>(T * k, "prefill routing: sorted pairs");
+        pair_ids_ = buffer<int>(T * k, "prefill routing: pair indices");
+        expert_first_ = buffer<int>(E + 1, "prefill routing: expert bounds");
+        sort_temp_bytes_ = index_t(Exec::sort_pairs_temp_bytes(T * k));
+        sort_temp_ = buffer<std::byte>(sort_temp_bytes_, "prefill routing: sort scratch");
+        x_.run(gpu::iota_op{pair_ids_}, T * k);
       }
     }
     if (prec_ == wtype::bf16) {
@@ -568,6 +588,7 @@ class device_decoder {
     logits_host_mem_ = x_.host_staging(index_t(B) * c_.vocab_size * 4);
     logits_host_ = reinterpret_cast<float*>(logits_host_mem_.data());
     (void)hkv;
+    choose_prefill_attention();
   }
 
   index_t device_used() const {
@@ -867,10 +888,11 @@ class device_decoder {
     x_.rms_norm(gpu::rms_norm_params{in, in_stride, w, rows, dim, c_.rms_norm_eps, out, out_stride});
   }
 
-  void mlp(const gpu::dmlp& m, const float* in, index_t n, float* out) {
+  /// `in_bf16`: the bf16 copy of `in` when the caller has one (then `in` is not read by bf16 layers).
+  void mlp(const gpu::dmlp& m, const float* in, index_t n, float* out, const void* in_bf16 = nullptr) {
     if (n == 0) return;
     const index_t I = m.gate.w.rows;
-    const void* xb = shared_bf16_input(in, n * m.gate.w.cols, {&m.gate, &m.up});
+    const void* xb = in_bf16 ? in_bf16 : shared_bf16_input(in, n * m.gate.w.cols, {&m.gate, &m.up});
     linear(m.gate, in, n, g_, xb);
     linear(m.up, in, n, u_, xb);
     x_.run(gpu::silu_mul_op{g_, u_}, n * I);
@@ -956,7 +978,7 @@ class device_decoder {
       x_.gemm(gpu::mla_expand_desc(wp, b, wt, n, hq, nope, vh, rank, vexp_), "MLA expand (W_UV a)");
       linear(L.o, vexp_, n, y_);
     } else {
-      linear(L.o, att_, n, y_);
+      linear(L.o, att_, n, y_, take_att16());
     }
   }
 
@@ -1013,8 +1035,6 @@ class device_decoder {
   /// y_ = routed experts (+ shared experts) of h_, n tokens.
   void moe(const gpu::dlayer& L, int l, index_t n, bool decode) {
     const int E = c_.num_experts, k = c_.experts_per_tok;
-    const index_t H = c_.hidden_size;
-    const index_t nk = n * k;
     const bool timed = !decode;  // prefill: the MoE layer's phases (moe_marks_, read after the wave's sync)
     if (timed) moe_marks_.push_back({x_.mark(), 0, 0, 0, 0});
     linear(L.router, h_, n, router_logits_);
@@ -1031,6 +1051,77 @@ class device_decoder {
     r.experts = sel_e_;
     r.weights = sel_w_;
     x_.run(r, n);
+    // Group the (token, slot) pairs by expert: on the device for a batched
+    // prefill, else on the host.
+    if (!decode && batched_prefill_)
+      group_on_device(L, n);
+    else
+      group_on_host(L, n, decode);
+    if (timed) moe_marks_.back()[1] = x_.mark();  // routed: the rows grouped by expert, the tables on the device
+    moe_experts(L, l, n, decode, timed);
+  }
+
+  /// Start of the pointer tables in route_dev_ (8-byte aligned, after
+  /// [gather rows np][combine rows nk][combine weights nk][expert offsets E+1]).
+  static index_t table_at(index_t np, index_t nk, int E) { return (np + 2 * nk + E + 1 + 1) / 2 * 2; }
+
+  /// rows_/count_ from the per-expert row counts; a batched prefill pads every
+  /// device-resident expert's rows to a multiple of batch_pad (padding rows
+  /// gather token 0 and are never combined) so that experts of equal padded
+  /// rows run as one batched GEMM.
+  void lay_out_rows(const gpu::dlayer& L, bool batched) {
+    const int E = c_.num_experts;
+    for (int e = 0; e < E; ++e) {
+      index_t m = rows_[std::size_t(e)];
+      if (batched && m > 0 && !L.on_host[std::size_t(e)]) m = (m + batch_pad - 1) / batch_pad * batch_pad;
+      count_[std::size_t(e) + 1] = count_[std::size_t(e)] + int(m);
+    }
+  }
+
+  /// The prefill grouping of a batched MoE pass on the device (kernel_math.hpp
+  /// iota_op .. scatter_rows_op): a stable sort of the pairs by expert, the
+  /// experts' bounds, one small download (E+1 ints: the host lays out the
+  /// padded rows and the GEMM tables) and one small upload, then the gather
+  /// and combine tables scattered on the device.
+  void group_on_device(const gpu::dlayer& L, index_t n) {
+    const int E = c_.num_experts, k = c_.experts_per_tok;
+    const index_t nk = n * k;
+    x_.sort_pairs(reinterpret_cast<const unsigned*>(sel_e_), sort_keys_, pair_ids_, sort_pairs_, nk, sort_temp_,
+                  std::size_t(sort_temp_bytes_));
+    x_.run(gpu::expert_bounds_op{sort_keys_, nk, E, expert_first_}, nk + 1);
+    first_host_.resize(std::size_t(E) + 1);
+    const auto t_route = std::chrono::steady_clock::now();
+    x_.d2h(first_host_.data(), expert_first_, (index_t(E) + 1) * 4);  // waits for the GPU up to the bounds
+    if (router_wait_) *router_wait_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t_route).count();
+    if (first_host_[std::size_t(E)] != nk || first_host_[0] != 0)
+      throw std::logic_error("router returned an expert outside [0, " + std::to_string(E) + ") (" +
+                             std::to_string(nk - first_host_[std::size_t(E)]) + " pairs)");
+    rows_.assign(std::size_t(E), 0);
+    for (int e = 0; e < E; ++e) rows_[std::size_t(e)] = first_host_[std::size_t(e) + 1] - first_host_[std::size_t(e)];
+    count_.assign(std::size_t(E) + 1, 0);
+    lay_out_rows(L, true);
+    const index_t np = count_[std::size_t(E)];
+    build_batch_tables(L, E);
+    // upload [expert offsets E+1][pad][pointer tables] into their places of route_dev_
+    const index_t off_at = np + 2 * nk, tab_at = table_at(np, nk, E);
+    route_host_.assign(std::size_t(tab_at - off_at + 2 * index_t(batch_ptrs_.size())), 0);
+    std::copy(count_.begin(), count_.end(), route_host_.begin());
+    if (!batch_ptrs_.empty())
+      std::memcpy(route_host_.data() + (tab_at - off_at), batch_ptrs_.data(), batch_ptrs_.size() * sizeof(const void*));
+    if (off_at + index_t(route_host_.size()) > route_cap_ints_)
+      throw std::logic_error("device_decoder: routing tables of " + std::to_string(off_at + index_t(route_host_.size())) +
+                             " ints, room for " + std::to_string(route_cap_ints_));
+    x_.h2d(route_dev_ + off_at, route_host_.data(), index_t(route_host_.size()) * 4);
+    x_.zero(route_dev_, np * 4);  // padding rows gather token 0
+    x_.run(gpu::scatter_rows_op{sort_keys_, sort_pairs_, expert_first_, route_dev_ + off_at, sel_e_, sel_w_, k,
+                                route_dev_, route_dev_ + np, reinterpret_cast<float*>(route_dev_ + np + nk)},
+           nk);
+  }
+
+  /// The grouping on the host (decode steps, and prefills that are not batched).
+  void group_on_host(const gpu::dlayer& L, index_t n, bool decode) {
+    const int E = c_.num_experts, k = c_.experts_per_tok;
+    const index_t nk = n * k;
     he_.resize(std::size_t(nk));
     hw_.resize(std::size_t(nk));
     const auto t_route = std::chrono::steady_clock::now();
@@ -1064,18 +1155,11 @@ class device_decoder {
     count_.assign(std::size_t(E) + 1, 0);
     for (int ch = 0; ch < chunks; ++ch)
       for (int e = 0; e < E; ++e) count_[std::size_t(e) + 1] += chunk_counts_[std::size_t(ch) * std::size_t(E + 1) + std::size_t(e)];
-    // rows_[e]: expert e's rows; count_[e]: its first packed row. A batched
-    // prefill (batched_prefill_) pads every device-resident expert's rows to a
-    // multiple of batch_pad rows (padding rows gather token 0 and are never
-    // combined) so that experts of equal padded rows run as one batched GEMM.
+    // rows_[e]: expert e's rows; count_[e]: its first packed row (lay_out_rows).
     const bool batched = !decode && batched_prefill_;
     rows_.assign(std::size_t(E), 0);
     for (int e = 0; e < E; ++e) rows_[std::size_t(e)] = count_[std::size_t(e) + 1];
-    for (int e = 0; e < E; ++e) {
-      index_t m = rows_[std::size_t(e)];
-      if (batched && m > 0 && !L.on_host[std::size_t(e)]) m = (m + batch_pad - 1) / batch_pad * batch_pad;
-      count_[std::size_t(e) + 1] = count_[std::size_t(e)] + int(m);
-    }
+    lay_out_rows(L, batched);
     const index_t np = count_[std::size_t(E)];  // packed rows, padding included (= nk unless batched)
     // chunk_counts_ -> each chunk's first row per expert (exclusive scan over the chunks)
     for (int e = 0; e < E; ++e) {
@@ -1117,30 +1201,48 @@ class device_decoder {
     else
       batch_ptrs_.clear();
     // One upload: [gather rows np][combine rows nk][combine weights nk][expert offsets E+1][pad][pointer tables].
-    const index_t ints = np + 2 * nk + E + 1;
-    const index_t table_at = (ints + 1) / 2 * 2;  // 8-byte aligned
-    route_host_.assign(std::size_t(table_at + 2 * index_t(batch_ptrs_.size())), 0);
+    const index_t tab_at = table_at(np, nk, E);
+    route_host_.assign(std::size_t(tab_at + 2 * index_t(batch_ptrs_.size())), 0);
     std::copy(srow_.begin(), srow_.end(), route_host_.begin());
     std::copy(crow_.begin(), crow_.end(), route_host_.begin() + np);
     std::memcpy(route_host_.data() + np + nk, cw_.data(), std::size_t(nk) * 4);
     std::copy(count_.begin(), count_.end(), route_host_.begin() + np + 2 * nk);
     if (!batch_ptrs_.empty())
-      std::memcpy(route_host_.data() + table_at, batch_ptrs_.data(), batch_ptrs_.size() * sizeof(const void*));
+      std::memcpy(route_host_.data() + tab_at, batch_ptrs_.data(), batch_ptrs_.size() * sizeof(const void*));
     if (index_t(route_host_.size()) > route_cap_ints_)
       throw std::logic_error("device_decoder: routing upload of " + std::to_string(route_host_.size()) + " ints, room for " +
                              std::to_string(route_cap_ints_));
     x_.h2d(route_dev_, route_host_.data(), index_t(route_host_.size()) * 4);
+  }
+
+  /// The rest of a MoE pass after the grouping: gather, experts, combine.
+  void moe_experts(const gpu::dlayer& L, int l, index_t n, bool decode, bool timed) {
+    const int E = c_.num_experts, k = c_.experts_per_tok;
+    const index_t H = c_.hidden_size;
+    const index_t nk = n * k;
+    const bool batched = !decode && batched_prefill_;
+    const index_t np = count_[std::size_t(E)];
     const int* src_rows = route_dev_;
     const int* comb_rows = route_dev_ + np;
     const float* comb_w = reinterpret_cast<const float*>(route_dev_ + np + nk);
     const int* offsets = route_dev_ + np + 2 * nk;
-    void* const* tables = reinterpret_cast<void* const*>(route_dev_ + table_at);
-    if (timed) moe_marks_.back()[1] = x_.mark();  // routed: the host grouped the rows and uploaded them
-    x_.run(gpu::gather_rows_op{h_, H, src_rows, int(H), xg_}, np * H);
+    void* const* tables = reinterpret_cast<void* const*>(route_dev_ + table_at(np, nk, E));
+    // A batched prefill gathers the packed rows straight to bf16 (x16_), the
+    // GEMMs' input; the fp32 rows (xg_) only where a reader needs them: the
+    // CPU experts' staging, fp32 streamed experts, the other paths.
+    const bool stream = streaming_ && !decode;
+    const bool x4 = gpu::fits_x4(H, h_);
+    const bool gathered16 = batched && x4;
+    bool need_f32 = !gathered16 || (any_host_experts_ && !stream);
+    if (!need_f32 && stream && any_host_experts_)
+      for (int e = 0; e < E && !need_f32; ++e)
+        need_f32 = L.on_host[std::size_t(e)] && !L.host_experts[std::size_t(e)].is_bf16();
+    if (gathered16) x_.run(gpu::gather_rows_bf16x4_op{h_, H, src_rows, int(H / 4), x16_}, np * H / 4);
+    if (need_f32) x_.run(gpu::gather_rows_op{h_, H, src_rows, int(H), xg_}, np * H);
+    gathered16_ = gathered16;
 
     // Host experts: streamed to the device in a streaming prefill wave, else
     // on the CPU: their input rows go to page-locked staging first ...
-    const bool stream = streaming_ && !decode;
     index_t host_rows = 0;
     host_runs_.clear();
     if (any_host_experts_ && !stream)
@@ -1214,7 +1316,10 @@ class device_decoder {
       for (const host_run& hr : host_runs_)
         x_.h2d_async(yg_ + hr.row * H, stage_y_ + hr.stage_row * H, hr.rows * H * 4);
     }
-    x_.run(gpu::combine_op{yg_, comb_rows, comb_w, k, int(H), y_}, n * H);
+    if (x4 && gpu::fits_x4(H, yg_) && gpu::fits_x4(H, y_))
+      x_.run(gpu::combine_x4_op{yg_, comb_rows, comb_w, k, int(H / 4), y_}, n * H / 4);
+    else
+      x_.run(gpu::combine_op{yg_, comb_rows, comb_w, k, int(H), y_}, n * H);
     if (L.has_shared) x_.run(gpu::add_op{y_, y2_}, n * H);
     if (timed) moe_marks_.back()[4] = x_.mark();
   }
@@ -1276,7 +1381,7 @@ class device_decoder {
   /// combines).
   void run_batched_experts(void* const* tables, index_t np) {
     const index_t H = c_.hidden_size, I = c_.moe_intermediate_size;
-    x_.run(gpu::convert_op{xg_, x16_, wtype::bf16}, np * H);
+    if (!gathered16_) x_.run(gpu::convert_op{xg_, x16_, wtype::bf16}, np * H);
     auto call = [&](const batch_group& g, int t, index_t out, index_t in) {
       gpu::gemm_batched_desc d;
       d.base = gpu::linear_desc(nullptr, wtype::bf16, out, in, nullptr, g.rows, nullptr, out);
@@ -1290,8 +1395,12 @@ class device_decoder {
       call(g, 0, I, H);  // gate
       call(g, 3, I, H);  // up
     }
-    x_.run(gpu::silu_mul_op{g_batch_, u_batch_}, np * I);
-    x_.run(gpu::convert_op{g_batch_, a16_, wtype::bf16}, np * I);
+    if (gpu::fits_x4(np * I, g_batch_) && gpu::fits_x4(np * I, u_batch_)) {
+      x_.run(gpu::silu_mul_bf16x4_op{g_batch_, u_batch_, a16_}, np * I / 4);
+    } else {
+      x_.run(gpu::silu_mul_op{g_batch_, u_batch_}, np * I);
+      x_.run(gpu::convert_op{g_batch_, a16_, wtype::bf16}, np * I);
+    }
     for (const batch_group& g : batch_groups_) call(g, 6, H, I);  // down
   }
 
@@ -1469,8 +1578,10 @@ class device_decoder {
   /// att_ [N][hq][d]. MLA (non-absorbed, qk = nope + rope, v = v_head_dim): q
   /// from qf_ with RoPE on its rope part, per-head K/V expanded from the
   /// latent by kv_b, out [N][hq][v] -> o_proj -> y_.
-  void flash_prefill_attention(const gpu::dlayer& L, const wave& w) {
-    const index_t N = w.offset.back();
+  /// The flash prefill parameters of wave w over the decoder's buffers
+  /// (queries qb_, keys/values kvb_ or MLA's expanded kx_/vx_, output att_ or
+  /// MLA's vexp_ in fp32; the same strides serve the bf16 output).
+  gpu::flash_prefill_params flash_params(const wave& w) const {
     const int hq = c_.num_heads;
     gpu::flash_prefill_params fp;
     fp.seq_offsets = wave_offsets_;
@@ -1480,6 +1591,41 @@ class device_decoder {
       fp.max_seq_tokens = std::max(fp.max_seq_tokens, w.offset[i + 1] - w.offset[i]);
     fp.hq = hq;
     fp.scale = float(c_.softmax_scale());
+    if constexpr (mla) {
+      const int vh = c_.v_head_dim;
+      fp.q = qb_;
+      fp.k = kx_;
+      fp.v = vx_;
+      fp.out = vexp_;
+      dense_heads(fp, hq, c_.qk_nope_head_dim + c_.qk_rope_head_dim, vh, vh);
+    } else {
+      const int d = Layout::head_dim;
+      fp.q = qb_;
+      fp.k = reinterpret_cast<const std::uint16_t*>(kvb_[0]);
+      fp.v = reinterpret_cast<const std::uint16_t*>(kvb_[1]);
+      fp.out = att_;
+      dense_heads(fp, c_.num_kv_heads, d, d, VD);
+    }
+    return fp;
+  }
+
+  /// Causal attention of wave w's prompts: bf16 inputs, then the flash kernel
+  /// (fp32 output in att_ / vexp_) or cuDNN's SDPA (bf16 output in act16_,
+  /// read by o_proj as its bf16 input: att16_ready_).
+  void run_prefill_attention(const wave& w) {
+    const gpu::flash_prefill_params fp = flash_params(w);
+    if (use_cudnn_) {
+      x_.bf16_prefill_attention(gpu::to_cudnn_prefill_params(fp, act16_, w.offset.back()), cudnn_ws_,
+                                std::size_t(cudnn_ws_bytes_));
+      att16_ready_ = true;
+    } else {
+      x_.flash_prefill(fp);
+    }
+  }
+
+  void flash_prefill_attention(const gpu::dlayer& L, const wave& w) {
+    const index_t N = w.offset.back();
+    const int hq = c_.num_heads;
     if constexpr (mla) {
       const int nope = c_.qk_nope_head_dim, rope = c_.qk_rope_head_dim, vh = c_.v_head_dim, rank = c_.kv_lora_rank;
       const index_t qk = nope + rope;
@@ -1494,23 +1640,55 @@ class device_decoder {
       kvb.w = L.kv_b;
       linear(kvb, cbuf_, N, kvx_);
       x_.run(gpu::mla_prefill_kv_op{kvx_, kvf_[0] + rank, ROW, hq, nope, rope, vh, kx_, vx_}, N * hq * (qk + vh));
-      fp.q = qb_;
-      fp.k = kx_;
-      fp.v = vx_;
-      fp.out = vexp_;
-      dense_heads(fp, hq, int(qk), vh, vh);
-      x_.flash_prefill(fp);
-      linear(L.o, vexp_, N, y_);
+      run_prefill_attention(w);
+      linear(L.o, vexp_, N, y_, take_att16());
     } else {
-      const int hkv = c_.num_kv_heads;
       const int d = Layout::head_dim;
       x_.run(gpu::convert_op{q_, qb_, wtype::bf16}, N * hq * d);
-      fp.q = qb_;
-      fp.k = reinterpret_cast<const std::uint16_t*>(kvb_[0]);
-      fp.v = reinterpret_cast<const std::uint16_t*>(kvb_[1]);
-      fp.out = att_;
-      dense_heads(fp, hkv, d, d, VD);
-      x_.flash_prefill(fp);
+      run_prefill_attention(w);
+    }
+  }
+
+  /// act16_ when it holds the bf16 attention output of the last prefill
+  /// attention (cuDNN), once; else null (o_proj converts att_ itself).
+  const void* take_att16() {
+    const bool r = att16_ready_;
+    att16_ready_ = false;
+    return r ? static_cast<const void*>(act16_) : nullptr;
+  }
+
+  /// Chooses cuDNN's SDPA for the prefill attention when the executor has it
+  /// and it accepts every wave's shape (d_.cudnn_prefill), and allocates its
+  /// workspace (inside the budget); otherwise the flash kernel, with the
+  /// reason in cudnn_why_.
+  void choose_prefill_attention() {
+    use_cudnn_ = false;
+    cudnn_why_.clear();
+    if (!use_flash_) return;
+    if (!d_.cudnn_prefill) {
+      cudnn_why_ = "--cudnn-prefill off";
+      return;
+    }
+    if constexpr (!Exec::has_bf16_prefill_attention) {
+      cudnn_why_ = "not built with cuDNN";
+      return;
+    } else {
+      const index_t out_elems = index_t(c_.num_heads) * (mla ? index_t(c_.v_head_dim) : index_t(VD)) * T_;
+      if (out_elems > act16_cap_) {
+        cudnn_why_ = "the bf16 output does not fit the GEMM input scratch";
+        return;
+      }
+      std::size_t ws = 0;
+      for (const wave& w : waves_) {
+        const auto need =
+            x_.prepare_bf16_prefill_attention(gpu::to_cudnn_prefill_params(flash_params(w), act16_, w.offset.back()),
+                                              cudnn_why_);
+        if (!need) return;
+        ws = std::max(ws, *need);
+      }
+      cudnn_ws_bytes_ = index_t(ws);
+      cudnn_ws_ = ws > 0 ? buffer<std::byte>(index_t(ws), "cuDNN prefill attention workspace") : nullptr;
+      use_cudnn_ = true;
     }
   }
 
@@ -1588,7 +1766,9 @@ class device_decoder {
         dm.up.w = gpu::dmat{base + I * H * es, t, I, H};
         dm.down.w = gpu::dmat{base + 2 * I * H * es, t, H, I};
         const index_t row = count_[std::size_t(it.expert)];
-        mlp(dm, xg_ + row * H, m, yg_ + row * H);
+        // bf16 experts read the bf16 packed rows of a batched prefill (x16_), as the device experts do
+        const void* in16 = gathered16_ && t == wtype::bf16 ? static_cast<const void*>(x16_ + row * H) : nullptr;
+        mlp(dm, xg_ + row * H, m, yg_ + row * H, in16);
       }
       x_.ring_release(slot);
       if (next_copy_ < index_t(stream_items_.size())) enqueue_stream_copy();
@@ -1704,6 +1884,11 @@ class device_decoder {
   index_t next_copy_ = 0;
   // flash prefill
   bool use_flash_ = false;
+  bool use_cudnn_ = false;        ///< prefill attention through cuDNN's SDPA (choose_prefill_attention)
+  std::string cudnn_why_;         ///< why not, when use_flash_ && !use_cudnn_
+  std::byte* cudnn_ws_ = nullptr;  ///< its workspace
+  index_t cudnn_ws_bytes_ = 0;
+  bool att16_ready_ = false;      ///< act16_ holds the last prefill attention's bf16 output
   int* wave_offsets_ = nullptr;
   std::vector<int> wave_offsets_host_;
   std::uint16_t* qb_ = nullptr;
@@ -1718,12 +1903,20 @@ class device_decoder {
     index_t first = 0;  ///< the group's first entry in the operand tables
   };
   bool batched_prefill_ = false;
+  bool gathered16_ = false;  ///< this MoE pass gathered its packed rows to bf16 (x16_) directly
   index_t route_cap_ints_ = 0;
   std::vector<int> rows_, order_, chunk_counts_;
   int bad_expert_ = -1;
   std::vector<const void*> batch_ptrs_;
   std::vector<batch_group> batch_groups_;
   std::uint16_t *x16_ = nullptr, *a16_ = nullptr;
+  unsigned* sort_keys_ = nullptr;  ///< prefill grouping on the device (group_on_device)
+  int* sort_pairs_ = nullptr;
+  int* pair_ids_ = nullptr;
+  int* expert_first_ = nullptr;
+  std::byte* sort_temp_ = nullptr;
+  index_t sort_temp_bytes_ = 0;
+  std::vector<int> first_host_;
   float *g_batch_ = nullptr, *u_batch_ = nullptr;
   index_t batched_passes_ = 0;  ///< prefill MoE layers: start, routed, device experts, streamed, end
   double cpu_expert_seconds_ = 0.0;

@@ -13,14 +13,17 @@
 // Same interface as cuda_exec (cuda_exec.hpp); see there for the semantics.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <writescope/host_backend.hpp>
 #include <writescope/host_memory.hpp>
 
+#include "cudnn_prefill.hpp"
 #include "flash_prefill.hpp"
 #include "gemm.hpp"
 #include "kernel_math.hpp"
@@ -83,6 +86,64 @@ class emulated_exec {
   }
 
   void expert_gemv(const expert_gemv_params& p) { expert_gemv_reference(p); }
+  /// The bf16-output prefill attention on the host: the flash prefill's host
+  /// twin (fp32) rounded to bf16, with the flash twin's parameter checks (the
+  /// CUDA executor runs cuDNN's SDPA; this is the CI check of the decoder's
+  /// bf16-output path, not of cuDNN).
+  static constexpr bool has_bf16_prefill_attention = true;
+  std::optional<std::size_t> prepare_bf16_prefill_attention(const cudnn_prefill_params&, std::string&) {
+    return std::size_t{0};
+  }
+  void bf16_prefill_attention(const cudnn_prefill_params& p, void*, std::size_t) {
+    if (p.num_seqs == 0) return;
+    flash_prefill_params f;
+    f.q = p.q;
+    f.k = p.k;
+    f.v = p.v;
+    f.lse = p.lse;
+    f.seq_offsets = p.seq_offsets;
+    f.num_seqs = p.num_seqs;
+    f.max_seq_tokens = p.max_seq_tokens;
+    f.hq = p.hq;
+    f.hkv = p.hkv;
+    f.dqk = p.dqk;
+    f.dv = p.dv;
+    f.q_token_stride = p.q_token_stride;
+    f.q_head_stride = p.q_head_stride;
+    f.k_token_stride = p.k_token_stride;
+    f.k_head_stride = p.k_head_stride;
+    f.v_token_stride = p.v_token_stride;
+    f.v_head_stride = p.v_head_stride;
+    f.scale = p.scale;
+    // fp32 result in a dense [rows][hq][dv] scratch, then rounded into out's strides
+    const idx rows = p.seq_offsets[p.num_seqs];
+    scratch_.assign(std::size_t(rows * p.hq * p.dv), 0.0f);
+    f.out = scratch_.data();
+    f.o_head_stride = p.dv;
+    f.o_token_stride = idx(p.hq) * p.dv;
+    flash_prefill_host(f);
+    for (int s = 0; s < p.num_seqs; ++s)
+#pragma omp parallel for schedule(static)
+      for (idx t = p.seq_offsets[s]; t < p.seq_offsets[s + 1]; ++t)
+        for (int h = 0; h < p.hq; ++h)
+          for (int e = 0; e < p.dv; ++e)
+            p.out[t * p.o_token_stride + h * p.o_head_stride + e] =
+                float_to_bf16(scratch_[std::size_t((t * p.hq + h) * p.dv + e)]);
+  }
+  [[nodiscard]] static long cudnn_version() noexcept { return 0; }
+
+  [[nodiscard]] static std::size_t sort_pairs_temp_bytes(idx) { return 0; }
+  /// Stable sort of n (key, value) pairs by key (the CUDA executor's CUB sort, on the host).
+  void sort_pairs(const unsigned* keys_in, unsigned* keys_out, const int* values_in, int* values_out, idx n, void*,
+                  std::size_t) {
+    std::vector<idx> order(std::size_t(std::max<idx>(n, 0)));
+    for (idx i = 0; i < n; ++i) order[std::size_t(i)] = i;
+    std::stable_sort(order.begin(), order.end(), [&](idx a, idx b) { return keys_in[a] < keys_in[b]; });
+    for (idx i = 0; i < n; ++i) {
+      keys_out[i] = keys_in[order[std::size_t(i)]];
+      values_out[i] = values_in[order[std::size_t(i)]];
+    }
+  }
   /// The flash prefill's host twin (fp32 arithmetic on the same bf16 inputs).
   void flash_prefill(const flash_prefill_params& p) {
     check_flash_prefill(p);
@@ -151,6 +212,7 @@ class emulated_exec {
   std::vector<backend_type::device_buffer> bufs_;
   idx allocated_ = 0;
   std::vector<std::chrono::steady_clock::time_point> marks_;
+  std::vector<float> scratch_;  ///< bf16_prefill_attention's fp32 result
 };
 
 }  // namespace ws_moe::gpu

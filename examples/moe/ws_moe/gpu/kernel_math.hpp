@@ -238,6 +238,175 @@ struct gather_rows_op {
   }
 };
 
+// Four-wide forms of the prefill MoE's memory-bound passes: each index moves
+// four consecutive elements with one 16-byte fp32 load (and one 8-byte bf16
+// store on the device). They compute exactly what their one-element forms
+// compute, element for element (same rounding, same summation order), and
+// need widths that are multiples of 4 and 16-byte aligned fp32 rows
+// (fits_x4 below); the callers fall back to the one-element forms otherwise.
+
+/// Whether a row width (elements) and base pointer allow the four-wide forms.
+[[nodiscard]] inline bool fits_x4(idx width, const void* p) {
+  return width % 4 == 0 && reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
+}
+
+/// (i / d, i % d) in 32-bit arithmetic when i fits (the common case), 64-bit otherwise.
+WS_MOE_HD inline void div_mod(idx i, int d, idx& q, idx& r) {
+  if (i >= 0 && i <= idx(0x7fffffff)) {
+    const int ii = int(i);
+    const int qq = ii / d;
+    q = qq;
+    r = ii - qq * d;
+  } else {
+    q = i / d;
+    r = i - q * d;
+  }
+}
+
+/// Four fp32 values from 16-byte aligned memory.
+WS_MOE_HD inline void load_f32x4(const float* p, float (&v)[4]) {
+#ifdef __CUDA_ARCH__
+  const float4 q = *reinterpret_cast<const float4*>(p);
+  v[0] = q.x;
+  v[1] = q.y;
+  v[2] = q.z;
+  v[3] = q.w;
+#else
+  for (int j = 0; j < 4; ++j) v[j] = p[j];
+#endif
+}
+
+/// Four values rounded to bf16 (float_to_bf16) at 8-byte aligned p.
+WS_MOE_HD inline void store_bf16x4(std::uint16_t* p, const float (&v)[4]) {
+#ifdef __CUDA_ARCH__
+  const unsigned lo = unsigned(float_to_bf16(v[0])) | (unsigned(float_to_bf16(v[1])) << 16);
+  const unsigned hi = unsigned(float_to_bf16(v[2])) | (unsigned(float_to_bf16(v[3])) << 16);
+  *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
+#else
+  for (int j = 0; j < 4; ++j) p[j] = float_to_bf16(v[j]);
+#endif
+}
+
+/// gather_rows_op followed by convert_op to bf16, in one pass:
+/// dst[j][e] = bf16(src[rows[j] * src_stride + e]) (dst dense, row width cols).
+/// cols and src_stride multiples of 4; src 16-byte, dst 8-byte aligned. Size n * cols / 4.
+struct gather_rows_bf16x4_op {
+  const float* src;
+  idx src_stride;
+  const int* rows;
+  int cols4;  ///< cols / 4
+  std::uint16_t* dst;
+  WS_MOE_HD void operator()(idx i) const {
+    idx j, e4;
+    div_mod(i, cols4, j, e4);
+    float v[4];
+    load_f32x4(src + idx(rows[j]) * src_stride + 4 * e4, v);
+    store_bf16x4(dst + 4 * i, v);
+  }
+};
+
+/// silu_mul_op followed by convert_op to bf16, in one pass: a[i] = bf16(silu(g[i]) * u[i]).
+/// g, u 16-byte aligned, a 8-byte aligned. Size n / 4 (n a multiple of 4).
+struct silu_mul_bf16x4_op {
+  const float* g;
+  const float* u;
+  std::uint16_t* a;
+  WS_MOE_HD void operator()(idx i) const {
+    float gv[4], uv[4];
+    load_f32x4(g + 4 * i, gv);
+    load_f32x4(u + 4 * i, uv);
+    for (int j = 0; j < 4; ++j) gv[j] = silu(gv[j]) * uv[j];
+    store_bf16x4(a + 4 * i, gv);
+  }
+};
+
+/// combine_op four columns at a time (the same sum, in the same order, per
+/// element). hidden a multiple of 4; y and out 16-byte aligned. Size n * hidden / 4.
+struct combine_x4_op {
+  const float* y;
+  const int* rows;
+  const float* w;
+  int k;
+  int hidden4;  ///< hidden / 4
+  float* out;
+  WS_MOE_HD void operator()(idx i) const {
+    idx t, e4;
+    div_mod(i, hidden4, t, e4);
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int s = 0; s < k; ++s) {
+      float v[4];
+      load_f32x4(y + idx(rows[t * k + s]) * hidden4 * 4 + 4 * e4, v);
+      const float ws = w[t * k + s];
+      for (int j = 0; j < 4; ++j) acc[j] += v[j] * ws;
+    }
+#ifdef __CUDA_ARCH__
+    *reinterpret_cast<float4*>(out + 4 * i) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+#else
+    for (int j = 0; j < 4; ++j) out[4 * i + j] = acc[j];
+#endif
+  }
+};
+
+// Prefill MoE grouping on the device. The (token, slot) pairs t*k + s of the
+// router's output are sorted by expert, stably (ties keep token order): the
+// executor's sort_pairs, keys = experts as unsigned, values = pair indices.
+// expert_bounds_op then finds each expert's first sorted position and, after
+// the host laid out the packed rows (padded per expert), scatter_rows_op
+// writes the gather and combine tables. The result is the host grouping's
+// (device_decoder::moe): packed rows in expert order, tokens ascending inside
+// an expert; each token's slots in ascending expert order.
+
+/// out[i] = i. Size n.
+struct iota_op {
+  int* out;
+  WS_MOE_HD void operator()(idx i) const { out[i] = int(i); }
+};
+
+/// first[e] = the first position p of the sorted keys with key >= e, for
+/// e in [0, E]; keys at or above E (not an expert) count as E, so first[E] < n
+/// tells the caller that the router returned one. Size n + 1.
+struct expert_bounds_op {
+  const unsigned* sorted_keys;  ///< [n]
+  idx n;
+  int E;
+  int* first;  ///< [E + 1]
+  WS_MOE_HD void operator()(idx i) const {
+    const auto clamp = [&](unsigned key) { return key > unsigned(E) ? E : int(key); };
+    const int prev = i == 0 ? -1 : clamp(sorted_keys[i - 1]);
+    const int cur = i == n ? E : clamp(sorted_keys[i]);
+    for (int e = prev + 1; e <= cur; ++e) first[e] = int(i);
+  }
+};
+
+/// The gather and combine tables from the sorted pairs: sorted position p of
+/// expert e is packed row row0[e] + (p - first[e]); src_rows[row] = its token;
+/// comb_rows/comb_w[t*k + j] = its row and routing weight, j = the rank of e
+/// among the token's k (distinct) experts. Rows of src_rows that no pair
+/// writes (per-expert padding) are left as they are. Size n = tokens * k.
+struct scatter_rows_op {
+  const unsigned* sorted_keys;  ///< [n] experts, sorted
+  const int* sorted_pairs;      ///< [n] t*k + s, in the sorted order
+  const int* first;             ///< [E + 1] expert_bounds_op
+  const int* row0;              ///< [E + 1] first packed row per expert
+  const int* experts;           ///< [n] the router's experts, token-major
+  const float* weights;         ///< [n] the router's weights, token-major
+  int k;
+  int* src_rows;                ///< [packed rows]
+  int* comb_rows;               ///< [n]
+  float* comb_w;                ///< [n]
+  WS_MOE_HD void operator()(idx p) const {
+    const int pair = sorted_pairs[p];
+    const int e = int(sorted_keys[p]);
+    const int row = row0[e] + int(p - first[e]);
+    const idx t = pair / k;
+    src_rows[row] = int(t);
+    int j = 0;
+    for (int s = 0; s < k; ++s) j += experts[t * k + s] < e ? 1 : 0;
+    comb_rows[t * k + j] = row;
+    comb_w[t * k + j] = weights[pair];
+  }
+};
+
 /// MoE combine: out[t][e] = sum over s < k, in order, of w[t][s] * y[rows[t][s]][e],
 /// starting from 0 — the host path's accumulation order when the k slots of a
 /// token are sorted by expert id (moe.hpp: experts in ascending order). Size n * hidden.

@@ -5,6 +5,8 @@
 // element is in kernel_math.hpp, shared with the host emulation.
 #include <cuda_runtime.h>
 
+#include <cub/device/device_radix_sort.cuh>
+
 #include <string>
 
 #include <writescope/cuda/cuda_error.hpp>
@@ -62,6 +64,24 @@ __global__ void __launch_bounds__(threads) rms_norm_kernel(const rms_norm_params
   const float inv = rms_inverse(block_sum(ss, red), p.dim, p.eps);
   // Each element is read and then written by the same thread (y may alias x).
   for (int e = int(threadIdx.x); e < p.dim; e += threads) y[e] = p.w[e] * __fmul_rn(x[e], inv);
+}
+
+// Short rows (dim <= rms_warp_max_dim, e.g. Qwen3's per-head q/k norm over
+// 128): one warp per row, eight rows per CTA; the same double sum of squares
+// and the same per-element formula as rms_norm_kernel.
+constexpr int rms_warp_max_dim = 512;
+
+__global__ void __launch_bounds__(threads) rms_norm_warp_kernel(const rms_norm_params p) {
+  const idx row = idx(blockIdx.x) * (threads / 32) + threadIdx.x / 32;
+  if (row >= p.rows) return;
+  const int lane = int(threadIdx.x % 32);
+  const float* x = p.x + row * p.x_stride;
+  float* y = p.y + row * p.y_stride;
+  double ss = 0.0;
+  for (int e = lane; e < p.dim; e += 32) ss += double(x[e]) * double(x[e]);
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float inv = rms_inverse(ss, p.dim, p.eps);
+  for (int e = lane; e < p.dim; e += 32) y[e] = p.w[e] * __fmul_rn(x[e], inv);
 }
 
 __global__ void __launch_bounds__(threads) causal_softmax_kernel(const softmax_params p) {
@@ -166,7 +186,13 @@ void launch_elementwise(const Op& op, idx n, cudaStream_t stream) {
 void launch_rms_norm(const rms_norm_params& p, cudaStream_t stream) {
   if (p.rows <= 0 || p.dim <= 0) return;
   if (p.rows > idx(0x7fffffff)) throw writescope::config_error("rms_norm: more than 2^31-1 rows in one launch");
-  rms_norm_kernel<<<unsigned(p.rows), threads, 0, stream>>>(p);
+  if (p.dim <= rms_warp_max_dim) {
+    const idx rows_per_cta = threads / 32;
+    const idx ctas = (p.rows + rows_per_cta - 1) / rows_per_cta;
+    rms_norm_warp_kernel<<<unsigned(ctas), threads, 0, stream>>>(p);
+  } else {
+    rms_norm_kernel<<<unsigned(p.rows), threads, 0, stream>>>(p);
+  }
   WS_CUDA_CHECK_LAST();
 }
 
@@ -191,6 +217,26 @@ void launch_expert_gemv(const expert_gemv_params& p, cudaStream_t stream) {
   WS_CUDA_CHECK_LAST();
 }
 
+std::size_t sort_pairs_temp_bytes(idx n) {
+  if (n > idx(0x7fffffff)) throw writescope::config_error("sort_pairs: more than 2^31-1 items");
+  std::size_t bytes = 0;
+  WS_CUDA_TRY(cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<const unsigned*>(nullptr),
+                                              static_cast<unsigned*>(nullptr), static_cast<const int*>(nullptr),
+                                              static_cast<int*>(nullptr), int(n)));
+  return bytes;
+}
+
+void launch_sort_pairs(const unsigned* keys_in, unsigned* keys_out, const int* values_in, int* values_out, idx n,
+                       void* temp, std::size_t temp_bytes, cudaStream_t stream) {
+  if (n <= 0) return;
+  const std::size_t need = sort_pairs_temp_bytes(n);
+  if (temp_bytes < need)
+    throw writescope::config_error("sort_pairs: " + std::to_string(temp_bytes) + " bytes of scratch, " +
+                                   std::to_string(need) + " needed for " + std::to_string(n) + " items");
+  WS_CUDA_TRY(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys_in, keys_out, values_in, values_out, int(n), 0,
+                                              32, stream));
+}
+
 template void launch_elementwise<embed_op>(const embed_op&, idx, cudaStream_t);
 template void launch_elementwise<rope_op>(const rope_op&, idx, cudaStream_t);
 template void launch_elementwise<silu_mul_op>(const silu_mul_op&, idx, cudaStream_t);
@@ -200,6 +246,12 @@ template void launch_elementwise<convert_op>(const convert_op&, idx, cudaStream_
 template void launch_elementwise<widen_op>(const widen_op&, idx, cudaStream_t);
 template void launch_elementwise<gather_rows_op>(const gather_rows_op&, idx, cudaStream_t);
 template void launch_elementwise<combine_op>(const combine_op&, idx, cudaStream_t);
+template void launch_elementwise<iota_op>(const iota_op&, idx, cudaStream_t);
+template void launch_elementwise<expert_bounds_op>(const expert_bounds_op&, idx, cudaStream_t);
+template void launch_elementwise<scatter_rows_op>(const scatter_rows_op&, idx, cudaStream_t);
+template void launch_elementwise<combine_x4_op>(const combine_x4_op&, idx, cudaStream_t);
+template void launch_elementwise<gather_rows_bf16x4_op>(const gather_rows_bf16x4_op&, idx, cudaStream_t);
+template void launch_elementwise<silu_mul_bf16x4_op>(const silu_mul_bf16x4_op&, idx, cudaStream_t);
 template void launch_elementwise<fill_op>(const fill_op&, idx, cudaStream_t);
 template void launch_elementwise<random_op>(const random_op&, idx, cudaStream_t);
 template void launch_elementwise<route_op>(const route_op&, idx, cudaStream_t);

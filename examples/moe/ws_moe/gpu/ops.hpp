@@ -10,6 +10,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
+
 #include "kernel_math.hpp"
 
 namespace ws_moe::gpu {
@@ -19,7 +21,7 @@ namespace ws_moe::gpu {
 template <class Op>
 void launch_elementwise(const Op& op, idx n, cudaStream_t stream);
 
-/// RMSNorm, one CTA per row (double sum of squares).
+/// RMSNorm (double sum of squares): one warp per row up to 512 elements, one CTA per row above.
 void launch_rms_norm(const rms_norm_params& p, cudaStream_t stream);
 
 /// Causal softmax of a prefill score block, one CTA per row.
@@ -31,5 +33,16 @@ void launch_causal_softmax(const softmax_params& p, cudaStream_t stream);
 /// not a multiple of 8 or x_stride not of 4 (the 16-byte loads), or for more
 /// than 65535 experts; the pointers must be 16-byte aligned.
 void launch_expert_gemv(const expert_gemv_params& p, cudaStream_t stream);
+
+/// Device scratch bytes launch_sort_pairs needs for n items (CUB's query).
+[[nodiscard]] std::size_t sort_pairs_temp_bytes(idx n);
+
+/// Stable sort of n (key, value) pairs by key, all 32 bits (CUB device radix
+/// sort): keys_out/values_out receive the sorted pairs; the inputs are not
+/// modified. temp: device scratch of sort_pairs_temp_bytes(n) bytes or more.
+/// Asynchronous on `stream`; throws config_error for n beyond 2^31-1 or too
+/// little scratch.
+void launch_sort_pairs(const unsigned* keys_in, unsigned* keys_out, const int* values_in, int* values_out, idx n,
+                       void* temp, std::size_t temp_bytes, cudaStream_t stream);
 
 }  // namespace ws_moe::gpu
