@@ -526,7 +526,8 @@ class device_decoder {
       // batched prefill experts (bf16, bf16 experts): padded packed rows and the operand tables
       batched_prefill_ = d_.batched_prefill_experts && prec_ == wtype::bf16 && T > B &&
                          gpu::expert_bytes(c_, *src_, first_moe_layer()) == 6 * H * c_.moe_intermediate_size;
-      const index_t np_cap = T * k + (batched_prefill_ ? E * batch_pad : 0);
+      // packed rows: a batched prefill adds at most batch_pad - 1 per expert and 1/16 of the rest (padded_rows)
+      const index_t np_cap = T * k + (batched_prefill_ ? E * batch_pad + T * k / 16 : 0);
       route_cap_ints_ = np_cap + 2 * T * k + E + 1 + 2 + (batched_prefill_ ? 2 * 9 * E : 0);
       route_dev_ = buffer<int>(route_cap_ints_, "routing: rows, weights, expert offsets, batched GEMM tables");
       if (d_.grouped_experts) {
@@ -1066,16 +1067,32 @@ class device_decoder {
   static index_t table_at(index_t np, index_t nk, int E) { return (np + 2 * nk + E + 1 + 1) / 2 * 2; }
 
   /// rows_/count_ from the per-expert row counts; a batched prefill pads every
-  /// device-resident expert's rows to a multiple of batch_pad (padding rows
+  /// device-resident expert's rows up to padded_rows (padding rows
   /// gather token 0 and are never combined) so that experts of equal padded
   /// rows run as one batched GEMM.
   void lay_out_rows(const gpu::dlayer& L, bool batched) {
     const int E = c_.num_experts;
     for (int e = 0; e < E; ++e) {
       index_t m = rows_[std::size_t(e)];
-      if (batched && m > 0 && !L.on_host[std::size_t(e)]) m = (m + batch_pad - 1) / batch_pad * batch_pad;
+      if (batched && m > 0 && !L.on_host[std::size_t(e)]) m = padded_rows(m);
       count_[std::size_t(e) + 1] = count_[std::size_t(e)] + int(m);
     }
+  }
+
+  /// A batched prefill expert's rows rounded up to a size of a geometric
+  /// ladder: multiples of batch_pad up to 16 * batch_pad, above that 16 steps
+  /// per octave (m in (2^j, 2^(j+1)] rounds up to a multiple of 2^(j-4)). At
+  /// most 1/16 of the rows are padding beyond the first batch_pad, and experts
+  /// of similar load share a size, so one layer runs few, large batched GEMMs
+  /// (each size is one cuBLAS call per matrix).
+  static index_t padded_rows(index_t m) {
+    index_t step = batch_pad;
+    if (m > 16 * batch_pad) {
+      int j = 0;
+      while ((index_t(2) << j) < m) ++j;  // 2^j < m <= 2^(j+1)
+      step = std::max<index_t>(batch_pad, index_t(1) << (j - 4));
+    }
+    return (m + step - 1) / step * step;
   }
 
   /// The prefill grouping of a batched MoE pass on the device (kernel_math.hpp
@@ -1324,7 +1341,7 @@ class device_decoder {
     if (timed) moe_marks_.back()[4] = x_.mark();
   }
 
-  /// Rows of a prefill expert in the batched GEMMs are padded to a multiple of this.
+  /// Rows of a prefill expert in the batched GEMMs are padded to a multiple of this (padded_rows).
   static constexpr index_t batch_pad = 64;
 
   /// The batched prefill GEMMs' operand tables of layer L (batch_ptrs_, uploaded
