@@ -79,6 +79,27 @@ TEST_CASE("allocation beyond the free count throws capacity_error and changes no
   CHECK(out == iota_ids(0, 10));
 }
 
+TEST_CASE("a pool given the setting that sizes it names that setting when full") {
+  block_pool p(2, 2, "pinned load region", "partition_spec::pinned_capacity_tokens");
+  std::vector<block_id> out;
+  try {
+    p.allocate(3, out);
+    FAIL("expected capacity_error");
+  } catch (const capacity_error& e) {
+    CHECK(std::string(e.what()) ==
+          "pinned load region: 3 blocks requested, 2 free of 2 (capacity exceeded; raise "
+          "partition_spec::pinned_capacity_tokens)");
+  }
+  block_pool q(2, 2, "x");  // no setting: none named
+  try {
+    q.allocate(3, out);
+    FAIL("expected capacity_error");
+  } catch (const capacity_error& e) {
+    CHECK(std::string(e.what()) == "x: 3 blocks requested, 2 free of 2 (capacity exceeded)");
+  }
+  CHECK(out.empty());
+}
+
 TEST_CASE("double free, unknown ids and repeated ids throw state_error and change nothing") {
   block_pool p(130, 130, "pinned load region");
   std::vector<block_id> out;

@@ -90,6 +90,16 @@ TEST_CASE("configuration errors name the value and the rule") {
     s = base_spec();
     s.block_tokens = 0;
     expect_error<config_error>([&] { make(s); }, {"block_tokens 0"});
+    s = base_spec();  // no host region: nothing could ever be evicted
+    s.cpu_capacity_tokens = 0;
+    s.pinned_capacity_tokens = 0;
+    expect_error<config_error>([&] { make(s); }, {"cpu_capacity_tokens and pinned_capacity_tokens are both 0",
+                                                  "d_window_tokens (32)", "set either"});
+    s.pinned_capacity_tokens = 16;  // one region is enough
+    CHECK_NOTHROW(make(s));
+  }
+  SUBCASE("a default partition_spec is refused, naming the two capacities") {
+    expect_error<config_error>([&] { make(partition_spec{}); }, {"cpu_capacity_tokens", "pinned_capacity_tokens", "both 0"});
   }
   SUBCASE("a region the system cannot reserve fails at init, naming region and size") {
     partition_spec s;
@@ -191,7 +201,8 @@ TEST_CASE("bad calls on a live cache throw typed errors and leave it unchanged")
   SUBCASE("no free D-window slot") {
     const sequence_id c = d.add(1);
     const cache_snapshot with_c = snapshot(cache, std::vector<sequence_id>{a, b, c});
-    expect_error<capacity_error>([&] { cache.begin_sequence(0); }, {"D-window slots", "3", "max_sequences"});
+    expect_error<capacity_error>([&] { cache.begin_sequence(0); },
+                                 {"begin_sequence: a prompt of 0 tokens", "all 3 D-window slots", "partition_spec::max_sequences"});
     CHECK(snapshot(cache, std::vector<sequence_id>{a, b, c}) == with_c);
     d.remove(c);
   }
@@ -212,7 +223,11 @@ TEST_CASE("capacity errors leave the cache unchanged: admission, flush, and the 
     const sequence_id b = d.add(31);           // window 31
     const std::vector<sequence_id> ids{a, b};
     cache_snapshot before = snapshot(cache, ids);
-    expect_error<capacity_error>([&] { cache.begin_sequence(2 * 32); }, {"unpinned compute region", "capacity exceeded"});
+    // 3 batches of 2 blocks, 2 used: the prompt's first batch fits, its second does not.
+    expect_error<capacity_error>([&] { cache.begin_sequence(2 * 32); },
+                                 {"begin_sequence: a prompt of 64 tokens (eviction batch 2 of 2, D = 32 tokens)",
+                                  "unpinned compute region: 2 blocks requested, 0 free of 6",
+                                  "raise partition_spec::cpu_capacity_tokens", "now 96 tokens per layer"});
     CHECK(snapshot(cache, ids) == before);
     CHECK(cache.live_sequences() == 2);
 
@@ -225,7 +240,10 @@ TEST_CASE("capacity errors leave the cache unchanged: admission, flush, and the 
       REQUIRE(r.ok());
     }
     before = snapshot(cache, ids);
-    expect_error<capacity_error>([&] { cache.flush(); }, {"unpinned compute region", "requested", "free"});
+    expect_error<capacity_error>([&] { cache.flush(); },
+                                 {"flush: the full D-window of sequence " + std::to_string(b) + " (32 tokens with this eviction)",
+                                  "unpinned compute region: 2 blocks requested, 0 free of 6",
+                                  "raise partition_spec::cpu_capacity_tokens", "now 96 tokens per layer"});
     CHECK(snapshot(cache, ids) == before);  // nothing evicted, a's staged batch returned
     CHECK(cache.sequence(a).window_tokens == std::vector<int>{32, 32});
     // Appending to a full D-window without a successful flush is a state error.
@@ -254,7 +272,9 @@ TEST_CASE("capacity errors leave the cache unchanged: admission, flush, and the 
     const sequence_id a = d.add(2 * 32 + 3);
     const std::vector<sequence_id> ids{a};
     const cache_snapshot before = snapshot(cache, ids);
-    expect_error<capacity_error>([&] { cache.begin_sequence(2 * 32); }, {"pinned load region", "capacity exceeded"});
+    expect_error<capacity_error>([&] { cache.begin_sequence(2 * 32); },
+                                 {"begin_sequence: a prompt of 64 tokens (eviction batch 2 of 2", "pinned load region",
+                                  "raise partition_spec::pinned_capacity_tokens", "now 96 tokens per layer"});
     CHECK(snapshot(cache, ids) == before);
     CHECK(cache.usage().pinned_capacity_blocks <= cache.usage().pinned_max_blocks);
     const std::vector<sequence_id> batch{a};

@@ -24,9 +24,13 @@ namespace writescope {
 class block_pool {
  public:
   block_pool() = default;
-  /// A pool of `capacity_blocks` free blocks, which may later grow to `max_capacity_blocks`.
-  block_pool(index_t capacity_blocks, index_t max_capacity_blocks, const char* region_name)
-      : max_capacity_(max_capacity_blocks), name_(region_name) {
+  /// A pool of `capacity_blocks` free blocks, which may later grow to
+  /// `max_capacity_blocks`. `region_name` and `capacity_field` (the setting
+  /// that sizes the region, e.g. "partition_spec::cpu_capacity_tokens"; may be
+  /// null) are string literals (kept, not copied) named by the pool's errors.
+  block_pool(index_t capacity_blocks, index_t max_capacity_blocks, const char* region_name,
+             const char* capacity_field = nullptr)
+      : max_capacity_(max_capacity_blocks), name_(region_name), capacity_field_(capacity_field) {
     if (capacity_blocks < 0 || max_capacity_blocks < capacity_blocks || max_capacity_blocks > INT32_MAX)
       throw config_error(std::string(region_name) + ": block capacity " + std::to_string(capacity_blocks) + " / max " +
                          std::to_string(max_capacity_blocks) + " is invalid (0 <= capacity <= max <= 2^31-1)");
@@ -55,12 +59,14 @@ class block_pool {
   }
 
   /// Appends `n` free ids (lowest first) to `out` and marks them used. Throws
-  /// capacity_error and changes nothing when fewer than `n` are free.
+  /// capacity_error ("<region>: n blocks requested, f free of c (capacity
+  /// exceeded; raise <capacity field>)") and changes nothing when fewer than
+  /// `n` are free.
   void allocate(index_t n, std::vector<block_id>& out) {
     if (n > free_)
       throw capacity_error(std::string(name_) + ": " + std::to_string(n) + " blocks requested, " +
-                           std::to_string(free_) + " free of " + std::to_string(capacity_) +
-                           " (capacity exceeded)");
+                           std::to_string(free_) + " free of " + std::to_string(capacity_) + " (capacity exceeded" +
+                           (capacity_field_ ? std::string("; raise ") + capacity_field_ : std::string()) + ")");
     out.reserve(out.size() + static_cast<std::size_t>(n));
     index_t got = 0;
     for (std::size_t w = static_cast<std::size_t>(first_word_); got < n; ++w) {
@@ -110,6 +116,7 @@ class block_pool {
   index_t free_ = 0;
   index_t first_word_ = 0;            // no free id below 64*first_word_
   const char* name_ = "block pool";
+  const char* capacity_field_ = nullptr;  // the setting that sizes the region (messages), or null
 };
 
 }  // namespace writescope

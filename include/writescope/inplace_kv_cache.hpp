@@ -27,6 +27,9 @@
 //
 // Ragged batches: each sequence has its own length, block table and share.
 // end_sequence() returns its blocks and D-window slot for in-place reuse.
+// Admission and release are O(1) in the number of sequences: free D-window
+// slots and ended sequence ids are kept in lists, the most recently freed
+// taken first (a fresh cache hands out slots and ids 0, 1, 2, ...).
 //
 // Errors: every operation validates before it mutates; on a throw the cache is
 // unchanged (strong guarantee). docs/ERRORS.md lists the cases.
@@ -167,8 +170,8 @@ class inplace_kv_cache {
                        ? (spec_.pinned_growth_tokens + spec_.block_tokens - 1) / spec_.block_tokens
                        : index_t(spec_.window_blocks()) * spec_.max_sequences;
     slab_blocks_ = std::max<index_t>(1, std::min<index_t>(slab_blocks_, std::max<index_t>(cap_pin, 1)));
-    cpu_pool_ = block_pool(cap_cpu, cap_cpu, "unpinned compute region");
-    pinned_pool_ = block_pool(0, cap_pin, "pinned load region");
+    cpu_pool_ = block_pool(cap_cpu, cap_cpu, "unpinned compute region", "partition_spec::cpu_capacity_tokens");
+    pinned_pool_ = block_pool(0, cap_pin, "pinned load region", "partition_spec::pinned_capacity_tokens");
 
     cpu_mem_ = detail::map_pageable(cap_cpu * block_bytes * spec_.num_layers, "unpinned compute region");
     const index_t initial_pin = spec_.pinned_initial_tokens < 0
@@ -186,7 +189,12 @@ class inplace_kv_cache {
     ping_pong_mem_ = backend_->allocate_device(pp_blocks_ * block_bytes * spec_.ping_pong_buffers, "ping-pong");
     for (int b = 0; b < spec_.ping_pong_buffers; ++b)
       ping_pong_.push_back(reinterpret_cast<bf16*>(ping_pong_mem_.data()) + index_t(b) * pp_blocks_ * format_.block_elems());
-    slot_used_.assign(std::size_t(spec_.max_sequences), 0);
+    // The free lists hold at most max_sequences entries each: reserved here,
+    // after the regions (a refused region allocates none of it), so that
+    // end_sequence() never allocates.
+    free_slots_.reserve(std::size_t(spec_.max_sequences));
+    for (int s = spec_.max_sequences - 1; s >= 0; --s) free_slots_.push_back(s);  // slot 0 is taken first
+    free_ids_.reserve(std::size_t(spec_.max_sequences));
     if (options_.poison) {
       backend_->fill_device(d_window_.data(), d_window_.size_bytes(), poison_bf16_bits);
       backend_->fill_device(ping_pong_mem_.data(), ping_pong_mem_.size_bytes(), poison_bf16_bits);
@@ -225,16 +233,23 @@ class inplace_kv_cache {
   /// allocates their blocks in every layer and reserves a D-window slot for
   /// the remaining P mod D tokens and the decode tokens to come. The KV itself
   /// arrives through append_prefill(), layer by layer.
-  /// Throws shape_error for P < 0, capacity_error when no slot or too few
-  /// blocks are free, pinned_memory_error if growing the pinned region is
-  /// refused. Strong guarantee.
+  /// The slot and the id come from free lists: O(1) in the number of
+  /// sequences (admission_probes()); the work that grows is the prompt's
+  /// own (floor(P/D) routing decisions, their blocks).
+  /// Throws shape_error for P < 0; capacity_error when no D-window slot is
+  /// free (naming partition_spec::max_sequences) or a region has too few free
+  /// blocks for the prompt's batches (naming the prompt length and the field
+  /// to raise, partition_spec::cpu_capacity_tokens or pinned_capacity_tokens);
+  /// pinned_memory_error if growing the pinned region is refused. Strong
+  /// guarantee.
   sequence_id begin_sequence(index_t prompt_tokens) {
     if (prompt_tokens < 0) throw shape_error("begin_sequence: prompt_tokens " + std::to_string(prompt_tokens) + " < 0");
-    const auto slot_it = std::find(slot_used_.begin(), slot_used_.end(), std::uint8_t{0});
-    if (slot_it == slot_used_.end())
-      throw capacity_error("begin_sequence: all " + std::to_string(spec_.max_sequences) +
-                           " D-window slots are in use (partition_spec::max_sequences)");
-    const int slot = int(slot_it - slot_used_.begin());
+    ++admission_probes_;
+    if (free_slots_.empty())
+      throw capacity_error("begin_sequence: a prompt of " + std::to_string(prompt_tokens) + " tokens: all " +
+                           std::to_string(spec_.max_sequences) +
+                           " D-window slots are in use (raise partition_spec::max_sequences, or end a sequence first)");
+    const int slot = free_slots_.back();
 
     sequence_state st;
     st.live = true;
@@ -244,22 +259,30 @@ class inplace_kv_cache {
     st.layer_ready.assign(std::size_t(spec_.num_layers), prompt_tokens == 0 ? 1 : 0);
     st.generation = ++generations_;
 
-    const sequence_id id = free_sequence_id();
+    ++admission_probes_;
+    const bool reuse_id = !free_ids_.empty();
+    const sequence_id id = reuse_id ? free_ids_.back() : sequence_id(seqs_.size());
     const index_t batches = prompt_tokens / spec_.d_window_tokens;
     // Tokens of announced prompts still to come after this one (routing only).
     const index_t announced_after = std::max<index_t>(0, announced_tokens_ - prompt_tokens);
     try {
       for (index_t k = 0; k < batches; ++k)
         place_batch(id, st, total_placed_tokens_, live_count_ + 1,
-                    announced_after + (batches - 1 - k) * spec_.d_window_tokens);
-      // The last step that can throw (std::bad_alloc): before the slot is marked.
-      if (std::size_t(id) == seqs_.size()) seqs_.emplace_back();
+                    announced_after + (batches - 1 - k) * spec_.d_window_tokens,
+                    [&] {
+                      return "begin_sequence: a prompt of " + std::to_string(prompt_tokens) + " tokens (eviction batch " +
+                             std::to_string(k + 1) + " of " + std::to_string(batches) + ", D = " +
+                             std::to_string(spec_.d_window_tokens) + " tokens)";
+                    });
+      // The last step that can throw (std::bad_alloc): before the slot is taken.
+      if (!reuse_id) seqs_.emplace_back();
     } catch (...) {
       release_blocks(st);
       throw;
     }
     // Commit: nothing below throws.
-    slot_used_[std::size_t(slot)] = 1;
+    free_slots_.pop_back();
+    if (reuse_id) free_ids_.pop_back();
     total_placed_tokens_ += st.placed_tokens;
     announced_tokens_ = announced_after;
     seqs_[std::size_t(id)] = std::move(st);
@@ -268,11 +291,14 @@ class inplace_kv_cache {
   }
 
   /// Ends a sequence: its blocks and D-window slot return to their pools for
-  /// in-place reuse. Throws shape_error for an unknown or ended sequence.
+  /// in-place reuse, its id to the free ids (the next begin_sequence() takes
+  /// the most recently ended). O(1) in the number of sequences. Throws
+  /// shape_error for an unknown or ended sequence.
   void end_sequence(sequence_id seq) {
     sequence_state& st = live_state(seq, "end_sequence");
     release_blocks(st);
-    slot_used_[std::size_t(st.window_slot)] = 0;
+    free_slots_.push_back(st.window_slot);  // capacity reserved at init: cannot throw
+    free_ids_.push_back(seq);
     total_placed_tokens_ -= st.placed_tokens;
     st = sequence_state{};
     --live_count_;
@@ -437,7 +463,10 @@ class inplace_kv_cache {
         // `total` already counts this sequence's placed tokens; place_batch adds
         // them again, so pass the other sequences' share (route_query contract:
         // all live sequences' placed tokens before this batch, counted once).
-        place_batch(sequence_id(id), copy, total - copy.placed_tokens, live_count_);
+        place_batch(sequence_id(id), copy, total - copy.placed_tokens, live_count_, 0, [&] {
+          return "flush: the full D-window of sequence " + std::to_string(id) + " (" +
+                 std::to_string(copy.placed_tokens + spec_.d_window_tokens) + " tokens with this eviction)";
+        });
         total += spec_.d_window_tokens;
         staged.emplace_back(sequence_id(id), std::move(copy));
         // Room for the commit's push_backs (capacity only: not observable).
@@ -526,6 +555,11 @@ class inplace_kv_cache {
   [[nodiscard]] const cache_options& options() const noexcept { return options_; }
   [[nodiscard]] int live_sequences() const noexcept { return live_count_; }
   [[nodiscard]] index_t total_placed_tokens() const noexcept { return total_placed_tokens_; }
+  /// Free-list entries (D-window slots and sequence ids) that begin_sequence()
+  /// has examined, summed over the cache's life, refused calls included: two
+  /// per call that gets past the prompt-length check, one when no slot is free.
+  /// For tests of the O(1) admission.
+  [[nodiscard]] std::uint64_t admission_probes() const noexcept { return admission_probes_; }
 
   /// The state of a live sequence. Throws shape_error otherwise.
   [[nodiscard]] const sequence_state& sequence(sequence_id seq) const {
@@ -606,12 +640,6 @@ class inplace_kv_cache {
     return true;
   }
 
-  sequence_id free_sequence_id() const noexcept {
-    for (std::size_t i = 0; i < seqs_.size(); ++i)
-      if (!seqs_[i].live) return sequence_id(i);
-    return sequence_id(seqs_.size());
-  }
-
   sequence_state& live_state(sequence_id seq, const char* what) {
     if (seq < 0 || std::size_t(seq) >= seqs_.size() || !seqs_[std::size_t(seq)].live)
       throw shape_error(std::string(what) + ": sequence " + std::to_string(seq) + " is not a live sequence");
@@ -657,7 +685,11 @@ class inplace_kv_cache {
   // `total_placed`: placed tokens of every other live sequence (st's own are added here);
   // `coming_tokens`: tokens about to be placed after this batch (this prompt's
   // later batches and announced prompts), counted into L for the routing only.
-  void place_batch(sequence_id id, sequence_state& st, index_t total_placed, int live, index_t coming_tokens = 0) {
+  // `context()`: the call and the batch, for a capacity_error's message (built
+  // only on that error).
+  template <class Context>
+  void place_batch(sequence_id id, sequence_state& st, index_t total_placed, int live, index_t coming_tokens,
+                   const Context& context) {
     const int wb = spec_.window_blocks();
     route_query q;
     q.seq = id;
@@ -673,13 +705,18 @@ class inplace_kv_cache {
     reserve_more(tmp_ids_, wb);
     reserve_more(st.block_table, wb);
     reserve_more(d.region == placement::cpu_compute ? st.cpu_blocks : st.pinned_blocks, wb);
-    if (d.region == placement::cpu_compute) {
-      cpu_pool_.allocate(wb, tmp_ids_);
-    } else {
-      if (pinned_pool_.free_blocks() < wb)
-        grow_pinned_to(std::min(pinned_pool_.max_capacity(),
-                                std::max(pinned_pool_.capacity() + slab_blocks_, pinned_pool_.used_blocks() + wb)));
-      pinned_pool_.allocate(wb, tmp_ids_);
+    try {
+      if (d.region == placement::cpu_compute) {
+        cpu_pool_.allocate(wb, tmp_ids_);
+      } else {
+        if (pinned_pool_.free_blocks() < wb)
+          grow_pinned_to(std::min(pinned_pool_.max_capacity(),
+                                  std::max(pinned_pool_.capacity() + slab_blocks_, pinned_pool_.used_blocks() + wb)));
+        pinned_pool_.allocate(wb, tmp_ids_);
+      }
+    } catch (const capacity_error& e) {  // the pool's message names the region and the field; add the call
+      const index_t now = d.region == placement::cpu_compute ? spec_.cpu_capacity_tokens : spec_.pinned_capacity_tokens;
+      throw capacity_error(context() + ": " + e.what() + ", now " + std::to_string(now) + " tokens per layer");
     }
     for (block_id b : tmp_ids_) {
       st.block_table.push_back({d.region, b});
@@ -763,7 +800,9 @@ class inplace_kv_cache {
   index_t pp_blocks_ = 0;
 
   std::vector<sequence_state> seqs_;
-  std::vector<std::uint8_t> slot_used_;
+  std::vector<int> free_slots_;         // D-window slots not in use; back() is taken next
+  std::vector<sequence_id> free_ids_;   // ended ids below seqs_.size(); back() is reused next
+  std::uint64_t admission_probes_ = 0;  // admission_probes()
   int live_count_ = 0;
   index_t total_placed_tokens_ = 0;
   index_t announced_tokens_ = 0;  // announce_admission(): prompt tokens still to be admitted

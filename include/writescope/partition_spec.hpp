@@ -23,6 +23,10 @@ struct partition_spec {
   int block_tokens = 64;               ///< tokens per block (all regions)
   int d_window_tokens = 256;           ///< D: the D-window and the eviction batch, a multiple of block_tokens
   int max_sequences = 1;               ///< live sequences at once (D-window slots)
+  /// The two host regions' capacities, tokens per layer (all sequences
+  /// together). Both 0 (the default) is refused by validate(): at least one
+  /// must be set, for the policy's regions (cpu_only needs the first,
+  /// gpu_only the second).
   index_t cpu_capacity_tokens = 0;     ///< unpinned compute region, tokens per layer (all sequences)
   index_t pinned_capacity_tokens = 0;  ///< pinned load region at most, tokens per layer
   index_t pinned_initial_tokens = -1;  ///< pinned tokens pinned at init; -1 = all of pinned_capacity_tokens
@@ -53,7 +57,8 @@ struct partition_spec {
     return (pinned_capacity_tokens + block_tokens - 1) / block_tokens;
   }
 
-  /// Throws config_error naming the first field that breaks its rule.
+  /// Throws config_error naming the first field that breaks its rule (both
+  /// region capacities 0 included).
   template <kv_layout Layout>
   void validate(const Layout& layout) const {
     auto fail = [](const std::string& m) { throw config_error("partition_spec: " + m); };
@@ -66,6 +71,10 @@ struct partition_spec {
     if (cpu_capacity_tokens < 0 || pinned_capacity_tokens < 0)
       fail("region capacities must be >= 0 (cpu " + std::to_string(cpu_capacity_tokens) + ", pinned " +
            std::to_string(pinned_capacity_tokens) + ")");
+    if (cpu_capacity_tokens == 0 && pinned_capacity_tokens == 0)
+      fail("cpu_capacity_tokens and pinned_capacity_tokens are both 0: no token could leave the D-window, so a "
+           "sequence could never hold d_window_tokens (" + std::to_string(d_window_tokens) +
+           ") tokens; set either (tokens per layer, all sequences together)");
     if (cpu_capacity_blocks() > INT32_MAX || pinned_capacity_blocks() > INT32_MAX)
       fail("a region holds more than 2^31-1 blocks; raise block_tokens");
     if (pinned_initial_tokens > pinned_capacity_tokens)
