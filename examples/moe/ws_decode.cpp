@@ -83,7 +83,7 @@ struct cli {
   int threads = 0;
   std::string json_out, expect, logits_out;
   double logit_tol = -1.0, logit_tol_bf16_kv = -1.0;
-  bool progress = false, no_progress = false, quiet = false, poison = false;
+  bool progress = false, no_progress = false, quiet = false, poison = false, per_sequence = false;
   std::string device = "auto", precision = "bf16";
   double vram_budget_gib = 0.0, prefill_attn_mib = 2048.0;
   long long max_gpu_experts = -1, prefill_chunk_tokens = 32768;
@@ -115,6 +115,24 @@ CLI::Validator at_least(double lo, bool strict) {
           return "";  // the option's own conversion reports a non-number
         }
         return (strict ? x > lo : x >= lo) ? std::string() : "must be " + r + ", not " + v;
+      },
+      r);
+}
+
+/// A CLI11 check that the number lies in (lo, hi], naming the interval and the value as typed.
+CLI::Validator in_open_closed(double lo, double hi) {
+  char rule[64];
+  std::snprintf(rule, sizeof rule, "in (%g, %g]", lo, hi);
+  const std::string r = rule;
+  return CLI::Validator(
+      [lo, hi, r](std::string& v) -> std::string {
+        double x = 0.0;
+        try {
+          x = std::stod(v);
+        } catch (const std::exception&) {
+          return "";  // the option's own conversion reports a non-number
+        }
+        return x > lo && x <= hi ? std::string() : "must be " + r + ", not " + v;
       },
       r);
 }
@@ -456,11 +474,13 @@ int run(cli& a) {
   const double need_gib = double(c.parameter_count()) * 4.0 / double(1ull << 30);
   const double limit = a.max_host_weights_gib > 0 ? a.max_host_weights_gib : 0.8 * physical_memory_gib();
   if (kind == device_kind::host && limit > 0 && need_gib > limit) {
-    char b[256];
+    char b[320];
     std::snprintf(b, sizeof b,
-                  "the host path holds weights in fp32: %.1f GiB for %d layers exceeds %.1f GiB of host memory "
-                  "(use --layers N, --max-host-weights-gib, or --device cuda with --vram-budget)",
-                  need_gib, c.num_layers, limit);
+                  "the host path holds weights in fp32: %.4g GiB (%.0f bytes) for %d layers exceeds the limit of "
+                  "%.4g GiB (%.0f bytes, %s); use --layers N, --max-host-weights-gib, or --device cuda with "
+                  "--vram-budget",
+                  need_gib, need_gib * double(1ull << 30), c.num_layers, limit, limit * double(1ull << 30),
+                  a.max_host_weights_gib > 0 ? "--max-host-weights-gib" : "80% of the physical memory");
     throw writescope::config_error(b);
   }
   std::unique_ptr<checkpoint> ckpt;
@@ -541,7 +561,9 @@ int run(cli& a) {
 
   const bool show = !a.no_progress && (a.progress || progress_bar::stderr_is_tty());
   progress_bar bar(show);
-  o.progress = [&](phase p, int done, int total) { bar.update(p == phase::prefill ? "prefill" : "decode", done, total); };
+  o.progress = [&](phase p, int done, int total) {
+    bar.update(p == phase::admission ? "admit" : p == phase::prefill ? "prefill" : "decode", done, total);
+  };
   load_hooks hooks;
   const auto t_load = std::chrono::steady_clock::now();
   double load_seconds = 0.0;
@@ -572,10 +594,12 @@ int run(cli& a) {
                                   ? run_model(c, *src, prompts, std::move(policy), o, hooks)
                                   : run_model_device(kind, c, *src, prompts, std::move(policy), o, dopt, hooks);
 
-  if (!a.quiet) print_summary(stdout, c, r, load_seconds, a.random_weights, &costs);
+  // the costs are the roofline's: under another policy no line claims them
+  const roofline_origin* roofline_costs = a.policy == "roofline" ? &costs : nullptr;
+  if (!a.quiet) print_summary(stdout, c, r, load_seconds, a.random_weights, roofline_costs, summary_options{a.per_sequence});
   if (!a.json_out.empty()) {
     std::ofstream out(a.json_out);
-    nlohmann::json j = summary_json(c, r, load_seconds, &costs);
+    nlohmann::json j = summary_json(c, r, load_seconds, roofline_costs);
     j["assist"] = {{"mode", writescope::to_string(o.assist.mode)},
                    {"fixed_fraction", o.assist.fixed_fraction},
                    {"max_pinned_fraction", o.assist.max_pinned_fraction},
@@ -725,7 +749,8 @@ int main(int argc, char** argv) {
   auto* g_sample = "Sampling";
   app.add_option("--temperature", a.temperature, "0 = greedy")
       ->group(g_sample)->capture_default_str()->check(at_least(0, false));
-  app.add_option("--top-p", a.top_p, "nucleus sampling mass")->group(g_sample)->capture_default_str();
+  app.add_option("--top-p", a.top_p, "nucleus sampling mass")
+      ->group(g_sample)->capture_default_str()->check(in_open_closed(0, 1));
   app.add_option("--top-k", a.top_k, "keep the K most likely (0 = all)")
       ->group(g_sample)->capture_default_str()->check(at_least(0, false));
   app.add_option("--seed", a.seed, "seed of random weights, random prompts and sampling")->group(g_sample)->capture_default_str();
@@ -804,6 +829,10 @@ int main(int argc, char** argv) {
   app.add_flag("--progress", a.progress, "progress bar on stderr even when it is not a terminal")->group(g_out);
   app.add_flag("--no-progress", a.no_progress, "no progress bar")->group(g_out);
   app.add_flag("-q,--quiet", a.quiet, "no summary")->group(g_out);
+  app.add_flag("--per-sequence", a.per_sequence,
+               "the summary lists every sequence (its placement line and its generated tokens); default: the first "
+               "4, and aggregates over all of them")
+      ->group(g_out);
   app.add_option("--expect", a.expect,
                  "reference run (expected.json from tools/make_fixtures.py): greedy over the reference's prompts and steps, "
                  "compare logits and tokens, exit 3 on mismatch")

@@ -1,7 +1,9 @@
-# cmake -DCMD=<prog^^arg^^...> -DMATCH=<regex@@regex...> -DEXPECT_RC=<n> [-DSKIP_RC=<n>] -P run_and_match.cmake
+# cmake -DCMD=<prog^^arg^^...> -DMATCH=<regex@@regex...> -DEXPECT_RC=<n> [-DSKIP_RC=<n>]
+#       [-DNO_MATCH=<regex@@regex...>] -P run_and_match.cmake
 #
 # Runs CMD and passes when its exit status is EXPECT_RC and its output (stdout
-# and stderr together) matches every regular expression of MATCH. ctest's own
+# and stderr together) matches every regular expression of MATCH and none of
+# NO_MATCH. ctest's own
 # PASS_REGULAR_EXPRESSION ignores the exit status and passes on any one match;
 # this checks both, and all of them.
 string(REPLACE "^^" ";" cmd "${CMD}")
@@ -22,5 +24,11 @@ endif()
 foreach(re IN LISTS match)
   if(NOT "${out}${err}" MATCHES "${re}")
     message(FATAL_ERROR "output does not match: ${re}")
+  endif()
+endforeach()
+string(REPLACE "@@" ";" no_match "${NO_MATCH}")
+foreach(re IN LISTS no_match)
+  if("${out}${err}" MATCHES "${re}")
+    message(FATAL_ERROR "output matches what it must not: ${re}")
   endif()
 endforeach()

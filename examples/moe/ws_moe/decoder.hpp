@@ -64,7 +64,9 @@ struct kv_options {
   bool poison = false;               ///< poison every region at init (debug)
 };
 
-enum class phase { prefill, decode };
+/// What run_options::progress reports: admission (done of total sequences
+/// admitted to the cache), prefill (layers), decode (steps).
+enum class phase { admission, prefill, decode };
 
 struct run_options {
   int max_new_tokens = 32;
@@ -527,6 +529,7 @@ class decoder {
     for (int i = 0; i < B; ++i) {
       seqs[std::size_t(i)] = cache.begin_sequence(index_t(prompts[std::size_t(i)].size()));
       offset[std::size_t(i) + 1] = offset[std::size_t(i)] + index_t(prompts[std::size_t(i)].size());
+      if (o.progress && ((i + 1) % 1024 == 0 || i + 1 == B)) o.progress(phase::admission, i + 1, B);
     }
     const index_t N = offset.back();
     res.prefill_tokens = N;

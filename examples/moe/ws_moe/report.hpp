@@ -1,7 +1,9 @@
 // ws_moe/report.hpp — what ws_decode shows: a progress bar on stderr, the
 // final summary (prefill tok/s, TPOT P50/P99, decode tok/s, deployed CPU share,
 // memory per region as in the paper's Table 2, generated tokens) and the same
-// numbers as JSON for scripts.
+// numbers as JSON for scripts. The text summary's length does not grow with
+// the batch: per-sequence lines for the first summary_options::sequence_lines
+// sequences (all with per_sequence), aggregates over every sequence.
 #pragma once
 
 #include <unistd.h>
@@ -9,7 +11,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -196,9 +200,61 @@ inline void print_device(std::FILE* f, const generation_result& r) {
                  d.staging_slots, human_bytes(d.staging_bytes).c_str());
 }
 
-/// `costs`: where the roofline policy's costs came from (may be null).
+/// What the text summary lists per sequence.
+struct summary_options {
+  bool per_sequence = false;  ///< a line per sequence for every sequence (ws_decode --per-sequence)
+  int sequence_lines = 4;     ///< otherwise per-sequence lines for the first this many only
+};
+
+/// min / mean / max of `v` as "min 1 / mean 2.5 / max 4" ("%g"-style, `digits` after the point for the mean).
+inline std::string min_mean_max(const std::vector<double>& v, int digits = 1) {
+  if (v.empty()) return "none";
+  double lo = v.front(), hi = v.front(), sum = 0.0;
+  for (double x : v) {
+    lo = std::min(lo, x);
+    hi = std::max(hi, x);
+    sum += x;
+  }
+  char b[128];
+  std::snprintf(b, sizeof b, "min %.*f / mean %.*f / max %.*f", digits, lo, digits, sum / double(v.size()), digits, hi);
+  return b;
+}
+
+/// The numbers of a roofline policy's describe() ("roofline (A=… s/token, B=…
+/// s/token, K=… s/token, converged r=…)", runtime_policy.hpp); nullopt for
+/// another policy.
+struct roofline_figures {
+  double a_seconds = 0, b_seconds = 0, k_seconds = 0, r = 0;
+};
+inline std::optional<roofline_figures> parse_roofline_description(const std::string& d) {
+  roofline_figures x;
+  if (std::sscanf(d.c_str(), "roofline (A=%lg s/token, B=%lg s/token, K=%lg s/token, converged r=%lg", &x.a_seconds,
+                  &x.b_seconds, &x.k_seconds, &x.r) != 4)
+    return std::nullopt;
+  return x;
+}
+
+/// "roofline   init -> end: A 0.76 -> 1.9 ns/token, ..., converged r 0.43 -> 0.23: ..." when the
+/// policy is the roofline (its costs are re-fitted online from the measured
+/// step costs, so they and r move between init and the end); empty otherwise.
+inline std::string roofline_movement(const generation_result& r) {
+  const auto a = parse_roofline_description(r.policy), b = parse_roofline_description(r.policy_final);
+  if (!a || !b) return {};
+  char s[512];
+  std::snprintf(s, sizeof s,
+                "roofline   init -> end: A %.3g -> %.3g ns/token, B %.3g -> %.3g ns/token, K %.3g -> %.3g ns/token, "
+                "converged r %.3f -> %.3f: A and K (B with --track-gpu-cost) are re-measured online, sliding averages "
+                "of the measured per-layer step costs, and each eviction is routed by the r of that moment (placed "
+                "blocks never move)",
+                a->a_seconds * 1e9, b->a_seconds * 1e9, a->b_seconds * 1e9, b->b_seconds * 1e9, a->k_seconds * 1e9,
+                b->k_seconds * 1e9, a->r, b->r);
+  return s;
+}
+
+/// `costs`: where the roofline policy's costs came from (null: not the
+/// roofline policy, no costs line).
 inline void print_summary(std::FILE* f, const model_config& c, const generation_result& r, double load_seconds,
-                          bool random_weights, const roofline_origin* costs = nullptr) {
+                          bool random_weights, const roofline_origin* costs = nullptr, const summary_options& so = {}) {
   const summary_numbers s = summarize(r);
   const auto& u = r.usage;
   const int L = r.spec.num_layers;
@@ -214,6 +270,7 @@ inline void print_summary(std::FILE* f, const model_config& c, const generation_
   std::fprintf(f, "policy     %s%s%s\n", r.policy.c_str(), r.policy_final != r.policy ? "; at the end: " : "",
                r.policy_final != r.policy ? r.policy_final.c_str() : "");
   if (costs) std::fprintf(f, "costs      roofline at init from %s\n", costs->describe().c_str());
+  if (const std::string m = roofline_movement(r); !m.empty()) std::fprintf(f, "%s\n", m.c_str());
   if (r.warmup_sequences > 0)
     std::fprintf(f, "warm-up    one untimed decode step on %d throw-away sequences before prefill: %.3f s "
                     "(in neither prefill nor TPOT)\n",
@@ -248,13 +305,32 @@ inline void print_summary(std::FILE* f, const model_config& c, const generation_
                  return p;
                }()),
                r.cpu_batches, r.gpu_batches);
-  for (std::size_t i = 0; i < r.sequences.size(); ++i) {
+  const std::size_t lines = so.per_sequence ? SIZE_MAX : std::size_t(std::max(0, so.sequence_lines));
+  const std::size_t listed = std::min(lines, r.sequences.size());
+  for (std::size_t i = 0; i < listed; ++i) {
     const auto& q = r.sequences[i];
     std::fprintf(f, "           seq %zu: prompt %lld, placed %lld (CPU %lld, share %.3f), D-window %lld\n", i,
                  static_cast<long long>(q.prompt_tokens), static_cast<long long>(q.placed_tokens),
                  static_cast<long long>(q.cpu_placed_tokens),
                  q.placed_tokens ? double(q.cpu_placed_tokens) / double(q.placed_tokens) : 0.0,
                  static_cast<long long>(q.window_tokens));
+  }
+  {  // aggregates over every sequence (the lines above list `listed` of them)
+    std::vector<double> prompt, placed, share, window, generated;
+    for (const auto& q : r.sequences) {
+      prompt.push_back(double(q.prompt_tokens));
+      placed.push_back(double(q.placed_tokens));
+      if (q.placed_tokens > 0) share.push_back(double(q.cpu_placed_tokens) / double(q.placed_tokens));
+      window.push_back(double(q.window_tokens));
+    }
+    for (const auto& t : r.tokens) generated.push_back(double(t.size()));
+    std::fprintf(f, "sequences  %zu: prompt tokens %s; placed %s; CPU share of placed %s; D-window %s; generated %s\n",
+                 r.sequences.size(), min_mean_max(prompt).c_str(), min_mean_max(placed).c_str(),
+                 min_mean_max(share, 3).c_str(), min_mean_max(window).c_str(), min_mean_max(generated).c_str());
+    if (listed < r.sequences.size())
+      std::fprintf(f, "           per-sequence lines (seq, tokens) for the first %zu of %zu sequences; --per-sequence "
+                      "lists every one\n",
+                   listed, r.sequences.size());
   }
   std::string traj;
   for (const auto& p : r.trajectory) {
@@ -272,7 +348,7 @@ inline void print_summary(std::FILE* f, const model_config& c, const generation_
   std::fprintf(f, "           D-window (GPU)          %s\n", mib(u.d_window_bytes).c_str());
   std::fprintf(f, "           ping-pong (GPU)         %s\n", mib(u.ping_pong_bytes).c_str());
   if (r.device.used) print_device(f, r);
-  for (std::size_t i = 0; i < r.tokens.size(); ++i) {
+  for (std::size_t i = 0; i < std::min(lines, r.tokens.size()); ++i) {
     std::fprintf(f, "tokens %zu  ", i);
     for (std::size_t j = 0; j < r.tokens[i].size(); ++j) std::fprintf(f, "%s%d", j ? "," : "", r.tokens[i][j]);
     std::fputc('\n', f);

@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <numeric>
 #include <random>
 #include <span>
@@ -28,10 +30,21 @@ struct sampling_options {
   std::uint64_t seed = 0;
 
   void validate() const {
+    const auto num = [](double v) {  // shortest form that reads back the same ("-1", "0.95", "1e-07")
+      char b[32];
+      std::snprintf(b, sizeof b, "%.17g", v);
+      for (int digits = 1; digits < 17; ++digits) {
+        char c[32];
+        std::snprintf(c, sizeof c, "%.*g", digits, v);
+        if (std::strtod(c, nullptr) == v) return std::string(c);
+      }
+      return std::string(b);
+    };
     if (!(temperature >= 0.0) || !std::isfinite(temperature))
-      throw writescope::config_error("--temperature " + std::to_string(temperature) + " must be >= 0");
-    if (!(top_p > 0.0 && top_p <= 1.0)) throw writescope::config_error("--top-p " + std::to_string(top_p) + " must be in (0, 1]");
-    if (top_k < 0) throw writescope::config_error("--top-k must be >= 0");
+      throw writescope::config_error("--temperature: must be >= 0 (and finite), not " + num(temperature));
+    if (!(top_p > 0.0 && top_p <= 1.0))
+      throw writescope::config_error("--top-p: must be in (0, 1], not " + num(top_p));
+    if (top_k < 0) throw writescope::config_error("--top-k: must be >= 0, not " + std::to_string(top_k));
   }
 };
 
