@@ -526,8 +526,8 @@ class device_decoder {
       // batched prefill experts (bf16, bf16 experts): padded packed rows and the operand tables
       batched_prefill_ = d_.batched_prefill_experts && prec_ == wtype::bf16 && T > B &&
                          gpu::expert_bytes(c_, *src_, first_moe_layer()) == 6 * H * c_.moe_intermediate_size;
-      // packed rows: a batched prefill adds at most batch_pad - 1 per expert and 1/16 of the rest (padded_rows)
-      const index_t np_cap = T * k + (batched_prefill_ ? E * batch_pad + T * k / 16 : 0);
+      // packed rows: a batched prefill adds at most batch_pad - 1 per expert and 1/8 of the rest (padded_rows)
+      const index_t np_cap = T * k + (batched_prefill_ ? E * batch_pad + T * k / 8 : 0);
       route_cap_ints_ = np_cap + 2 * T * k + E + 1 + 2 + (batched_prefill_ ? 2 * 9 * E : 0);
       route_dev_ = buffer<int>(route_cap_ints_, "routing: rows, weights, expert offsets, batched GEMM tables");
       if (d_.grouped_experts) {
@@ -1080,17 +1080,17 @@ class device_decoder {
   }
 
   /// A batched prefill expert's rows rounded up to a size of a geometric
-  /// ladder: multiples of batch_pad up to 16 * batch_pad, above that 16 steps
-  /// per octave (m in (2^j, 2^(j+1)] rounds up to a multiple of 2^(j-4)). At
-  /// most 1/16 of the rows are padding beyond the first batch_pad, and experts
-  /// of similar load share a size, so one layer runs few, large batched GEMMs
-  /// (each size is one cuBLAS call per matrix).
+  /// ladder: multiples of batch_pad up to 8 * batch_pad, above that 8 steps
+  /// per octave (m in (2^j, 2^(j+1)] rounds up to a multiple of 2^(j-3)). At
+  /// most 1/8 of the rows are padding beyond the first batch_pad; experts of
+  /// similar load share a size, and the sizes are the same in every layer, so
+  /// a layer runs a few batched GEMMs of shapes cuBLAS has seen before.
   static index_t padded_rows(index_t m) {
     index_t step = batch_pad;
-    if (m > 16 * batch_pad) {
+    if (m > 8 * batch_pad) {
       int j = 0;
       while ((index_t(2) << j) < m) ++j;  // 2^j < m <= 2^(j+1)
-      step = std::max<index_t>(batch_pad, index_t(1) << (j - 4));
+      step = std::max<index_t>(batch_pad, index_t(1) << (j - 3));
     }
     return (m + step - 1) / step * step;
   }
@@ -1363,6 +1363,11 @@ class device_decoder {
     for (std::size_t i = 0; i < order_.size();) {
       std::size_t j = i;
       while (j < order_.size() && padded(order_[j]) == padded(order_[i])) ++j;
+      // a power-of-two count (the largest that fits): cuBLAS caches its kernel
+      // choice per shape and count, so the calls of later layers find theirs
+      std::size_t c = 1;
+      while (2 * c <= j - i) c *= 2;
+      j = i + c;
       batch_group g;
       g.rows = padded(order_[i]);
       g.count = int(j - i);
