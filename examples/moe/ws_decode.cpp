@@ -76,7 +76,7 @@ struct cli {
   double assist_max_fraction = 0.5, eviction_bounce_mib = 32.0;
   std::string launch_thread = "off", grouped_experts = "on";
   int grouped_expert_max_rows = 32, grouped_expert_min_active = 16;
-  std::string stream_experts = "on", flash_prefill = "on";
+  std::string stream_experts = "on", flash_prefill = "on", cudnn_prefill = "on";
   double stream_min_rows = 32.0, expert_staging_mib = 0.0, kv_write_bounce_mib = 512.0;
   std::string batched_prefill_experts = "on";
   std::string calibration, calibration_preset;
@@ -421,7 +421,7 @@ int run(cli& a) {
         "--max-gpu-experts",  "--grouped-experts",         "--grouped-expert-max-rows",   "--grouped-expert-min-active",
         "--prefill-chunk-tokens", "--prefill-attn-mib",    "--stream-experts",            "--stream-min-rows",
         "--expert-staging-mib", "--flash-prefill",         "--batched-prefill-experts",   "--kv-write-bounce-mib",
-        "--no-warmup"};
+        "--cudnn-prefill",    "--no-warmup"};
     for (const char* opt : cuda_only)
       if (a.gave(opt))
         refuse(opt, "acts on the CUDA path only (--device cuda or emulated)",
@@ -433,8 +433,10 @@ int run(cli& a) {
     for (const char* opt : {"--launch-thread", "--eviction-bounce-mib", "--kv-write-bounce-mib"})
       if (a.gave(opt)) refuse(opt, "acts with --device cuda only (a setting of cuda_backend)", "--device emulated");
   if (a.precision == "fp32")  // the fp32 precision materialises the prefill scores and runs experts per expert
-    for (const char* opt : {"--flash-prefill", "--batched-prefill-experts"})
+    for (const char* opt : {"--flash-prefill", "--batched-prefill-experts", "--cudnn-prefill"})
       if (a.gave(opt)) refuse(opt, "acts with --precision bf16 only", "--precision fp32");
+  if (a.flash_prefill == "off" && a.gave("--cudnn-prefill"))
+    refuse("--cudnn-prefill", "acts with --flash-prefill on only (cuDNN replaces the flash kernel)", "--flash-prefill off");
   if (a.stream_experts == "off")
     for (const char* opt : {"--stream-min-rows", "--expert-staging-mib"})
       if (a.gave(opt)) refuse(opt, "acts with --stream-experts on only", "--stream-experts off");
@@ -588,6 +590,7 @@ int run(cli& a) {
   dopt.stream_min_rows = a.stream_min_rows;
   dopt.expert_staging_bytes = writescope::index_t(a.expert_staging_mib * double(1 << 20));
   dopt.flash_prefill = a.flash_prefill == "on";
+  dopt.cudnn_prefill = a.cudnn_prefill == "on";
   dopt.batched_prefill_experts = a.batched_prefill_experts == "on";
   dopt.deferred_kv_write_bytes = writescope::index_t(a.kv_write_bounce_mib * double(1 << 20));
   const generation_result r = kind == device_kind::host
@@ -707,6 +710,11 @@ int main(int argc, char** argv) {
   app.add_option("--flash-prefill", a.flash_prefill,
                  "CUDA path, --precision bf16: on = prefill attention by the flash kernel (causal, online softmax, no "
                  "score matrix); off = materialised score blocks (--prefill-attn-mib). fp32 always materialises")
+      ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--cudnn-prefill", a.cudnn_prefill,
+                 "CUDA path, --flash-prefill on: on = the prefill attention through cuDNN's fused SDPA when the build "
+                 "has it (WRITESCOPE_CUDNN) and cuDNN loads and accepts every wave's shape (else the flash kernel; the "
+                 "summary's prefill line says which ran and why); off = always the flash kernel")
       ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
   app.add_option("--batched-prefill-experts", a.batched_prefill_experts,
                  "CUDA path, --precision bf16: on = a prefill MoE layer's device experts run as batched GEMMs, one per "
