@@ -52,7 +52,6 @@
 //   * writescope::cuda_error: the offsets kernel's launch failed.
 #pragma once
 
-#include <cuda_runtime_api.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -63,6 +62,11 @@
 
 #include "flash_prefill.hpp"
 #include "kernel_math.hpp"
+
+// The CUDA runtime's stream handle type (cudaStream_t is CUstream_st*),
+// declared here so that host-only code (the emulated executor, CI without a
+// CUDA toolkit) can include this header.
+struct CUstream_st;
 
 namespace ws_moe::gpu {
 
@@ -206,7 +210,7 @@ class cudnn_prefill {
   /// misaligned, cudnn_unsupported_error for a refused shape, cudnn_error when
   /// cuDNN's execute fails. num_seqs == 0 or max_seq_tokens == 0 launches
   /// nothing.
-  void run(const cudnn_prefill_params& p, void* workspace, std::size_t workspace_size_bytes, cudaStream_t stream);
+  void run(const cudnn_prefill_params& p, void* workspace, std::size_t workspace_size_bytes, CUstream_st* stream);
 
   /// Plans built so far (refused keys included).
   [[nodiscard]] std::size_t cached_plans() const;
@@ -234,7 +238,7 @@ struct aux_layout {
 /// written at `aux` + layout (device memory), asynchronously on `stream`.
 /// lse_off is written only when with_lse. WS_CUDA_CHECK_LAST on the launch.
 void launch_ragged_offsets(const int* seq_offsets, int num_seqs, int batch, int max_seq_tokens, const idx token_strides[5],
-                           bool with_lse, int offset_bytes, void* aux, const aux_layout& layout, cudaStream_t stream);
+                           bool with_lse, int offset_bytes, void* aux, const aux_layout& layout, CUstream_st* stream);
 
 }  // namespace cudnn_prefill_detail
 
