@@ -276,7 +276,10 @@ class device_decoder {
     index_t announced = 0;  // eq. 2's L is the whole admitted batch, not the prompts placed so far
     for (int i = 0; i < B; ++i) announced += index_t(prompts[std::size_t(i)].size());
     cache_->announce_admission(announced);
-    for (int i = 0; i < B; ++i) seqs[std::size_t(i)] = cache_->begin_sequence(index_t(prompts[std::size_t(i)].size()));
+    for (int i = 0; i < B; ++i) {
+      seqs[std::size_t(i)] = cache_->begin_sequence(index_t(prompts[std::size_t(i)].size()));
+      if (o.progress && ((i + 1) % 1024 == 0 || i + 1 == B)) o.progress(phase::admission, i + 1, B);
+    }
     for (std::size_t w = 0; w < waves_.size(); ++w) {
       const wave& wv = waves_[w];
       prefill_wave(
