@@ -156,12 +156,19 @@ template <class B, class Layout, class CpuKernel>
 using gpu_engine_for_t = typename gpu_engine_for<B, Layout, CpuKernel>::type;
 
 /// The structural part of the backend concept: device memory, staging,
-/// evictions, and the host-write ordering hybrid_attention relies on —
-/// synchronize_host_writes() returns once every host-region write issued so
-/// far (evictions, prefill) has landed; complete_host_writes() once deferred
+/// evictions, and the host-write ordering the cache and hybrid_attention rely
+/// on — synchronize_host_writes() returns once every host-region write issued
+/// so far (evictions, prefill) has landed (inplace_kv_cache::read_token waits
+/// on it before reading a host region); complete_host_writes() once deferred
 /// prefill writes have (a backend whose writes land on return makes both
-/// no-ops). Layout-dependent operations (write_blocks, gpu_attention_engine)
-/// are checked where they are instantiated.
+/// no-ops). reserve_eviction_bounce() makes the backend's eviction staging
+/// into pageable memory resident now, if it has any (cuda_backend: the
+/// page-locked bounce buffer; a backend without one makes it a no-op); the
+/// cache calls it at init when its pinned region is page-locked at init and
+/// from prefault_cpu_region(), between steps, on the owning thread; it never
+/// throws (a refusal leaves evictions on their direct path). Layout-dependent
+/// operations (write_blocks, gpu_attention_engine) are checked where they are
+/// instantiated.
 template <class B>
 concept backend = std::same_as<typename B::backend_concept, backend_tag> &&
                   memory_space<typename B::activation_space> &&
@@ -175,6 +182,7 @@ concept backend = std::same_as<typename B::backend_concept, backend_tag> &&
                     { b.copy_to_host_sync(dst, src, bytes) } -> std::same_as<void>;
                     { b.synchronize_host_writes() } -> std::same_as<void>;
                     { b.complete_host_writes() } -> std::same_as<void>;
+                    { b.reserve_eviction_bounce() } noexcept -> std::same_as<void>;
                     { cb.name() } -> std::convertible_to<std::string_view>;
                   };
 

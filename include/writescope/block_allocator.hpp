@@ -8,8 +8,12 @@
 // owns it maps an id to memory (layout.hpp's block format, one block per id).
 // The operations and their contract:
 //
-//   A(capacity, max_capacity, region_name)  capacity free blocks, growable to
-//                                  max_capacity; config_error for invalid sizes
+//   A(capacity, max_capacity, region_name, capacity_field)
+//                                  capacity free blocks, growable to
+//                                  max_capacity; config_error for invalid sizes.
+//                                  region_name and capacity_field (the setting
+//                                  that sizes the region, may be null) are
+//                                  string literals, kept, named by the errors
 //   capacity() max_capacity() free_blocks() used_blocks()    block counts
 //   name()                         the region's name, for messages
 //   grow_to(n)                     raises the capacity (new blocks free);
@@ -19,12 +23,22 @@
 //                                  capacity_error and no change when fewer are free
 //   release(ids, count)            returns ids; state_error and no change for an
 //                                  id not allocated or given twice
+//   allocation_bound(n)            an id bound b <= capacity(): the next n ids
+//                                  allocate() hands out (no release between)
+//                                  lie in [0, b). The cache makes the pages of
+//                                  those blocks resident ahead of evictions
+//                                  (inplace_kv_cache::prefault_cpu_region);
+//                                  capacity() is always a correct answer
 //
 // Which free ids allocate() returns is the allocator's choice; the stream plan
 // coalesces physically adjacent blocks into one copy, so an allocator that
 // returns runs of consecutive ids (block_pool: the lowest free ids) streams as
-// few large copies. Not thread-safe: the cache mutates its allocators from its
-// owning thread only. Host code, no virtual dispatch.
+// few large copies. The cache (inplace_kv_cache's last template parameter)
+// owns one allocator per host region, built with the region's capacities;
+// allocate() may throw only before it changes anything (the cache's strong
+// guarantee depends on it). Not thread-safe: the cache mutates its allocators
+// from its owning thread only. Host code, no virtual dispatch;
+// examples/custom_block_allocator.cpp shows a model other than block_pool.
 #pragma once
 
 #include <concepts>
@@ -52,7 +66,7 @@ inline constexpr bool enable_block_allocator<block_pool> = true;
 template <class A>
 concept block_allocator =
     enable_block_allocator<A> && std::movable<A> && std::default_initializable<A> &&
-    std::constructible_from<A, index_t, index_t, const char*> &&
+    std::constructible_from<A, index_t, index_t, const char*, const char*> &&
     requires(A& a, const A& ca, index_t n, block_id id, std::vector<block_id>& out, const block_id* ids,
              std::size_t count) {
       { ca.capacity() } -> std::same_as<index_t>;
@@ -64,6 +78,7 @@ concept block_allocator =
       { a.grow_to(n) } -> std::same_as<void>;
       { a.allocate(n, out) } -> std::same_as<void>;
       { a.release(ids, count) } -> std::same_as<void>;
+      { ca.allocation_bound(n) } -> std::same_as<index_t>;
     };
 
 static_assert(block_allocator<block_pool>);

@@ -1,11 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // writescope/block_pool.hpp — block-id accounting of one region (paper §4.1:
 // the block is the unit of routing, staging, eviction, transfer and reuse).
+// The default model of block_allocator (block_allocator.hpp).
 //
 // A pool hands out block ids in [0, capacity). Allocation takes the lowest free
 // ids, so a fresh or orderly-used pool gives runs of consecutive ids, which the
 // streaming plan coalesces into single large copies. Freed blocks are reused in
-// place (session-end reclamation). The pool holds ids only; the region that
+// place (sequence-end reclamation). The pool holds ids only; the region that
 // owns it maps an id to memory.
 //
 // Not thread-safe: the cache mutates pools from its owning thread only.
@@ -83,6 +84,13 @@ class block_pool {
       if (words_[w] == ~std::uint64_t{0} && index_t(w) == first_word_) ++first_word_;
     }
     free_ -= n;
+  }
+
+  /// An id bound for the next `n` allocations (block_allocator): the lowest
+  /// free ids are taken, and at most used_blocks() ids below any bound are in
+  /// use, so they lie in [0, min(capacity, used + n)).
+  [[nodiscard]] index_t allocation_bound(index_t n) const noexcept {
+    return n >= capacity_ - used_blocks() ? capacity_ : used_blocks() + n;
   }
 
   /// Returns blocks to the pool. Throws state_error (and changes nothing) if an id

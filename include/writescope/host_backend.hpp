@@ -107,6 +107,8 @@ class host_backend {
   /// Host-region writes complete on return here: nothing to wait for.
   void synchronize_host_writes() noexcept {}
   void complete_host_writes() noexcept {}
+  /// Evictions are memcpy into the region itself: no staging to reserve.
+  void reserve_eviction_bounce() noexcept {}
 
   /// The GPU side of a decode step for one layout (one per cache); its
   /// emulated device attends with `Kernel` (hybrid_attention passes its

@@ -46,7 +46,7 @@
 #include <unistd.h>
 
 #include "backend.hpp"
-#include "block_pool.hpp"
+#include "block_allocator.hpp"
 #include "error.hpp"
 #include "host_memory.hpp"
 #include "layout.hpp"
@@ -139,13 +139,20 @@ struct flush_report {
   int gpu_batches = 0;
 };
 
-template <kv_layout Layout, backend Backend, pinned_allocator PinnedAllocator, routing_policy Policy>
+/// The cache's axes (docs/ARCHITECTURE.md): the KV layout, the backend that
+/// holds the device regions and runs the GPU engine, the allocator of the
+/// pinned load region's page-locked slabs, the routing policy, and the block
+/// allocator that hands out block ids in each of the two host regions (one
+/// instance per region; block_pool, lowest free ids first, by default).
+template <kv_layout Layout, backend Backend, pinned_allocator PinnedAllocator, routing_policy Policy,
+          block_allocator BlockAllocator = block_pool>
 class inplace_kv_cache {
  public:
   using layout_type = Layout;
   using backend_type = Backend;
   using policy_type = Policy;
   using pinned_allocator_type = PinnedAllocator;
+  using block_allocator_type = BlockAllocator;
   using activation_space = typename Backend::activation_space;
   using kv_input = kv_tokens<Layout, activation_space>;
 
@@ -170,8 +177,8 @@ class inplace_kv_cache {
                        ? (spec_.pinned_growth_tokens + spec_.block_tokens - 1) / spec_.block_tokens
                        : index_t(spec_.window_blocks()) * spec_.max_sequences;
     slab_blocks_ = std::max<index_t>(1, std::min<index_t>(slab_blocks_, std::max<index_t>(cap_pin, 1)));
-    cpu_pool_ = block_pool(cap_cpu, cap_cpu, "unpinned compute region", "partition_spec::cpu_capacity_tokens");
-    pinned_pool_ = block_pool(0, cap_pin, "pinned load region", "partition_spec::pinned_capacity_tokens");
+    cpu_pool_ = BlockAllocator(cap_cpu, cap_cpu, "unpinned compute region", "partition_spec::cpu_capacity_tokens");
+    pinned_pool_ = BlockAllocator(0, cap_pin, "pinned load region", "partition_spec::pinned_capacity_tokens");
 
     cpu_mem_ = detail::map_pageable(cap_cpu * block_bytes * spec_.num_layers, "unpinned compute region");
     const index_t initial_pin = spec_.pinned_initial_tokens < 0
@@ -179,9 +186,8 @@ class inplace_kv_cache {
                                     : (spec_.pinned_initial_tokens + spec_.block_tokens - 1) / spec_.block_tokens;
     grow_pinned_to(initial_pin);
     // Everything page-locked at init: so is the backend's eviction staging
-    // (fault kind K8: nothing is pinned inside a step; never throws).
-    if constexpr (requires(Backend& b) { b.reserve_eviction_bounce(); })
-      if (spec_.pinned_initial_tokens < 0 && cap_cpu > 0) backend.reserve_eviction_bounce();
+    // (nothing is page-locked inside a step; never throws).
+    if (spec_.pinned_initial_tokens < 0 && cap_cpu > 0) backend.reserve_eviction_bounce();
 
     const index_t window_bytes = index_t(spec_.max_sequences) * spec_.window_blocks() * block_bytes * spec_.num_layers;
     d_window_ = backend_->allocate_device(window_bytes, "D-window");
@@ -383,9 +389,10 @@ class inplace_kv_cache {
   /// touch), so without this the first eviction into each block pays the
   /// kernel's fault and zeroing inside a decode step (docs/DECISIONS.md).
   ///
-  /// Allocation takes the lowest free ids, so the next n allocations lie in
-  /// ids [0, used + n): this writes one zero byte per page of every free block
-  /// there, in every layer (a free block's contents are unspecified; used
+  /// The next n allocations lie in ids [0, allocation_bound(n)) of the
+  /// region's block allocator (block_pool, lowest free ids first: [0, used +
+  /// n)): this writes one zero byte per page of every free block there, in
+  /// every layer (a free block's contents are unspecified; used
   /// blocks are not touched). With cache_options::poison every page was
   /// written at construction and no page is touched (the bounce buffer is
   /// still reserved). Returns the bytes of the blocks touched (0 when already
@@ -408,10 +415,9 @@ class inplace_kv_cache {
     if (blocks < 0)
       throw config_error("prefault_cpu_region: blocks = " + std::to_string(blocks) + " must be >= 0");
     const index_t cap = cpu_pool_.capacity();
-    if constexpr (requires(Backend& b) { b.reserve_eviction_bounce(); })
-      if (blocks > 0 && cap > 0) backend_->reserve_eviction_bounce();
+    if (blocks > 0 && cap > 0) backend_->reserve_eviction_bounce();
     if (options_.poison) return 0;
-    const index_t end = std::min(cap, cpu_pool_.used_blocks() + blocks);
+    const index_t end = std::min(cap, cpu_pool_.allocation_bound(blocks));
     if (end <= cpu_prefaulted_blocks_) return 0;
     const index_t block_bytes = format_.block_bytes();
     const index_t page = index_t(::sysconf(_SC_PAGESIZE));
@@ -566,6 +572,12 @@ class inplace_kv_cache {
     return const_cast<inplace_kv_cache*>(this)->live_state(seq, "sequence");
   }
 
+  /// The block allocator of a host region (placement::cpu_compute: the
+  /// unpinned compute region; placement::gpu_load: the pinned load region).
+  [[nodiscard]] const BlockAllocator& region_allocator(placement region) const noexcept {
+    return region == placement::cpu_compute ? cpu_pool_ : pinned_pool_;
+  }
+
   [[nodiscard]] region_usage usage() const noexcept {
     region_usage u;
     u.cpu_used_blocks = cpu_pool_.used_blocks();
@@ -610,10 +622,9 @@ class inplace_kv_cache {
       row = int(w % bt);
       on_device = true;
     }
-    // A backend whose writes into host regions land asynchronously (cuda_backend:
-    // D2H of evictions to pinned blocks) says so with this hook; wait for them.
-    if constexpr (requires(Backend& be) { be.synchronize_host_writes(); })
-      if (!on_device) backend_->synchronize_host_writes();
+    // Host-region writes may land asynchronously (cuda_backend: D2H of
+    // evictions to pinned blocks); wait for them.
+    if (!on_device) backend_->synchronize_host_writes();
     for (int p = 0; p < Layout::planes; ++p)
       for (int h = 0; h < layout_.kv_heads(); ++h) {
         const bf16* src = block + format_.offset(p, h, row, 0);
@@ -787,9 +798,9 @@ class inplace_kv_cache {
   PinnedAllocator pinned_alloc_;
   cache_options options_;
 
-  block_pool cpu_pool_;
+  BlockAllocator cpu_pool_;     ///< block ids of the unpinned compute region
   index_t cpu_prefaulted_blocks_ = 0;  ///< ids [0, this) of the unpinned region were made resident (prefault_cpu_region)
-  block_pool pinned_pool_;
+  BlockAllocator pinned_pool_;  ///< block ids of the pinned load region
   index_t slab_blocks_ = 1;
   host_allocation cpu_mem_;
   std::vector<host_allocation> pinned_slabs_;
