@@ -89,6 +89,9 @@ struct cli {
   long long max_gpu_experts = -1, prefill_chunk_tokens = 32768;
   bool skip_if_no_device = false, teacher_force = false, no_warmup = false;
   bool allow_long_context = false;
+  double router_zipf = 0.0;
+  std::string expert_placement = "id", migration = "swap";
+  int migrate_max_experts = 8;
   /// The options the user gave, by long name, with their values as typed
   /// (several uses joined by ','): an option acts or is refused (run()).
   std::map<std::string, std::string> given;
@@ -421,7 +424,8 @@ int run(cli& a) {
         "--max-gpu-experts",  "--grouped-experts",         "--grouped-expert-max-rows",   "--grouped-expert-min-active",
         "--prefill-chunk-tokens", "--prefill-attn-mib",    "--stream-experts",            "--stream-min-rows",
         "--expert-staging-mib", "--flash-prefill",         "--batched-prefill-experts",   "--kv-write-bounce-mib",
-        "--cudnn-prefill",    "--no-warmup"};
+        "--cudnn-prefill",    "--no-warmup",               "--router-zipf",               "--expert-placement",
+        "--migrate-max-experts", "--migration"};
     for (const char* opt : cuda_only)
       if (a.gave(opt))
         refuse(opt, "acts on the CUDA path only (--device cuda or emulated)",
@@ -440,6 +444,16 @@ int run(cli& a) {
   if (a.stream_experts == "off")
     for (const char* opt : {"--stream-min-rows", "--expert-staging-mib"})
       if (a.gave(opt)) refuse(opt, "acts with --stream-experts on only", "--stream-experts off");
+  if (a.gave("--router-zipf")) {
+    if (!(a.router_zipf >= 0.0) || !std::isfinite(a.router_zipf))
+      refuse("--router-zipf", "the Zipf exponent must be finite and >= 0 (0 = no bias)", a.given["--router-zipf"]);
+    if (!a.random_weights)
+      refuse("--router-zipf", "acts with --random-weights only (a synthetic bias of random routers)",
+             a.given["--router-zipf"] + " with the checkpoint's routers");
+  }
+  if (a.expert_placement != "hot")
+    for (const char* opt : {"--migrate-max-experts", "--migration"})
+      if (a.gave(opt)) refuse(opt, "acts with --expert-placement hot only", "--expert-placement " + a.expert_placement);
 
   // ---- expectation, prompts ------------------------------------------------------
   std::optional<expectation> expected;
@@ -593,6 +607,11 @@ int run(cli& a) {
   dopt.cudnn_prefill = a.cudnn_prefill == "on";
   dopt.batched_prefill_experts = a.batched_prefill_experts == "on";
   dopt.deferred_kv_write_bytes = writescope::index_t(a.kv_write_bounce_mib * double(1 << 20));
+  dopt.router_zipf = a.router_zipf;
+  dopt.router_zipf_seed = std::uint64_t(a.seed);
+  dopt.hot_placement = a.expert_placement == "hot";
+  dopt.migrate_max_experts = a.migrate_max_experts;
+  dopt.migrate_reload = a.migration == "reload";
   const generation_result r = kind == device_kind::host
                                   ? run_model(c, *src, prompts, std::move(policy), o, hooks)
                                   : run_model_device(kind, c, *src, prompts, std::move(policy), o, dopt, hooks);
@@ -731,6 +750,27 @@ int main(int argc, char** argv) {
   app.add_option("--prefill-attn-mib", a.prefill_attn_mib,
                  "CUDA path: scores + probabilities of one prefill attention block, MiB")
       ->group(g_dev)->capture_default_str()->check(at_least(0, true));
+  app.add_option("--router-zipf", a.router_zipf,
+                 "CUDA path, --random-weights only: S > 0 adds a synthetic per-layer bias to the router logits, "
+                 "beta*ln(w_r) with w_r = r^-S for the expert of rank r in a random permutation of the layer's "
+                 "experts (seeded by --seed) and beta = initializer_range*sqrt(hidden)*sqrt(6)/pi (the Gumbel scale "
+                 "of a random router's logits), so that routing frequencies follow a Zipf law of exponent S "
+                 "approximately; 0 = no bias")
+      ->group(g_dev)->capture_default_str();
+  app.add_option("--expert-placement", a.expert_placement,
+                 "CUDA path: id = routed experts on the GPU by id while the budget lasts; hot = the same at load, then "
+                 "after the prefill each MoE layer's hottest host experts (routed rows counted in the prefill) swap "
+                 "places with its coldest GPU experts where the host one got more rows, at most "
+                 "--migrate-max-experts pairs per layer (no migration during decode)")
+      ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"id", "hot"}));
+  app.add_option("--migrate-max-experts", a.migrate_max_experts,
+                 "CUDA path, --expert-placement hot: most expert swaps per MoE layer after the prefill")
+      ->group(g_dev)->capture_default_str()->check(CLI::Range(0, 1 << 20));
+  app.add_option("--migration", a.migration,
+                 "CUDA path, --expert-placement hot: swap = move the loaded bytes (device expert to host memory, host "
+                 "expert to its device slot); reload = re-read both experts from the checkpoint (or the random "
+                 "generator) into their new places: the same final placement by another route, to test the swap")
+      ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"swap", "reload"}));
   app.add_flag("--no-warmup", a.no_warmup,
                "CUDA path: skip the untimed warm-up decode step on throw-away sequences before prefill (the first "
                "timed decode step then pays the first-call costs)")

@@ -138,6 +138,21 @@ struct device_report {
   double stream_min_rows = 0.0;
   index_t streamed_experts = 0;
   index_t streamed_bytes = 0;
+  /// Expert placement (--expert-placement): "id" (by expert id) or "hot"
+  /// (migrated after the prefill by its routed rows); the experts swapped
+  /// (pairs), pairs skipped (dtypes or sizes differ), the bytes each way, the
+  /// time, the per-layer bound; the Zipf router exponent (0: none).
+  std::string placement = "id";
+  index_t migrations = 0, migrations_skipped = 0;
+  index_t migrate_h2d_bytes = 0, migrate_d2h_bytes = 0;
+  double migrate_seconds = 0.0;
+  int migrate_max_experts = 0;
+  double router_zipf = 0.0;
+  /// Routed (token, expert) rows of the MoE passes and those of device
+  /// experts: prefill (placement at load); decode under the placement at
+  /// load and under the one the decode ran with (after a migration).
+  index_t prefill_routed_rows = 0, prefill_device_rows = 0;
+  index_t decode_routed_rows = 0, decode_device_rows_initial = 0, decode_device_rows = 0;
   /// The unpinned region's pages for the prompts' blocks, made resident
   /// before the prefill (setup, not prefill time): bytes and seconds.
   index_t kv_prefault_bytes = 0;

@@ -198,6 +198,22 @@ inline void print_device(std::FILE* f, const generation_result& r) {
                     "staging ring %d slots (%s)\n",
                  d.stream_min_rows, static_cast<long long>(d.streamed_experts), human_bytes(d.streamed_bytes).c_str(),
                  d.staging_slots, human_bytes(d.staging_bytes).c_str());
+  auto share = [](index_t part, index_t all) { return all > 0 ? 100.0 * double(part) / double(all) : 0.0; };
+  if (d.placement == "hot")
+    std::fprintf(f, "placement  hot: %lld experts migrated after the prefill (at most %d per layer, %lld pairs skipped), "
+                    "%s H2D + %s D2H in %.3f s\n",
+                 static_cast<long long>(d.migrations), d.migrate_max_experts, static_cast<long long>(d.migrations_skipped),
+                 human_bytes(d.migrate_h2d_bytes).c_str(), human_bytes(d.migrate_d2h_bytes).c_str(), d.migrate_seconds);
+  else
+    std::fprintf(f, "placement  id (experts on the GPU by id, no migration)\n");
+  std::fprintf(f, "           device share of routed rows: prefill %.1f%% of %lld; decode %.1f%% before migration -> "
+                  "%.1f%% after, of %lld\n",
+               share(d.prefill_device_rows, d.prefill_routed_rows), static_cast<long long>(d.prefill_routed_rows),
+               share(d.decode_device_rows_initial, d.decode_routed_rows), share(d.decode_device_rows, d.decode_routed_rows),
+               static_cast<long long>(d.decode_routed_rows));
+  if (d.router_zipf > 0)
+    std::fprintf(f, "router     Zipf bias, exponent %.3g, over a random permutation of each layer's experts (synthetic)\n",
+                 d.router_zipf);
 }
 
 /// What the text summary lists per sequence.
@@ -459,6 +475,19 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
                              {"min_rows", d.stream_min_rows},
                              {"copies", d.streamed_experts},
                              {"bytes", d.streamed_bytes}};
+    j["placement"] = {{"mode", d.placement},
+                      {"migrations", d.migrations},
+                      {"migrations_skipped", d.migrations_skipped},
+                      {"migrate_h2d_bytes", d.migrate_h2d_bytes},
+                      {"migrate_d2h_bytes", d.migrate_d2h_bytes},
+                      {"migrate_seconds", d.migrate_seconds},
+                      {"migrate_max_experts", d.migrate_max_experts},
+                      {"router_zipf", d.router_zipf},
+                      {"prefill_routed_rows", d.prefill_routed_rows},
+                      {"prefill_device_rows", d.prefill_device_rows},
+                      {"decode_routed_rows", d.decode_routed_rows},
+                      {"decode_device_rows_before_migration", d.decode_device_rows_initial},
+                      {"decode_device_rows", d.decode_device_rows}};
     j["experts"] = {{"total", d.experts_total},
                     {"gpu", d.experts_gpu},
                     {"host", d.experts_host},

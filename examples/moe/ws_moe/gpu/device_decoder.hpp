@@ -48,6 +48,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -133,7 +134,48 @@ struct device_options {
   /// Device bytes kept free inside the budget for what is allocated after
   /// placement (cuBLAS workspaces, the attention engine's lazy buffers).
   index_t budget_reserve_bytes = index_t{256} << 20;
+  /// Random weights only: a per-layer additive bias on the router logits so
+  /// that expert popularity within a layer follows a Zipf law with this
+  /// exponent over a per-layer random permutation of the experts (0: none;
+  /// zipf_router_bias). router_zipf_seed picks the permutations.
+  double router_zipf = 0.0;
+  std::uint64_t router_zipf_seed = 0;
+  /// Hot placement: after the prefill, per MoE layer, the hottest host
+  /// experts (routed rows counted during the prefill) swap places with the
+  /// coldest device experts, at most migrate_max_experts pairs per layer and
+  /// only where the host expert got more rows (migrate_hot_experts).
+  bool hot_placement = false;
+  int migrate_max_experts = 8;
+  /// Migration by re-reading the two experts from the weight source into
+  /// their new places instead of swapping the loaded bytes: the same final
+  /// placement by another route (the bit-identity test of the swap).
+  bool migrate_reload = false;
 };
+
+/// The Zipf router bias of one layer (--router-zipf): expert perm[r] (perm a
+/// random permutation seeded by `seed` and the layer) gets
+///   bias = beta * ln(w_r),  w_r = (r + 1)^-S,  beta = sigma * sqrt(6) / pi,
+/// where sigma is the standard deviation of a random router's logits
+/// (weights of standard deviation `weight_stddev`, RMS-normalised inputs:
+/// weight_stddev * sqrt(hidden)). For logits of i.i.d. Gumbel noise of scale
+/// beta a bias of beta * ln(w) makes top-1 frequencies proportional to w; the
+/// logits here are near-Gaussian and top-k picks k, so the frequencies follow
+/// the law only approximately (steeper at the head for top-k with k > 1).
+inline std::vector<float> zipf_router_bias(int experts, double S, int hidden, double weight_stddev, std::uint64_t seed,
+                                           int layer) {
+  std::vector<int> perm(static_cast<std::size_t>(experts));
+  for (int e = 0; e < experts; ++e) perm[std::size_t(e)] = e;
+  std::uint64_t state = gpu::mix64(seed ^ (0x9e3779b97f4a7c15ull * std::uint64_t(layer + 1)));
+  for (int i = experts - 1; i > 0; --i) {  // Fisher-Yates
+    state = gpu::mix64(state + 0x632be59bd9b4e019ull);
+    const int j = int(state % std::uint64_t(i + 1));
+    std::swap(perm[std::size_t(i)], perm[std::size_t(j)]);
+  }
+  const double beta = weight_stddev * std::sqrt(double(hidden)) * std::sqrt(6.0) / 3.14159265358979323846;
+  std::vector<float> bias(static_cast<std::size_t>(experts));
+  for (int r = 0; r < experts; ++r) bias[std::size_t(perm[std::size_t(r)])] = float(-beta * S * std::log(double(r + 1)));
+  return bias;
+}
 
 template <class Layout, class Exec>
 class device_decoder {
@@ -164,6 +206,13 @@ class device_decoder {
                                      std::to_string(c.experts_per_tok));
     if (c.kind == arch::deepseek_v2 && c.topk_method == "group_limited_greedy" && c.n_group > gpu::route_op::max_groups)
       throw writescope::config_error("the CUDA path's router supports at most 64 expert groups");
+    if (!(d.router_zipf >= 0.0) || !std::isfinite(d.router_zipf))
+      throw writescope::config_error("router Zipf exponent " + std::to_string(d.router_zipf) + ": must be finite and >= 0");
+    if (d.router_zipf > 0.0 && !src.is_random())
+      throw writescope::config_error("router Zipf exponent " + std::to_string(d.router_zipf) +
+                                     ": a bias for random weights only (the checkpoint's routers are kept)");
+    if (d.migrate_max_experts < 0)
+      throw writescope::config_error("migrate_max_experts " + std::to_string(d.migrate_max_experts) + ": must be >= 0");
   }
   device_decoder(const device_decoder&) = delete;
   device_decoder& operator=(const device_decoder&) = delete;
@@ -271,6 +320,7 @@ class device_decoder {
     }
 
     // ---- admission + prefill ---------------------------------------------------------
+    counting_ = counting::prefill;  // routed rows per expert (placement); the warm-up is not counted
     const auto t_prefill = std::chrono::steady_clock::now();
     std::vector<sequence_id> seqs(static_cast<std::size_t>(B));
     index_t announced = 0;  // eq. 2's L is the whole admitted batch, not the prompts placed so far
@@ -298,11 +348,14 @@ class device_decoder {
       take_tokens(res, pick, wv.begin, ns, logits, V, cur, o);
     }
     complete_kv_writes();  // the last layer's deferred KV bytes are in their blocks before prefill ends
+    counting_ = counting::off;
     res.prefill_tokens = 0;
     for (const auto& p : prompts) res.prefill_tokens += index_t(p.size());
     res.cpu_prefault_bytes = prefault_for_decode(*cache_, B, o.max_new_tokens);
     res.prefill_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_prefill).count();
     res.trajectory.push_back(share_of(*cache_, seqs, 0));
+    if (d_.hot_placement) migrate_hot_experts(res.device);
+    counting_ = counting::decode;
 
     // ---- decode ------------------------------------------------------------------------
     const int steps = o.max_new_tokens - 1;
@@ -346,6 +399,7 @@ class device_decoder {
     if (o.progress && !res.step_seconds.empty() && int(res.step_seconds.size()) < steps)
       o.progress(phase::decode, steps, steps);  // every sequence stopped early: close the bar
     x_.sync();
+    counting_ = counting::off;
 
     res.usage = cache_->usage();  // with the stopped sequences' blocks returned
     res.policy_final = cache_->policy().describe();
@@ -356,6 +410,13 @@ class device_decoder {
     res.device.grouped_moe_passes = grouped_passes_;
     res.device.per_expert_moe_passes = per_expert_passes_;
     res.device.batched_moe_passes = batched_passes_;
+    res.device.placement = d_.hot_placement ? "hot" : "id";
+    res.device.router_zipf = d_.router_zipf;
+    res.device.prefill_routed_rows = prefill_rows_total_;
+    res.device.prefill_device_rows = prefill_rows_device_;
+    res.device.decode_routed_rows = decode_rows_total_;
+    res.device.decode_device_rows_initial = decode_rows_device_initial_;
+    res.device.decode_device_rows = decode_rows_device_;
     live.finish_all(*cache_, res);
     return res;
   }
@@ -421,6 +482,15 @@ class device_decoder {
       } else {
         const std::string m = p + (c_.kind == arch::mixtral ? ".block_sparse_moe" : ".mlp");
         L.router = ld.linear(m + ".gate", c_.num_experts, H, false, /*force_f32=*/true);
+        if (d_.router_zipf > 0.0) {  // random weights: std = random_scale * 65536 / sqrt(3) (random_weight)
+          const double stddev = double(src_->random_scale()) * 65536.0 / std::sqrt(3.0);
+          const std::vector<float> b =
+              zipf_router_bias(c_.num_experts, d_.router_zipf, c_.hidden_size, stddev, d_.router_zipf_seed, l);
+          auto* bd = static_cast<float*>(x_.alloc(index_t(b.size()) * 4, "router Zipf bias"));
+          x_.h2d(bd, b.data(), index_t(b.size()) * 4);
+          weights_bytes_ += index_t(b.size()) * 4;
+          L.router.bias = bd;
+        }
         if (c_.kind == arch::deepseek_v2 && c_.n_shared_experts > 0) {
           L.has_shared = true;
           L.shared = ld.mlp({m + ".shared_experts.gate_proj", m + ".shared_experts.up_proj", m + ".shared_experts.down_proj"},
@@ -750,6 +820,12 @@ class device_decoder {
       rep.stream_min_rows = d_.stream_min_rows;
     }
     rep.expert_kernels = build_expert_tables(moe_layers);
+    initial_on_host_.assign(std::size_t(c_.num_layers), {});
+    expert_rows_.assign(std::size_t(c_.num_layers), {});
+    for (int l : moe_layers) {
+      initial_on_host_[std::size_t(l)] = m_.layers[std::size_t(l)].on_host;
+      expert_rows_[std::size_t(l)].assign(std::size_t(E), 0);
+    }
     // the batched prefill GEMMs read bf16 weights: every device expert must be bf16
     for (int l : moe_layers)
       for (int e = 0; e < c_.num_experts && batched_prefill_; ++e) {
@@ -788,25 +864,198 @@ class device_decoder {
     }
     if (!any) return "none on the device";
     const index_t E = c_.num_experts;
-    std::vector<const void*> tab(std::size_t(3 * E));
     for (int l : moe_layers) {
       gpu::dlayer& L = m_.layers[std::size_t(l)];
-      for (int e = 0; e < c_.num_experts; ++e) {
-        const bool dev = !L.on_host[std::size_t(e)];
-        const gpu::dmlp& m = L.experts[std::size_t(e)];
-        tab[std::size_t(e)] = dev ? m.gate.w.p : nullptr;
-        tab[std::size_t(E + e)] = dev ? m.up.w.p : nullptr;
-        tab[std::size_t(2 * E + e)] = dev ? m.down.w.p : nullptr;
-      }
       auto* t = static_cast<const void**>(x_.alloc(3 * E * index_t(sizeof(void*)), "grouped experts: weight tables"));
       workspace_bytes_ += 3 * E * index_t(sizeof(void*));
-      x_.h2d(t, tab.data(), 3 * E * index_t(sizeof(void*)));
       L.expert_tables = t;
+      upload_expert_table(L);
     }
     grouped_ok_ = true;
     return "grouped (gate-up and down: one launch each per MoE layer) when at most " +
            std::to_string(d_.grouped_expert_max_rows) + " rows per expert and at least " +
            std::to_string(d_.grouped_expert_min_active) + " device experts with rows; else one cuBLAS product per expert";
+  }
+
+  /// Layer L's grouped-kernel table [3][E] (gate, up, down pointers; null for
+  /// a host expert) written into its device array from L.experts / L.on_host.
+  void upload_expert_table(gpu::dlayer& L) {
+    if (L.expert_tables == nullptr) return;
+    const index_t E = c_.num_experts;
+    std::vector<const void*> tab(std::size_t(3 * E));
+    for (int e = 0; e < c_.num_experts; ++e) {
+      const bool dev = !L.on_host[std::size_t(e)];
+      const gpu::dmlp& m = L.experts[std::size_t(e)];
+      tab[std::size_t(e)] = dev ? m.gate.w.p : nullptr;
+      tab[std::size_t(E + e)] = dev ? m.up.w.p : nullptr;
+      tab[std::size_t(2 * E + e)] = dev ? m.down.w.p : nullptr;
+    }
+    x_.h2d(const_cast<const void**>(L.expert_tables), tab.data(), 3 * E * index_t(sizeof(void*)));
+  }
+
+  /// Hot placement (--expert-placement hot), once between the prefill and the
+  /// first decode step. Per MoE layer: host experts by prefill rows
+  /// descending, device experts by prefill rows ascending (ties: lower id
+  /// first); pair i swaps while the host expert got more rows than the device
+  /// one, at most migrate_max_experts pairs. A swap (same dtype and bytes on
+  /// both sides, else the pair is skipped): the device expert's matrices to a
+  /// page-locked host buffer of one expert (D2H), the host expert's bytes into
+  /// the device expert's slab matrices (H2D), the buffer into the host expert's
+  /// arena block; then L.experts, L.host_experts, L.on_host and the layer's
+  /// grouped-kernel table follow. One copy of each expert remains, no device
+  /// memory is added. With migrate_reload a layer with swaps is instead
+  /// rebuilt from the weight source (reload_layer_experts): the same final state.
+  void migrate_hot_experts(device_report& rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const int E = c_.num_experts;
+    rep.migrate_max_experts = d_.migrate_max_experts;
+    writescope::host_allocation tmp;
+    x_.sync();
+    for (int l = 0; l < c_.num_layers; ++l) {
+      gpu::dlayer& L = m_.layers[std::size_t(l)];
+      if (!L.is_moe) continue;
+      const std::vector<std::pair<int, int>> pairs = migration_pairs(L, l, rep);
+      if (pairs.empty()) continue;
+      if (d_.migrate_reload) {
+        reload_layer_experts(L, l, pairs);
+      } else {
+        for (const auto& [h, d] : pairs) {
+          gpu::hmlp& hm = L.host_experts[std::size_t(h)];
+          gpu::dmlp& dm = L.experts[std::size_t(d)];
+          const index_t bytes = hm.bytes();
+          auto* arena = static_cast<std::byte*>(const_cast<void*>(hm.data()));
+          if (tmp.size_bytes() < bytes) tmp = x_.host_staging(bytes);
+          std::byte* t = tmp.data();
+          const gpu::dlinear* parts[3] = {&dm.gate, &dm.up, &dm.down};
+          index_t off = 0;
+          for (const gpu::dlinear* w : parts) {  // the device expert out ...
+            x_.d2h(t + off, w->w.p, w->w.bytes());
+            off += w->w.bytes();
+          }
+          off = 0;
+          for (const gpu::dlinear* w : parts) {  // ... the host expert in ...
+            x_.h2d(const_cast<void*>(w->w.p), arena + off, w->w.bytes());
+            off += w->w.bytes();
+          }
+          std::memcpy(arena, t, std::size_t(bytes));  // ... and the device expert into the freed host block
+          L.experts[std::size_t(h)] = dm;
+          L.host_experts[std::size_t(d)] = hm;
+          L.experts[std::size_t(d)] = gpu::dmlp{};
+          L.host_experts[std::size_t(h)] = gpu::hmlp{};
+          L.on_host[std::size_t(h)] = 0;
+          L.on_host[std::size_t(d)] = 1;
+        }
+        upload_expert_table(L);
+      }
+      for (const auto& [h, d] : pairs) {
+        (void)d;
+        ++rep.migrations;
+        rep.migrate_h2d_bytes += L.experts[std::size_t(h)].gate.w.bytes() + L.experts[std::size_t(h)].up.w.bytes() +
+                                 L.experts[std::size_t(h)].down.w.bytes();
+      }
+      rep.migrate_d2h_bytes = rep.migrate_h2d_bytes;
+      std::vector<int>& list = rep.host_experts[std::size_t(l)];
+      list.clear();
+      for (int e = 0; e < E; ++e)
+        if (L.on_host[std::size_t(e)]) list.push_back(e);
+    }
+    x_.sync();
+    rep.migrate_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+  /// Layer l's (host expert, device expert) swaps: host experts by prefill
+  /// rows descending, device experts ascending (stable: lower id first), pair i
+  /// while the host one got more rows, at most migrate_max_experts; a pair
+  /// whose two experts differ in a matrix's dtype or bytes is skipped (counted).
+  std::vector<std::pair<int, int>> migration_pairs(const gpu::dlayer& L, int l, device_report& rep) const {
+    const int E = c_.num_experts;
+    const std::vector<index_t>& rows = expert_rows_[std::size_t(l)];
+    std::vector<int> host, dev;
+    for (int e = 0; e < E; ++e) (L.on_host[std::size_t(e)] ? host : dev).push_back(e);
+    std::stable_sort(host.begin(), host.end(), [&](int a, int b) { return rows[std::size_t(a)] > rows[std::size_t(b)]; });
+    std::stable_sort(dev.begin(), dev.end(), [&](int a, int b) { return rows[std::size_t(a)] < rows[std::size_t(b)]; });
+    std::vector<std::pair<int, int>> pairs;
+    for (std::size_t i = 0; i < std::min(host.size(), dev.size()) && int(pairs.size()) < d_.migrate_max_experts; ++i) {
+      const int h = host[i], d = dev[i];
+      if (rows[std::size_t(h)] <= rows[std::size_t(d)]) break;
+      const gpu::hmlp& hm = L.host_experts[std::size_t(h)];
+      const gpu::dmlp& dm = L.experts[std::size_t(d)];
+      const wtype ht = hm.is_bf16() ? wtype::bf16 : wtype::f32;
+      const gpu::dlinear* parts[3] = {&dm.gate, &dm.up, &dm.down};
+      const gpu::hmat* hparts[3] = {&hm.gate, &hm.up, &hm.down};
+      bool same = true;
+      for (int q = 0; q < 3; ++q)
+        same = same && parts[q]->w.type == ht && parts[q]->bias == nullptr && parts[q]->w.bytes() == hparts[q]->bytes();
+      if (same)
+        pairs.emplace_back(h, d);
+      else
+        ++rep.migrations_skipped;
+    }
+    return pairs;
+  }
+
+  /// --migration reload: layer l rebuilt from the weight source: every
+  /// expert re-read into its place after the swaps (a device expert into its
+  /// slab block, a host expert into its arena block), L.on_host, L.experts,
+  /// L.host_experts and the grouped-kernel table assigned anew.
+  void reload_layer_experts(gpu::dlayer& L, int l, const std::vector<std::pair<int, int>>& pairs) {
+    const index_t H = c_.hidden_size, I = c_.moe_intermediate_size;
+    const int E = c_.num_experts;
+    using loader = gpu::device_loader<Exec>;
+    std::vector<void*> slot(std::size_t(E), nullptr), block(std::size_t(E), nullptr);
+    std::vector<index_t> slot_bytes(std::size_t(E), 0);
+    for (int e = 0; e < E; ++e) {
+      const gpu::dmlp& m = L.experts[std::size_t(e)];
+      if (L.on_host[std::size_t(e)]) {
+        block[std::size_t(e)] = const_cast<void*>(L.host_experts[std::size_t(e)].data());
+      } else {
+        slot[std::size_t(e)] = const_cast<void*>(m.gate.w.p);
+        slot_bytes[std::size_t(e)] =
+            loader::slab_bytes(m.gate.w.bytes()) + loader::slab_bytes(m.up.w.bytes()) + loader::slab_bytes(m.down.w.bytes());
+      }
+    }
+    for (const auto& [h, d] : pairs) {
+      slot[std::size_t(h)] = std::exchange(slot[std::size_t(d)], nullptr);
+      slot_bytes[std::size_t(h)] = slot_bytes[std::size_t(d)];
+      block[std::size_t(d)] = std::exchange(block[std::size_t(h)], nullptr);
+    }
+    for (int e = 0; e < E; ++e) {
+      loader ld(x_, *src_);
+      const gpu::expert_names n = gpu::names_of_expert(c_, l, e);
+      if (slot[std::size_t(e)] != nullptr) {
+        ld.use_slab(slot[std::size_t(e)], slot_bytes[std::size_t(e)]);
+        L.experts[std::size_t(e)] = ld.mlp(n, H, I);
+        L.host_experts[std::size_t(e)] = gpu::hmlp{};
+        L.on_host[std::size_t(e)] = 0;
+      } else {
+        L.host_experts[std::size_t(e)] = ld.host_mlp(n, H, I, block[std::size_t(e)]);
+        L.experts[std::size_t(e)] = gpu::dmlp{};
+        L.on_host[std::size_t(e)] = 1;
+      }
+    }
+    upload_expert_table(L);
+  }
+
+  /// Routed rows of this MoE pass (rows_, before padding) into the placement's
+  /// counters: per expert in the prefill; in decode the share on the device
+  /// now and under the placement at load.
+  void count_rows(const gpu::dlayer& L, int l) {
+    if (counting_ == counting::off) return;
+    const int E = c_.num_experts;
+    const std::vector<char>& init = initial_on_host_[std::size_t(l)];
+    for (int e = 0; e < E; ++e) {
+      const index_t m = rows_[std::size_t(e)];
+      if (m == 0) continue;
+      if (counting_ == counting::prefill) {
+        expert_rows_[std::size_t(l)][std::size_t(e)] += m;
+        prefill_rows_total_ += m;
+        if (!L.on_host[std::size_t(e)]) prefill_rows_device_ += m;
+      } else {
+        decode_rows_total_ += m;
+        if (!L.on_host[std::size_t(e)]) decode_rows_device_ += m;
+        if (!init[std::size_t(e)]) decode_rows_device_initial_ += m;
+      }
+    }
   }
 
   /// One decode step of the whole model (embedding, every layer with its
@@ -1061,6 +1310,7 @@ class device_decoder {
       group_on_device(L, n);
     else
       group_on_host(L, n, decode);
+    count_rows(L, l);
     if (timed) moe_marks_.back()[1] = x_.mark();  // routed: the rows grouped by expert, the tables on the device
     moe_experts(L, l, n, decode, timed);
   }
@@ -1946,6 +2196,14 @@ class device_decoder {
   index_t batched_passes_ = 0;  ///< prefill MoE layers: start, routed, device experts, streamed, end
   double cpu_expert_seconds_ = 0.0;
   index_t cpu_expert_rows_ = 0;
+  // placement: routed rows per MoE layer and expert in the prefill, the
+  // placement at load, the prefill / decode row counters (count_rows)
+  enum class counting { off, prefill, decode };
+  counting counting_ = counting::off;
+  std::vector<std::vector<index_t>> expert_rows_;
+  std::vector<std::vector<char>> initial_on_host_;
+  index_t prefill_rows_total_ = 0, prefill_rows_device_ = 0;
+  index_t decode_rows_total_ = 0, decode_rows_device_ = 0, decode_rows_device_initial_ = 0;
 
   std::unique_ptr<cache_type> cache_;
   std::unique_ptr<writescope::hybrid_attention<cache_type>> hybrid_;
