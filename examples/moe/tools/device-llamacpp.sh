@@ -49,7 +49,7 @@
 # LAYERS_dsv2lite (8), LAYERS_mixtral (4); SETS_<model> (make_peer_checkpoint --set
 # overrides, space-separated, for smoke tests); PROMPT (2048), GEN (32), NPL (8), REPS
 # (llama-bench -r, default 3); DEVICE (ws_decode --device, default cuda; host for a CPU
-# smoke test, which also drops --max-gpu-experts); NGL (default 99); LLAMA_CUDA (ON);
+# smoke test, which also drops --max-gpu-experts; emulated keeps it); NGL (default 99); LLAMA_CUDA (ON);
 # LLAMA_BIN (prebuilt llama.cpp bin folder: no llama.cpp build); WS_DECODE (default
 # BUILD_DIR/examples/moe/ws_decode; built when missing); BUILD_DIR (build-device); JOBS
 # (nproc); PYTHON (python3); EXTRA_WS, EXTRA_LLAMA (more arguments for every run of each);
@@ -152,8 +152,9 @@ EOF
 
 # wanted NAME: matches one of RUNS' globs
 wanted() {
-  local g
-  for g in $RUNS; do
+  local g pats
+  read -ra pats <<< "$RUNS"  # no pathname expansion of the globs
+  for g in "${pats[@]}"; do
     # shellcheck disable=SC2254
     case "$1" in $g) return 0 ;; esac
   done
@@ -289,7 +290,7 @@ EOF
       (( hl > 0 )) || { say "$m: $n MoE layers, no half placement"; continue; }
       ot="blk\\.(${host_layers})\\.ffn_.*_exps\\.=CPU"; gpu_arg=(--max-gpu-experts "$gpu_half")
     fi
-    [ "$DEVICE" = cuda ] || gpu_arg=()
+    [ "$DEVICE" = host ] && gpu_arg=()
     say "$m.$pl: llama.cpp -ot '$ot'; ws_decode ${gpu_arg[*]:-(host path)} ($n MoE layers x $E experts)"
     local b
     for b in 1 "$NPL"; do
