@@ -39,6 +39,11 @@
 #   examples/moe/tools/device-llamacpp.sh
 # A warm machine keeps build-peers/ and BUILD_DIR between calls: a second call
 # (e.g. MODELS="dsv2lite mixtral") skips the builds.
+# CPU smoke test (no GPU; a CPU build of llama.cpp in LLAMA_BIN, built with LLAMA_CUDA=OFF):
+#   DEVICE=emulated LLAMA_BIN=... MODELS=qwen3 LAYERS_qwen3=2 PROMPT=64 GEN=8 NPL=2 \
+#   SETS_qwen3="hidden_size=128 intermediate_size=256 moe_intermediate_size=64 num_experts=8
+#     num_experts_per_tok=2 num_attention_heads=4 num_key_value_heads=2 head_dim=64 vocab_size=512
+#     bos_token_id=1 eos_token_id=2" examples/moe/tools/device-llamacpp.sh
 #
 # Environment: OUT (default ./device-out); BUDGET seconds for the whole call (default 560);
 # RUN_CAP seconds for one benchmark run (default 150); BUILD_CAP (default 420) and

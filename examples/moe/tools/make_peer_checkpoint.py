@@ -10,9 +10,12 @@ No tokenizer is written (convert it with gguf_none_vocab.py).
 
   python3 examples/moe/tools/make_peer_checkpoint.py --model qwen3 --layers 4 --out /tmp/ckpt
   # a tiny one for CPU smoke tests (converts in seconds):
-  python3 examples/moe/tools/make_peer_checkpoint.py --model qwen3 --layers 1 --out /tmp/tiny \\
-      --set hidden_size=128 --set moe_intermediate_size=64 --set num_experts=8 \\
-      --set num_attention_heads=4 --set num_key_value_heads=2 --set head_dim=32 --set vocab_size=512
+  python3 examples/moe/tools/make_peer_checkpoint.py --model qwen3 --layers 2 --out /tmp/tiny \\
+      --set hidden_size=128 --set intermediate_size=256 --set moe_intermediate_size=64 \\
+      --set num_experts=8 --set num_experts_per_tok=2 --set num_attention_heads=4 \\
+      --set num_key_value_heads=2 --set head_dim=64 --set vocab_size=512 --set bos_token_id=1 --set eos_token_id=2
+  (ws_decode takes head dims 64/128/256 and MLA 512/64 or 128/32: for a tiny dsv2lite add
+  --set kv_lora_rank=128 --set qk_rope_head_dim=32)
 
 --model: qwen3 (qwen3_30b_a3b.json), dsv2lite (deepseek_v2_lite.json), mixtral
 (mixtral_8x7b.json), or --config PATH. --set KEY=VALUE overrides a config entry
