@@ -196,6 +196,13 @@ step() {
 }
 
 # ---- builds (background) --------------------------------------------------------------
+# the snapshot's source (its converter too) under $PEERS
+if [ ! -f "$SRC/convert_hf_to_gguf.py" ] || { [ -z "$LLAMA_BIN" ] && [ ! -x "$PEERS/build/bin/llama-bench" ]; }; then
+  [ -r "$TGZ" ] || { say "no $TGZ: run '$0 stage' here and carry .peers"; exit 2; }
+  rm -rf "$SRC"
+  mkdir -p "$PEERS"
+  tar xzf "$TGZ" -C "$PEERS" || { say "tar xzf $TGZ failed"; exit 2; }
+fi
 gen=()
 command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
 llama_pid="" ws_pid=""
@@ -204,10 +211,6 @@ if [ -z "$LLAMA_BIN" ]; then
   if [ -x "$LLAMA_BIN/llama-bench" ] && [ -x "$LLAMA_BIN/llama-batched-bench" ]; then
     say "llama.cpp: $LLAMA_BIN already built"
   else
-    [ -r "$TGZ" ] || { say "no $TGZ: run '$0 stage' here and carry .peers"; exit 2; }
-    rm -rf "$SRC"
-    mkdir -p "$PEERS"
-    tar xzf "$TGZ" -C "$PEERS" || { say "tar xzf $TGZ failed"; exit 2; }
     say "llama.cpp $(cat "$SRC/SNAPSHOT" 2>/dev/null): building (background, -j$JOBS, GGML_CUDA=$LLAMA_CUDA)"
     ( s=$(date +%s)
       timeout --kill-after=10 "$BUILD_CAP" bash -c '
