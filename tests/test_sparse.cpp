@@ -29,42 +29,6 @@ using G = gqa_layout<128>;
 using M = mla_layout<512, 64>;
 const double gqa_scale = 1.0 / std::sqrt(128.0);
 
-/// Dense and sparse steps with the same queries on a decode_driver's cache.
-template <class Cache>
-struct runner {
-  using layout_type = typename Cache::layout_type;
-  static constexpr int Q = layout_type::q_dim;
-  static constexpr int V = layout_type::v_dim;
-  explicit runner(decode_driver<Cache>& driver) : d(driver) {}
-  decode_driver<Cache>& d;
-  std::vector<float> q, out, lse;
-  step_report rep;
-
-  void make_queries(std::span<const sequence_id> batch) {
-    const int hq = d.cache().layout().num_q_heads();
-    q.resize(batch.size() * std::size_t(hq) * Q);
-    for (std::size_t i = 0; i < batch.size(); ++i) {
-      bf16_source& s = d.source_of(batch[i]);
-      for (std::size_t k = 0; k < std::size_t(hq) * Q; ++k) q[i * std::size_t(hq) * Q + k] = s.next_float();
-    }
-  }
-  step_outputs<pageable_host_space> outputs(std::size_t batch, debug_partials* dbg) {
-    const std::size_t rows = batch * std::size_t(d.cache().layout().num_q_heads());
-    out.assign(rows * V, std::numeric_limits<float>::quiet_NaN());
-    lse.assign(rows, std::numeric_limits<float>::quiet_NaN());
-    return {host_span<float>(out.data(), index_t(out.size())), host_span<float>(lse.data(), index_t(lse.size())), dbg};
-  }
-  void dense(int l, std::span<const sequence_id> batch, debug_partials* dbg = nullptr) {
-    const auto so = outputs(batch.size(), dbg);
-    rep = d.attention().step(l, batch, host_span<const float>(q.data(), index_t(q.size())), float(d.scale()), so);
-  }
-  template <class Selector>
-  void sparse(int l, std::span<const sequence_id> batch, Selector& sel, debug_partials* dbg = nullptr) {
-    const auto so = outputs(batch.size(), dbg);
-    rep = d.attention().step(l, batch, host_span<const float>(q.data(), index_t(q.size())), float(d.scale()), so, sel);
-  }
-};
-
 static_assert(block_selector<top_k_selector, G>);
 static_assert(block_selector<select_all, M>);
 static_assert(block_selector<sink_and_recent, G>);
@@ -82,21 +46,13 @@ roofline_policy test_roofline() {
   return roofline_policy(p);
 }
 
-partition_spec spec_for(int layers, int seqs, index_t tokens_per_seq) {
-  partition_spec s = small_spec(layers, seqs, 16, 32);
-  s.cpu_capacity_tokens = s.pinned_capacity_tokens = index_t(seqs) * (tokens_per_seq + 64);
-  s.gpu_split_blocks = 4;
-  s.cpu_task_blocks = 3;
-  return s;
-}
-
 /// select_all against dense, step by step, every layer, with evictions.
 template <class Layout, class Policy>
 void select_all_matches_dense(const Layout& L, Policy pol, double scale, index_t direct_run_bytes, int steps,
                               std::uint64_t seed) {
   host_backend be;
   const std::vector<index_t> prompts{1, 15, 33, 70, 100};
-  partition_spec spec = spec_for(2, int(prompts.size()), 100 + steps);
+  partition_spec spec = sparse_spec(2, int(prompts.size()), 100 + steps);
   set_ping_pong_blocks(spec, L, 6);
   host_cache<Layout, Policy> cache(be, L, spec, pol, {}, cache_options{true});
   attention_options ao{1, true};
@@ -104,7 +60,7 @@ void select_all_matches_dense(const Layout& L, Policy pol, double scale, index_t
   decode_driver<decltype(cache)> d(cache, ao, seed, scale);
   std::vector<sequence_id> batch;
   for (index_t p : prompts) batch.push_back(d.add(p));
-  runner<decltype(cache)> r(d);
+  step_runner<decltype(cache)> r(d);
   select_all all;
   index_t gathered = 0, direct = 0;
   for (int s = 0; s < steps; ++s) {
@@ -136,7 +92,7 @@ void select_all_matches_dense(const Layout& L, Policy pol, double scale, index_t
         std::vector<double> ro, rl;
         const int hq = L.num_q_heads();
         for (std::size_t i = 0; i < batch.size(); ++i) {
-          reference_attention(L, d.history(batch[i], l), r.q.data() + i * std::size_t(hq) * Layout::q_dim, scale, ro,
+          reference_attention(L, d.history(batch[i], l), r.d.q.data() + i * std::size_t(hq) * Layout::q_dim, scale, ro,
                               rl);
           compare_rows(hq, Layout::v_dim, r.out.data() + i * std::size_t(hq) * Layout::v_dim,
                        r.lse.data() + i * std::size_t(hq), ro, rl, cr);
@@ -191,7 +147,7 @@ void pull_matches_gather(const Layout& L, Policy pol, double scale, const Select
                          std::uint64_t seed) {
   host_backend be;
   const std::vector<index_t> prompts{1, 15, 33, 70, 100};
-  partition_spec spec = spec_for(2, int(prompts.size()), 100 + steps);
+  partition_spec spec = sparse_spec(2, int(prompts.size()), 100 + steps);
   set_ping_pong_blocks(spec, L, 6);
   host_cache<Layout, Policy> cache(be, L, spec, pol, {}, cache_options{true});
   attention_options ao{1, true};
@@ -206,7 +162,7 @@ void pull_matches_gather(const Layout& L, Policy pol, double scale, const Select
   CHECK(d.attention().engine().sparse_staging_bytes() > 0);
   std::vector<sequence_id> batch;
   for (index_t p : prompts) batch.push_back(d.add(p));
-  runner<decltype(cache)> r(d);
+  step_runner<decltype(cache)> r(d);
   const index_t block_bytes = cache.format().block_bytes();
   // Both attention objects stream through the cache's ping-pong buffers: NaN
   // them before each step, so a block one mode failed to move cannot be read
@@ -233,7 +189,7 @@ void pull_matches_gather(const Layout& L, Policy pol, double scale, const Select
                                                  host_span<float>(lse.data(), index_t(lse.size())), nullptr};
       poison_ping_pong();
       const step_report pr =
-          pull.step(l, batch, host_span<const float>(r.q.data(), index_t(r.q.size())), float(d.scale()), so, sel_pull);
+          pull.step(l, batch, host_span<const float>(r.d.q.data(), index_t(r.d.q.size())), float(d.scale()), so, sel_pull);
       REQUIRE(same_bits(r.out, out));
       REQUIRE(same_bits(r.lse, lse));
       const gather_stats pg = pull.engine().last_gather();
@@ -273,7 +229,7 @@ TEST_CASE("sparse_transfer::device_pull on the host backend: accepted, emulated,
   SUBCASE("pull_ctas < 1 is a config_error when the pipeline is reserved") {
     host_backend be;
     const G L(32, 4);
-    partition_spec spec = spec_for(1, 2, 100);
+    partition_spec spec = sparse_spec(1, 2, 100);
     set_ping_pong_blocks(spec, L, 4);
     host_cache<G, gpu_only> cache(be, L, spec, gpu_only{});
     attention_options ao{1, false};
@@ -294,13 +250,13 @@ template <class Layout, class Policy>
 void topk_loop(const Layout& L, Policy pol, double scale, top_k_selector sel, const std::vector<index_t>& prompts,
                int steps, std::uint64_t seed) {
   host_backend be;
-  partition_spec spec = spec_for(2, int(prompts.size()), 200 + steps);
+  partition_spec spec = sparse_spec(2, int(prompts.size()), 200 + steps);
   set_ping_pong_blocks(spec, L, 5);
   host_cache<Layout, Policy> cache(be, L, spec, pol, {}, cache_options{true});
   decode_driver<decltype(cache)> d(cache, attention_options{1, true}, seed, scale);
   std::vector<sequence_id> batch;
   for (index_t p : prompts) batch.push_back(d.add(p));
-  runner<decltype(cache)> r(d);
+  step_runner<decltype(cache)> r(d);
   recording<top_k_selector> rec{sel, {}};
   const int hq = L.num_q_heads();
   index_t selected = 0, placed = 0;
@@ -315,7 +271,7 @@ void topk_loop(const Layout& L, Policy pol, double scale, top_k_selector sel, co
       compare_result cr;
       int problems = 0;
       for (std::size_t i = 0; i < batch.size(); ++i) {
-        const float* q = r.q.data() + i * std::size_t(hq) * Layout::q_dim;
+        const float* q = r.d.q.data() + i * std::size_t(hq) * Layout::q_dim;
         check_restricted(L, d.history(batch[i], l), cache.sequence(batch[i]), spec.block_tokens,
                          d.attention().last_selection(), int(i), q, scale,
                          r.out.data() + i * std::size_t(hq) * Layout::v_dim, r.lse.data() + i * std::size_t(hq), cr);
@@ -362,20 +318,12 @@ TEST_CASE("top-k equals the fp64 reference restricted to the selected blocks + D
 TEST_CASE("K1: a selection that leaves an engine (or a KV head) without blocks gives exactly the empty partial") {
   host_backend be;
   const G L(16, 4);
-  partition_spec spec = spec_for(1, 3, 300);
+  partition_spec spec = sparse_spec(1, 3, 300);
   set_ping_pong_blocks(spec, L, 4);
   host_cache<G, fixed_ratio> cache(be, L, spec, fixed_ratio(0.5), {}, cache_options{true});
   decode_driver<decltype(cache)> d(cache, attention_options{1, true}, 21, gqa_scale);
   const std::vector<sequence_id> batch{d.add(128), d.add(32 * 5 + 3), d.add(31)};
-  runner<decltype(cache)> r(d);
-  auto empty_rows = [](const std::vector<float>& o, const std::vector<float>& lse, std::size_t row0, int rows) {
-    for (int k = 0; k < rows; ++k) {
-      if (!(std::isinf(lse[row0 + std::size_t(k)]) && lse[row0 + std::size_t(k)] < 0)) return false;
-      for (int e = 0; e < 128; ++e)
-        if (std::bit_cast<std::uint32_t>(o[(row0 + std::size_t(k)) * 128 + std::size_t(e)]) != 0u) return false;
-    }
-    return true;
-  };
+  step_runner<decltype(cache)> r(d);
   for (int s = 0; s < 3; ++s) {
     d.append_layer(0, batch);
     r.make_queries(batch);
@@ -384,7 +332,7 @@ TEST_CASE("K1: a selection that leaves an engine (or a KV head) without blocks g
       compare_result cr;
       for (std::size_t i = 0; i < batch.size(); ++i)
         check_restricted(L, d.history(batch[i], 0), cache.sequence(batch[i]), 16, d.attention().last_selection(),
-                         int(i), r.q.data() + i * 16 * 128, gqa_scale, r.out.data() + i * 16 * 128,
+                         int(i), r.d.q.data() + i * 16 * 128, gqa_scale, r.out.data() + i * 16 * 128,
                          r.lse.data() + i * 16, cr);
       INFO("rel_l2 " << cr.max_rel_l2 << ", lse excess " << cr.max_lse_err << ", non-finite " << cr.non_finite);
       CHECK(cr.ok());
@@ -440,18 +388,7 @@ TEST_CASE("K4/C7: selections of blocks past 2^32 bytes in the unpinned and pinne
   for (placement where : {placement::cpu_compute, placement::gpu_load}) {
     const std::string region = to_string(where);
     CAPTURE(region);
-    partition_spec s;
-    s.num_layers = 1;
-    s.block_tokens = 64;
-    s.d_window_tokens = 256;
-    s.max_sequences = 4;
-    s.cpu_capacity_tokens = where == placement::cpu_compute ? 5 * gib_tokens : 0;
-    s.pinned_capacity_tokens = where == placement::gpu_load ? 5 * gib_tokens : 0;
-    s.pinned_initial_tokens = -1;
-    s.pinned_growth_tokens = s.pinned_capacity_tokens;
-    s.gpu_split_blocks = 4;
-    s.cpu_task_blocks = 4;
-    set_ping_pong_blocks(s, lay, 8);
+    const partition_spec s = past_4gib_spec(lay, where);
     scripted_policy pol;
     pol.fn = [where](const route_query&) { return where; };
     host_backend be;
@@ -470,7 +407,7 @@ TEST_CASE("K4/C7: selections of blocks past 2^32 bytes in the unpinned and pinne
     const std::vector<sequence_id> batch{a, b};
     const layer_views<G> v = cache->views(0);
     const bf16* base = where == placement::cpu_compute ? v.cpu_arena.data() : v.pinned_slabs[0];
-    runner<host_cache<G, scripted_policy>> r(d);
+    step_runner<host_cache<G, scripted_policy>> r(d);
     top_k_selector sel = top_k_selector::ratio(0.4);
     for (int st = 0; st < 3; ++st) {
       d.append_layer(0, batch);
@@ -480,10 +417,10 @@ TEST_CASE("K4/C7: selections of blocks past 2^32 bytes in the unpinned and pinne
       int problems = 0;
       for (std::size_t i = 0; i < batch.size(); ++i) {
         check_restricted(lay, d.history(batch[i], 0), cache->sequence(batch[i]), 64, d.attention().last_selection(),
-                         int(i), r.q.data() + i * 4 * 128, gqa_scale, r.out.data() + i * 4 * 128,
+                         int(i), r.d.q.data() + i * 4 * 128, gqa_scale, r.out.data() + i * 4 * 128,
                          r.lse.data() + i * 4, cr);
         problems += check_topk(*cache, d.attention(), d.history(batch[i], 0), batch[i], 0, int(i),
-                               r.q.data() + i * 4 * 128, gqa_scale, sel);
+                               r.d.q.data() + i * 4 * 128, gqa_scale, sel);
       }
       REQUIRE(cr.ok());
       REQUIRE(problems == 0);
@@ -507,12 +444,12 @@ TEST_CASE("K4/C7: selections of blocks past 2^32 bytes in the unpinned and pinne
 TEST_CASE("a user selector type plugs in: first block + recent blocks, different per KV head") {
   host_backend be;
   const G L(32, 4);
-  partition_spec spec = spec_for(1, 3, 300);
+  partition_spec spec = sparse_spec(1, 3, 300);
   set_ping_pong_blocks(spec, L, 4);
   host_cache<G, fixed_ratio> cache(be, L, spec, fixed_ratio(0.3), {}, cache_options{true});
   decode_driver<decltype(cache)> d(cache, attention_options{1, true}, 51, gqa_scale);
   const std::vector<sequence_id> batch{d.add(0), d.add(90), d.add(200)};
-  runner<decltype(cache)> r(d);
+  step_runner<decltype(cache)> r(d);
   sink_and_recent sel;
   for (int s = 0; s < 70; ++s) {
     CAPTURE(s);
@@ -522,7 +459,7 @@ TEST_CASE("a user selector type plugs in: first block + recent blocks, different
     compare_result cr;
     for (std::size_t i = 0; i < batch.size(); ++i)
       check_restricted(L, d.history(batch[i], 0), cache.sequence(batch[i]), 16, d.attention().last_selection(), int(i),
-                       r.q.data() + i * 32 * 128, gqa_scale, r.out.data() + i * 32 * 128, r.lse.data() + i * 32, cr);
+                       r.d.q.data() + i * 32 * 128, gqa_scale, r.out.data() + i * 32 * 128, r.lse.data() + i * 32, cr);
     REQUIRE(cr.ok());
     const sequence_state& st = cache.sequence(batch[2]);
     const index_t n = index_t(st.block_table.size());
@@ -536,12 +473,12 @@ TEST_CASE("a user selector type plugs in: first block + recent blocks, different
 TEST_CASE("bad selections are typed errors before any work; the cache is unchanged and the next step works") {
   host_backend be;
   const G L(8, 2);
-  partition_spec spec = spec_for(1, 2, 200);
+  partition_spec spec = sparse_spec(1, 2, 200);
   set_ping_pong_blocks(spec, L, 4);
   host_cache<G, fixed_ratio> cache(be, L, spec, fixed_ratio(0.5), {}, cache_options{true});
   decode_driver<decltype(cache)> d(cache, attention_options{1, true}, 61, gqa_scale);
   const std::vector<sequence_id> batch{d.add(70), d.add(100)};
-  runner<decltype(cache)> r(d);
+  step_runner<decltype(cache)> r(d);
   d.append_layer(0, batch);
   r.make_queries(batch);
   const cache_snapshot before = snapshot(cache, batch);
@@ -571,19 +508,19 @@ TEST_CASE("bad selections are typed errors before any work; the cache is unchang
   compare_result cr;
   for (std::size_t i = 0; i < batch.size(); ++i)
     check_restricted(L, d.history(batch[i], 0), cache.sequence(batch[i]), 16, d.attention().last_selection(), int(i),
-                     r.q.data() + i * 8 * 128, gqa_scale, r.out.data() + i * 8 * 128, r.lse.data() + i * 8, cr);
+                     r.d.q.data() + i * 8 * 128, gqa_scale, r.out.data() + i * 8 * 128, r.lse.data() + i * 8, cr);
   CHECK(cr.ok());
 }
 
 TEST_CASE("more than 64 KV heads: a sparse step is a config_error") {
   host_backend be;
   const gqa_layout<64> L(65, 65);
-  partition_spec spec = spec_for(1, 1, 64);
+  partition_spec spec = sparse_spec(1, 1, 64);
   set_ping_pong_blocks(spec, L, 4);
   host_cache<gqa_layout<64>, gpu_only> cache(be, L, spec, gpu_only{});
   decode_driver<decltype(cache)> d(cache, attention_options{1, true}, 71, 0.125);
   const std::vector<sequence_id> batch{d.add(40)};
-  runner<decltype(cache)> r(d);
+  step_runner<decltype(cache)> r(d);
   d.append_layer(0, batch);
   r.make_queries(batch);
   select_all all;
@@ -591,40 +528,7 @@ TEST_CASE("more than 64 KV heads: a sparse step is a config_error") {
 }
 
 TEST_CASE("K10: a sequence's sparse output is bit-identical alone and in a batch, and on a rerun") {
-  const G L(32, 4);
-  auto run = [&](bool with_mates) {
-    host_backend be;
-    partition_spec spec = spec_for(1, 4, 400);
-    set_ping_pong_blocks(spec, L, 5);
-    host_cache<G, fixed_ratio> cache(be, L, spec, fixed_ratio(0.5), {}, cache_options{true});
-    decode_driver<decltype(cache)> d(cache, attention_options{2, true}, 81, gqa_scale);
-    std::vector<sequence_id> batch;
-    if (with_mates) batch.push_back(d.add(150, 7));
-    const sequence_id me = d.add(230, 8);
-    batch.push_back(me);
-    if (with_mates) batch.push_back(d.add(61, 9));
-    runner<decltype(cache)> r(d);
-    top_k_selector sel = top_k_selector::ratio(0.5);
-    std::vector<std::vector<float>> mine;
-    const std::size_t at = with_mates ? 1 : 0;
-    for (int s = 0; s < 40; ++s) {
-      d.append_layer(0, batch);
-      r.make_queries(batch);
-      r.sparse(0, batch, sel);
-      mine.emplace_back(r.out.begin() + std::ptrdiff_t(at * 32 * 128), r.out.begin() + std::ptrdiff_t((at + 1) * 32 * 128));
-      cache.flush();
-    }
-    return mine;
-  };
-  const auto alone = run(false);
-  const auto in_batch = run(true);
-  const auto again = run(true);
-  REQUIRE(alone.size() == in_batch.size());
-  for (std::size_t s = 0; s < alone.size(); ++s) {
-    CAPTURE(s);
-    CHECK(same_bits(alone[s], in_batch[s]));
-    CHECK(same_bits(in_batch[s], again[s]));
-  }
+  sparse_batch_invariance<host_backend>(G(32, 4), 400, 230, 40);
 }
 
 namespace {
@@ -642,13 +546,13 @@ static_assert(routing_policy<observing_policy>);
 TEST_CASE("the policy observes the selected volumes: CPU tokens averaged over KV heads, streamed = union of pinned") {
   host_backend be;
   const G L(32, 4);
-  partition_spec spec = spec_for(1, 3, 400);
+  partition_spec spec = sparse_spec(1, 3, 400);
   set_ping_pong_blocks(spec, L, 5);
   observing_policy pol;
   host_cache<G, observing_policy> cache(be, L, spec, pol, {}, cache_options{true});
   decode_driver<decltype(cache)> d(cache, attention_options{1, true}, 91, gqa_scale);
   const std::vector<sequence_id> batch{d.add(100), d.add(300), d.add(20)};
-  runner<decltype(cache)> r(d);
+  step_runner<decltype(cache)> r(d);
   sink_and_recent sel;
   for (int s = 0; s < 40; ++s) {
     d.append_layer(0, batch);
@@ -687,17 +591,17 @@ TEST_CASE("the policy observes the selected volumes: CPU tokens averaged over KV
 TEST_CASE("summaries: computed once per placed block (prefill, eviction), recomputed for a reused sequence id") {
   host_backend be;
   const G L(8, 2);
-  partition_spec spec = spec_for(2, 2, 300);
+  partition_spec spec = sparse_spec(2, 2, 300);
   set_ping_pong_blocks(spec, L, 4);
   host_cache<G, fixed_ratio> cache(be, L, spec, fixed_ratio(0.5), {}, cache_options{true});
   decode_driver<decltype(cache)> d(cache, attention_options{1, true}, 101, gqa_scale);
   std::vector<sequence_id> batch{d.add(64), d.add(100)};
-  runner<decltype(cache)> r(d);
+  step_runner<decltype(cache)> r(d);
   top_k_selector sel = top_k_selector::ratio(0.5);
   auto check_layer = [&](int l) {
     for (std::size_t i = 0; i < batch.size(); ++i)
       CHECK(check_topk(cache, d.attention(), d.history(batch[i], l), batch[i], l, int(i),
-                       r.q.data() + i * 8 * 128, gqa_scale, sel) == 0);
+                       r.d.q.data() + i * 8 * 128, gqa_scale, sel) == 0);
   };
   index_t prev_blocks = 0;
   for (int s = 0; s < 40; ++s) {

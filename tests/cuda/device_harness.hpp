@@ -1,9 +1,10 @@
 // tests/cuda/device_harness.hpp — device-side test machinery for cuda_backend:
-// the decode driver of tests/support/harness.hpp with inputs and outputs on the
-// GPU. KV and queries are generated on the host (seeded), kept there as the
-// reference's own history, uploaded to device scratch buffers on the backend's
-// caller stream (so uploads are stream-ordered with the cache's kernels), and
-// outputs are downloaded after each step. The pass bar is FAULT-KINDS.md's.
+// the activation_io of tests/support/harness.hpp for device_space, so that the
+// one decode_driver and step_runner run on the GPU: KV and queries are
+// generated on the host (seeded), kept there as the reference's own history,
+// uploaded to device scratch buffers on the backend's caller stream (so uploads
+// are stream-ordered with the cache's kernels), and outputs are downloaded
+// after each step. The pass bar is harness.hpp's.
 //
 // Compiled by the host compiler only; GPU code is reached through
 // cuda_backend and the launchers of kernels.hpp (instantiated in
@@ -155,40 +156,37 @@ void download(std::vector<T>& dst, const T* src, std::size_t n, cudaStream_t str
 /// A long kernel on `stream` (clock64 cycles; ~1e8 is tens of milliseconds).
 inline void spin(cudaStream_t stream, long long cycles) { gpu::launch_spin(cycles, stream); }
 
-/// The decode driver of harness.hpp for a cache over cuda_backend.
+}  // namespace wstest::dev
+
+namespace wstest {
+
+/// activation_io (support/harness.hpp) for a backend whose activations live
+/// on the device (cuda_backend): KV and queries are uploaded to device scratch
+/// buffers through the page-locked ring on the backend's caller stream (so
+/// uploads are stream-ordered with the cache's kernels), outputs are filled
+/// with NaN there before the step and downloaded after it. Every scratch
+/// buffer is sized at construction: growing later synchronizes the stream,
+/// which would hide races behind a host wait.
 template <class Cache>
-class device_decode_driver {
+class activation_io<device_space, Cache> {
  public:
   using layout_type = typename Cache::layout_type;
-  static constexpr int Q = layout_type::q_dim;
-  static constexpr int V = layout_type::v_dim;
   static constexpr int P = layout_type::planes;
 
-  device_decode_driver(Cache& cache, attention_options opts, std::uint64_t seed, double scale)
-      : cache_(cache), attn_(cache, opts), src_(seed), scale_(scale) {
-    // Size the per-step scratch now: growing later synchronizes the stream,
-    // which would hide races behind a host wait.
+  explicit activation_io(Cache& cache) : cache_(&cache) {
     const std::size_t rows = std::size_t(cache.spec().max_sequences) * std::size_t(cache.layout().num_q_heads());
-    (void)q_dev_.get<float>(rows * Q, stream());
-    (void)out_dev_.get<float>(rows * V, stream());
+    (void)q_dev_.get<float>(rows * layout_type::q_dim, stream());
+    (void)out_dev_.get<float>(rows * layout_type::v_dim, stream());
     (void)lse_dev_.get<float>(rows, stream());
     const std::size_t kv = std::size_t(cache.spec().max_sequences) * std::size_t(cache.layout().kv_heads()) *
                            layout_type::row_elems;
     for (int p = 0; p < P; ++p) (void)kv_[p].template get<bf16>(kv, stream());
-    up_.reserve(std::max<std::size_t>(std::size_t(1) << 20, rows * Q * sizeof(float)));
+    up_.reserve(std::max<std::size_t>(std::size_t(1) << 20, rows * layout_type::q_dim * sizeof(float)));
   }
 
-  kv_generator<layout_type> gen;
-  /// Called on every decode append, before the KV is uploaded (e.g. a spin
-  /// kernel on the caller stream).
-  std::function<void(int layer)> before_append;
-  /// Optional query generator qgen(head, elem, source); default N(0,1).
-  std::function<float(int, int, bf16_source&)> qgen;
+  [[nodiscard]] cudaStream_t stream() const { return cache_->backend().caller_stream(); }
 
-  [[nodiscard]] cudaStream_t stream() const { return cache_.backend().caller_stream(); }
-
-  /// Device view of a host KV batch (uploaded to the scratch buffers).
-  kv_tokens<layout_type, device_space> to_device(const kv_batch<layout_type>& b) {
+  kv_tokens<layout_type, device_space> kv(const kv_batch<layout_type>& b) {
     kv_tokens<layout_type, device_space> t;
     t.num_tokens = b.n;
     for (int p = 0; p < P; ++p) {
@@ -198,172 +196,69 @@ class device_decode_driver {
     }
     return t;
   }
-
-  /// Begins a sequence with a prompt of `p` tokens and writes every layer's prompt.
-  sequence_id add(index_t p, std::optional<std::uint64_t> seed = std::nullopt) {
-    const sequence_id id = cache_.begin_sequence(p);
-    if (std::size_t(id) >= hist_.size()) {
-      hist_.resize(std::size_t(id) + 1);
-      own_src_.resize(std::size_t(id) + 1);
-    }
-    own_src_[std::size_t(id)].reset();
-    if (seed) own_src_[std::size_t(id)].emplace(*seed);
-    hist_[std::size_t(id)].assign(std::size_t(cache_.spec().num_layers), kv_history<layout_type>{});
-    for (int l = 0; l < cache_.spec().num_layers; ++l) {
-      auto b = gen.make(cache_.layout(), p, source_of(id));
-      cache_.append_prefill(l, id, to_device(b));
-      record(hist_[std::size_t(id)][std::size_t(l)], cache_.layout(), b, 0, p);
-    }
-    return id;
-  }
-
-  void remove(sequence_id id) {
-    cache_.end_sequence(id);
-    hist_[std::size_t(id)].clear();
-    own_src_[std::size_t(id)].reset();
-  }
-
-  /// One decode step over every layer: append, attend, compare (if `check`),
-  /// then flush. Returns the worst errors.
-  compare_result step(std::span<const sequence_id> batch, bool check = true, debug_partials* dbg = nullptr) {
-    compare_result r;
-    layer_out.resize(std::size_t(cache_.spec().num_layers));
-    for (int l = 0; l < cache_.spec().num_layers; ++l) {
-      append_layer(l, batch);
-      attend_layer(l, batch, check, r, dbg);
-      layer_out[std::size_t(l)] = out;
-    }
-    last_flush = cache_.flush();
-    return r;
-  }
-
-  /// Appends one token per sequence of `batch` to `layer` (and to the history).
-  void append_layer(int l, std::span<const sequence_id> batch) {
-    const layout_type& L = cache_.layout();
-    kv_batch<layout_type> b;
-    b.n = index_t(batch.size());
-    for (sequence_id s : batch) {
-      auto one = gen.make(L, 1, source_of(s));
-      for (int p = 0; p < P; ++p) b.planes[p].insert(b.planes[p].end(), one.planes[p].begin(), one.planes[p].end());
-    }
-    if (before_append) before_append(l);
-    cache_.append(l, batch, to_device(b));
-    for (std::size_t i = 0; i < batch.size(); ++i) record(hist_[std::size_t(batch[i])][std::size_t(l)], L, b, index_t(i), 1);
-  }
-
-  /// Generates and uploads the queries of `batch` (host copy in `q`).
-  mem_span<const float, device_space> make_queries(std::span<const sequence_id> batch) {
-    const int hq = cache_.layout().num_q_heads();
-    q.resize(batch.size() * std::size_t(hq) * Q);
-    for (std::size_t i = 0; i < batch.size(); ++i) {
-      bf16_source& s = source_of(batch[i]);
-      float* row = q.data() + i * std::size_t(hq) * Q;
-      for (int h = 0; h < hq; ++h)
-        for (int e = 0; e < Q; ++e) row[std::size_t(h) * Q + std::size_t(e)] = qgen ? qgen(h, e, s) : s.next_float();
-    }
+  mem_span<const float, device_space> queries(const std::vector<float>& q) {
     float* dq = q_dev_.get<float>(q.size(), stream());
     up_.upload(dq, q.data(), q.size() * sizeof(float), stream());
     return mem_span<const float, device_space>(dq, index_t(q.size()));
   }
-
-  /// Attends `layer` (no append), downloads the outputs into out/lse and compares.
-  void attend_layer(int l, std::span<const sequence_id> batch, bool check, compare_result& r,
-                    debug_partials* dbg = nullptr) {
-    const int hq = cache_.layout().num_q_heads();
-    const auto qd = make_queries(batch);
-    const std::size_t rows = batch.size() * std::size_t(hq);
-    float* dout = out_dev_.get<float>(rows * V, stream());
-    float* dlse = lse_dev_.get<float>(rows, stream());
-    WS_CUDA_TRY(cudaMemsetAsync(dout, 0xff, rows * V * sizeof(float), stream()));  // NaN: unwritten shows
-    WS_CUDA_TRY(cudaMemsetAsync(dlse, 0xff, rows * sizeof(float), stream()));
-    step_outputs<device_space> so{device_span<float>(dout, index_t(rows * V)), device_span<float>(dlse, index_t(rows)),
-                                  dbg};
-    last_report = attn_.step(l, batch, qd, float(scale_), so);
-    download(out, dout, rows * V, stream());
-    download(lse, dlse, rows, stream());
-    if (check) compare(l, batch, r);
+  step_outputs<device_space> outputs(std::vector<float>&, std::vector<float>&, std::size_t rows, int v_dim,
+                                     debug_partials* dbg) {
+    out_elems_ = rows * std::size_t(v_dim);
+    rows_ = rows;
+    float* o = out_dev_.get<float>(out_elems_, stream());
+    float* l = lse_dev_.get<float>(rows_, stream());
+    WS_CUDA_TRY(cudaMemsetAsync(o, 0xff, out_elems_ * sizeof(float), stream()));  // NaN: unwritten shows
+    WS_CUDA_TRY(cudaMemsetAsync(l, 0xff, rows_ * sizeof(float), stream()));
+    return {device_span<float>(o, index_t(out_elems_)), device_span<float>(l, index_t(rows_)), dbg};
   }
-
-  /// Compares out/lse of the last attended layer with the fp64 reference.
-  void compare(int l, std::span<const sequence_id> batch, compare_result& r) const {
-    const layout_type& L = cache_.layout();
-    const int hq = L.num_q_heads();
-    std::vector<double> ro, rl;
-    for (std::size_t i = 0; i < batch.size(); ++i) {
-      reference_attention(L, hist_[std::size_t(batch[i])][std::size_t(l)], q.data() + i * std::size_t(hq) * Q, scale_,
-                          ro, rl);
-      compare_rows(hq, V, out.data() + i * std::size_t(hq) * V, lse.data() + i * std::size_t(hq), ro, rl, r);
-    }
+  void fetch(std::vector<float>& out, std::vector<float>& lse) {
+    dev::download(out, out_dev_.get<float>(out_elems_, stream()), out_elems_, stream());
+    dev::download(lse, lse_dev_.get<float>(rows_, stream()), rows_, stream());
   }
-
-  /// Byte-exact check of tokens [first, first + count) of `id` in `layer`:
-  /// what the cache holds (read_token, wherever the token lives) against the
-  /// history. Returns the number of mismatching tokens.
-  int count_mismatches(sequence_id id, int layer, index_t first, index_t count) const {
-    const layout_type& L = cache_.layout();
-    const std::size_t row = std::size_t(L.kv_heads()) * layout_type::row_elems;
-    std::vector<bf16> got(std::size_t(P) * row);
-    const kv_history<layout_type>& h = hist_[std::size_t(id)][std::size_t(layer)];
-    int bad = 0;
-    for (index_t t = first; t < first + count; ++t) {
-      cache_.read_token(layer, id, t, got);
-      bool same = true;
-      for (int p = 0; p < P && same; ++p)
-        same = std::memcmp(got.data() + std::size_t(p) * row, h.planes[p].data() + std::size_t(t) * row,
-                           row * sizeof(bf16)) == 0;
-      bad += same ? 0 : 1;
-    }
-    return bad;
-  }
-
-  /// After a flush: byte-exact check of the batch every sequence of `batch`
-  /// just evicted (its last D placed tokens), in every layer. Returns mismatches.
-  int check_evicted(std::span<const sequence_id> batch, std::span<const index_t> placed_before) const {
-    int bad = 0;
-    const int D = cache_.spec().d_window_tokens;
-    for (std::size_t i = 0; i < batch.size(); ++i) {
-      const sequence_state& st = cache_.sequence(batch[i]);
-      if (st.placed_tokens == placed_before[i]) continue;
-      for (int l = 0; l < cache_.spec().num_layers; ++l) bad += count_mismatches(batch[i], l, st.placed_tokens - D, D);
-    }
-    return bad;
-  }
-
-  /// Placed tokens of each sequence of `batch` (for check_evicted).
-  std::vector<index_t> placed(std::span<const sequence_id> batch) const {
-    std::vector<index_t> v;
-    for (sequence_id s : batch) v.push_back(cache_.sequence(s).placed_tokens);
-    return v;
-  }
-
-  const kv_history<layout_type>& history(sequence_id id, int layer) const { return hist_[std::size_t(id)][std::size_t(layer)]; }
-  kv_history<layout_type>& history(sequence_id id, int layer) { return hist_[std::size_t(id)][std::size_t(layer)]; }
-  hybrid_attention<Cache>& attention() { return attn_; }
-  bool has_own_source(sequence_id id) const {
-    return std::size_t(id) < own_src_.size() && own_src_[std::size_t(id)].has_value();
-  }
-  bf16_source& source_of(sequence_id id) { return has_own_source(id) ? *own_src_[std::size_t(id)] : src_; }
-  double scale() const { return scale_; }
-  Cache& cache() { return cache_; }
-
-  std::vector<float> q, out, lse;
-  std::vector<std::vector<float>> layer_out;
-  step_report last_report;
-  flush_report last_flush;
 
  private:
-  Cache& cache_;
-  hybrid_attention<Cache> attn_;
-  bf16_source src_;
-  double scale_;
-  std::vector<std::vector<kv_history<layout_type>>> hist_;
-  std::vector<std::optional<bf16_source>> own_src_;
-  pinned_uploader up_;
-  device_scratch kv_[P], q_dev_, out_dev_, lse_dev_;
+  Cache* cache_;
+  dev::pinned_uploader up_;
+  dev::device_scratch kv_[P], q_dev_, out_dev_, lse_dev_;
+  std::size_t out_elems_ = 0, rows_ = 0;
+};
+
+}  // namespace wstest
+
+namespace wstest::dev {
+
+/// The decode driver of harness.hpp on cuda_backend, with the caller stream
+/// and the device upload of a KV batch at hand.
+template <class Cache>
+class device_decode_driver : public decode_driver<Cache> {
+ public:
+  using decode_driver<Cache>::decode_driver;
+  [[nodiscard]] cudaStream_t stream() const { return const_cast<device_decode_driver*>(this)->io().stream(); }
+  /// Device view of a host KV batch (uploaded to the scratch buffers).
+  kv_tokens<typename Cache::layout_type, device_space> to_device(const kv_batch<typename Cache::layout_type>& b) {
+    return this->io().kv(b);
+  }
 };
 
 template <kv_layout Layout, routing_policy Policy, pinned_allocator Alloc = cuda_host_alloc>
 using device_cache = inplace_kv_cache<Layout, cuda_backend, Alloc, Policy>;
+
+}  // namespace wstest::dev
+
+namespace wstest {
+
+/// The shared test bodies' types on cuda_backend (support/harness.hpp).
+template <>
+struct backend_traits<cuda_backend> {
+  template <kv_layout Layout, routing_policy Policy>
+  using cache = dev::device_cache<Layout, Policy>;
+  template <class Cache>
+  using driver = dev::device_decode_driver<Cache>;
+};
+
+}  // namespace wstest
+
+namespace wstest::dev {
 
 /// A policy whose target CPU share alternates between `a` and `b` every time
 /// a step is observed (every layer-step): placement flips under the stream.

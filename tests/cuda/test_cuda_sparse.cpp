@@ -33,54 +33,16 @@ using G = gqa_layout<128>;
 using M = mla_layout<512, 64>;
 const double gqa_scale = 1.0 / std::sqrt(128.0);
 
-/// Dense and sparse steps with the same device queries on a device driver's cache.
+/// The harness's step_runner on the device, with the checks of these tests.
 template <class Cache>
-struct dev_runner {
+struct dev_runner : step_runner<Cache> {
   using layout_type = typename Cache::layout_type;
   static constexpr int V = layout_type::v_dim;
-  explicit dev_runner(device_decode_driver<Cache>& driver) : d(driver) {
-    const std::size_t rows =
-        std::size_t(d.cache().spec().max_sequences) * std::size_t(d.cache().layout().num_q_heads());
-    (void)out_dev.get<float>(rows * V, d.stream());
-    (void)lse_dev.get<float>(rows, d.stream());
-  }
-  device_decode_driver<Cache>& d;
-  device_scratch out_dev, lse_dev;
-  mem_span<const float, device_space> qd;
-  std::vector<float> out, lse;
-  step_report rep;
+  using step_runner<Cache>::step_runner;
+  using step_runner<Cache>::d;
+  using step_runner<Cache>::out;
+  using step_runner<Cache>::lse;
 
-  void make_queries(std::span<const sequence_id> batch) { qd = d.make_queries(batch); }  // host copy: d.q
-  step_outputs<device_space> outputs(std::size_t batch, debug_partials* dbg) {
-    const std::size_t rows = batch * std::size_t(d.cache().layout().num_q_heads());
-    float* o = out_dev.get<float>(rows * V, d.stream());
-    float* l = lse_dev.get<float>(rows, d.stream());
-    WS_CUDA_TRY(cudaMemsetAsync(o, 0xff, rows * V * sizeof(float), d.stream()));  // NaN: unwritten shows
-    WS_CUDA_TRY(cudaMemsetAsync(l, 0xff, rows * sizeof(float), d.stream()));
-    return {device_span<float>(o, index_t(rows * V)), device_span<float>(l, index_t(rows)), dbg};
-  }
-  void fetch(std::size_t batch) {
-    const std::size_t rows = batch * std::size_t(d.cache().layout().num_q_heads());
-    download(out, out_dev.get<float>(rows * V, d.stream()), rows * V, d.stream());
-    download(lse, lse_dev.get<float>(rows, d.stream()), rows, d.stream());
-  }
-  void dense(int l, std::span<const sequence_id> batch, debug_partials* dbg = nullptr) {
-    const auto so = outputs(batch.size(), dbg);
-    rep = d.attention().step(l, batch, qd, float(d.scale()), so);
-    fetch(batch.size());
-  }
-  template <class Selector>
-  void sparse(int l, std::span<const sequence_id> batch, Selector& sel, debug_partials* dbg = nullptr) {
-    sparse_with(d.attention(), l, batch, sel, dbg);
-  }
-  /// A sparse step through another attention object on the same cache.
-  template <class Attention, class Selector>
-  void sparse_with(Attention& attn, int l, std::span<const sequence_id> batch, Selector& sel,
-                   debug_partials* dbg = nullptr) {
-    const auto so = outputs(batch.size(), dbg);
-    rep = attn.step(l, batch, qd, float(d.scale()), so, sel);
-    fetch(batch.size());
-  }
   /// NaN (bf16 0xffff) into every ping-pong buffer of the cache: a step that
   /// fails to move a block then cannot read one left there by an earlier step.
   void poison_ping_pong() {
@@ -110,14 +72,6 @@ roofline_policy device_roofline() {
   p.cost_window_samples = 16;
   p.track_gpu_cost = true;
   return roofline_policy(p);
-}
-
-partition_spec sparse_spec(int layers, int seqs, index_t tokens_per_seq) {
-  partition_spec s = small_spec(layers, seqs, 16, 32);
-  s.cpu_capacity_tokens = s.pinned_capacity_tokens = index_t(seqs) * (tokens_per_seq + 64);
-  s.gpu_split_blocks = 4;
-  s.cpu_task_blocks = 3;
-  return s;
 }
 
 template <class Layout, class Policy>
@@ -303,14 +257,6 @@ TEST_CASE("device K1: an engine (or a KV head) without selected blocks gives exa
   const std::vector<sequence_id> batch{d.add(128), d.add(32 * 5 + 3), d.add(31)};
   dev_runner<decltype(cache)> r(d);
   const int rows = 3 * 32;
-  auto empty_rows = [](const std::vector<float>& o, const std::vector<float>& lse, std::size_t row0, int n) {
-    for (int k = 0; k < n; ++k) {
-      if (!(std::isinf(lse[row0 + std::size_t(k)]) && lse[row0 + std::size_t(k)] < 0)) return false;
-      for (int e = 0; e < 128; ++e)
-        if (std::bit_cast<std::uint32_t>(o[(row0 + std::size_t(k)) * 128 + std::size_t(e)]) != 0u) return false;
-    }
-    return true;
-  };
   for (int s = 0; s < 3; ++s) {
     d.append_layer(0, batch);
     r.make_queries(batch);
@@ -362,18 +308,7 @@ TEST_CASE("device K4/C7: selected blocks past 2^32 bytes (unpinned region; pinne
   for (placement where : regions) {
     const std::string region = to_string(where);
     CAPTURE(region);
-    partition_spec s;
-    s.num_layers = 1;
-    s.block_tokens = 64;
-    s.d_window_tokens = 256;
-    s.max_sequences = 4;
-    s.cpu_capacity_tokens = where == placement::cpu_compute ? 5 * gib_tokens : 0;
-    s.pinned_capacity_tokens = where == placement::gpu_load ? 5 * gib_tokens : 0;
-    s.pinned_initial_tokens = -1;
-    s.pinned_growth_tokens = s.pinned_capacity_tokens;
-    s.gpu_split_blocks = 4;
-    s.cpu_task_blocks = 4;
-    set_ping_pong_blocks(s, lay, 8);
+    const partition_spec s = past_4gib_spec(lay, where);
     scripted_policy pol;
     pol.fn = [where](const route_query&) { return where; };
     cuda_backend be;
@@ -414,40 +349,7 @@ TEST_CASE("device K4/C7: selected blocks past 2^32 bytes (unpinned region; pinne
 }
 
 TEST_CASE("device K10: a sequence's sparse output is bit-identical alone and in a batch, and on a rerun") {
-  const G L = presets::qwen3_30b_a3b::layout();
-  auto run = [&](bool with_mates) {
-    cuda_backend be;
-    partition_spec spec = sparse_spec(1, 4, 500);
-    set_ping_pong_blocks(spec, L, 5);
-    device_cache<G, fixed_ratio> cache(be, L, spec, fixed_ratio(0.5), {}, cache_options{true});
-    device_decode_driver<decltype(cache)> d(cache, attention_options{2, true}, 81, gqa_scale);
-    std::vector<sequence_id> batch;
-    if (with_mates) batch.push_back(d.add(150, 7));
-    const sequence_id me = d.add(330, 8);
-    batch.push_back(me);
-    if (with_mates) batch.push_back(d.add(61, 9));
-    dev_runner<decltype(cache)> r(d);
-    top_k_selector sel = top_k_selector::ratio(0.5);
-    std::vector<std::vector<float>> mine;
-    const std::size_t at = with_mates ? 1 : 0;
-    for (int s = 0; s < scaled(40, 10, 3); ++s) {
-      d.append_layer(0, batch);
-      r.make_queries(batch);
-      r.sparse(0, batch, sel);
-      mine.emplace_back(r.out.begin() + std::ptrdiff_t(at * 32 * 128), r.out.begin() + std::ptrdiff_t((at + 1) * 32 * 128));
-      cache.flush();
-    }
-    return mine;
-  };
-  const auto alone = run(false);
-  const auto in_batch = run(true);
-  const auto again = run(true);
-  REQUIRE(alone.size() == in_batch.size());
-  for (std::size_t s = 0; s < alone.size(); ++s) {
-    CAPTURE(s);
-    CHECK(same_bits(alone[s], in_batch[s]));
-    CHECK(same_bits(in_batch[s], again[s]));
-  }
+  sparse_batch_invariance<cuda_backend>(presets::qwen3_30b_a3b::layout(), 500, 330, scaled(40, 10, 3));
 }
 
 namespace {

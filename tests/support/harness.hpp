@@ -1,7 +1,7 @@
 // tests/support/harness.hpp — shared test machinery: seeded bf16 KV, a
 // history of every token written (the reference's own copy, independent of
-// the cache), a decode-loop driver, and comparison with the fp64 reference
-// under the pass bar of FAULT-KINDS.md:
+// the cache), a decode-loop driver for any backend (activation_io), and
+// comparison with the fp64 reference under the pass bar of docs/RELIABILITY.md:
 //   relative L2 error per (sequence, head) <= 5e-3, LSE within 1e-3 + 1e-5·|LSE|,
 //   never NaN/Inf in outputs, never NaN/+Inf in an LSE.
 #pragma once
@@ -150,23 +150,65 @@ inline void compare_rows(int hq, int v_dim, const float* o, const float* lse, co
   }
 }
 
+/// How a decode_driver hands its inputs to the cache in the backend's
+/// activation space and gets the outputs back in host memory (where the
+/// reference compares them). This primary template serves backends whose
+/// activations are host memory (host_backend and types derived from it): the
+/// host vectors are handed over as they are. tests/cuda/device_harness.hpp
+/// specializes it for device_space (uploads on the caller stream, downloads
+/// after the step), so one driver and one test body serve both backends.
+template <class Space, class Cache>
+class activation_io {
+ public:
+  using layout_type = typename Cache::layout_type;
+  explicit activation_io(Cache&) {}
+
+  /// The batch as the cache's input (valid until the next call).
+  kv_tokens<layout_type, Space> kv(const kv_batch<layout_type>& b) {
+    kv_tokens<layout_type, Space> t;
+    for (int p = 0; p < layout_type::planes; ++p) t.planes[std::size_t(p)] = b.planes[p].data();
+    t.num_tokens = b.n;
+    return t;
+  }
+  /// The queries (host copy `q`, [batch][Hq][q_dim]) as the step's input.
+  mem_span<const float, Space> queries(const std::vector<float>& q) {
+    return mem_span<const float, Space>(q.data(), index_t(q.size()));
+  }
+  /// Outputs of a step of `rows` (batch x Hq) rows: filled with NaN first (an
+  /// unwritten element shows); fetch() makes them readable in out / lse.
+  step_outputs<Space> outputs(std::vector<float>& out, std::vector<float>& lse, std::size_t rows, int v_dim,
+                              debug_partials* dbg) {
+    out.assign(rows * std::size_t(v_dim), std::numeric_limits<float>::quiet_NaN());
+    lse.assign(rows, std::numeric_limits<float>::quiet_NaN());
+    return {mem_span<float, Space>(out.data(), index_t(out.size())), mem_span<float, Space>(lse.data(), index_t(lse.size())),
+            dbg};
+  }
+  void fetch(std::vector<float>&, std::vector<float>&) {}
+};
+
 /// A cache + attention + the reference's own history of every token, driven
-/// through prefill and decode steps. Queries are regenerated per step from the
-/// seeded source.
+/// through prefill and decode steps, on any backend (activation_io moves the
+/// inputs and outputs). Queries are regenerated per step from the seeded source.
 template <class Cache>
 class decode_driver {
  public:
   using layout_type = typename Cache::layout_type;
+  using activation_space = typename Cache::activation_space;
+  using io_type = activation_io<activation_space, Cache>;
   static constexpr int Q = layout_type::q_dim;
   static constexpr int V = layout_type::v_dim;
+  static constexpr int P = layout_type::planes;
 
   decode_driver(Cache& cache, attention_options opts, std::uint64_t seed, double scale)
-      : cache_(cache), attn_(cache, opts), src_(seed), scale_(scale) {}
+      : cache_(cache), attn_(cache, opts), src_(seed), scale_(scale), io_(cache) {}
 
   kv_generator<layout_type> gen;
 
   /// Optional query generator qgen(head, elem, source); default N(0,1).
   std::function<float(int, int, bf16_source&)> qgen;
+  /// Called on every decode append, before the KV is handed to the cache
+  /// (e.g. a spin kernel on the device's caller stream).
+  std::function<void(int layer)> before_append;
 
   /// Begins a sequence with a prompt of `p` tokens and writes every layer's prompt.
   /// With `seed`, the sequence draws its KV and queries from its own source, so
@@ -182,7 +224,7 @@ class decode_driver {
     hist_[std::size_t(id)].assign(std::size_t(cache_.spec().num_layers), kv_history<layout_type>{});
     for (int l = 0; l < cache_.spec().num_layers && p > 0; ++l) {  // an empty prompt needs no prefill
       auto b = gen.make(cache_.layout(), p, source_of(id));
-      cache_.append_prefill(l, id, b.view());
+      cache_.append_prefill(l, id, io_.kv(b));
       record(hist_[std::size_t(id)][std::size_t(l)], cache_.layout(), b, 0, p);
     }
     return id;
@@ -222,18 +264,17 @@ class decode_driver {
       b.n = index_t(batch.size());
       for (sequence_id s : batch) {
         auto one = gen.make(L, 1, source_of(s));
-        for (int p = 0; p < layout_type::planes; ++p) b.planes[p].insert(b.planes[p].end(), one.planes[p].begin(), one.planes[p].end());
+        for (int p = 0; p < P; ++p) b.planes[p].insert(b.planes[p].end(), one.planes[p].begin(), one.planes[p].end());
       }
     }
-    cache_.append(l, batch, b.view());
+    if (before_append) before_append(l);
+    cache_.append(l, batch, io_.kv(b));
     for (std::size_t i = 0; i < batch.size(); ++i) record(hist_[std::size_t(batch[i])][std::size_t(l)], L, b, index_t(i), 1);
   }
 
-  /// Attends one layer (no append) and compares.
-  void attend_layer(int l, std::span<const sequence_id> batch, bool check, compare_result& r,
-                    debug_partials* dbg = nullptr) {
-    const layout_type& L = cache_.layout();
-    const int hq = L.num_q_heads();
+  /// Generates the queries of `batch` (host copy in `q`) and hands them over.
+  mem_span<const float, activation_space> make_queries(std::span<const sequence_id> batch) {
+    const int hq = cache_.layout().num_q_heads();
     q.resize(batch.size() * std::size_t(hq) * Q);
     for (std::size_t i = 0; i < batch.size(); ++i) {
       bf16_source& s = source_of(batch[i]);
@@ -241,12 +282,23 @@ class decode_driver {
       for (int h = 0; h < hq; ++h)
         for (int e = 0; e < Q; ++e) row[std::size_t(h) * Q + std::size_t(e)] = qgen ? qgen(h, e, s) : s.next_float();
     }
-    out.assign(batch.size() * std::size_t(hq) * V, std::numeric_limits<float>::quiet_NaN());
-    lse.assign(batch.size() * std::size_t(hq), std::numeric_limits<float>::quiet_NaN());
-    step_outputs<pageable_host_space> so{host_span<float>(out.data(), index_t(out.size())),
-                                         host_span<float>(lse.data(), index_t(lse.size())), dbg};
-    last_report = attn_.step(l, batch, host_span<const float>(q.data(), index_t(q.size())), float(scale_), so);
-    if (!check) return;
+    return io_.queries(q);
+  }
+
+  /// Attends one layer (no append), brings the outputs to out/lse and compares.
+  void attend_layer(int l, std::span<const sequence_id> batch, bool check, compare_result& r,
+                    debug_partials* dbg = nullptr) {
+    const auto qa = make_queries(batch);
+    const auto so = io_.outputs(out, lse, batch.size() * std::size_t(cache_.layout().num_q_heads()), V, dbg);
+    last_report = attn_.step(l, batch, qa, float(scale_), so);
+    io_.fetch(out, lse);
+    if (check) compare(l, batch, r);
+  }
+
+  /// Compares out/lse of the last attended layer with the fp64 reference.
+  void compare(int l, std::span<const sequence_id> batch, compare_result& r) const {
+    const layout_type& L = cache_.layout();
+    const int hq = L.num_q_heads();
     std::vector<double> ro, rl;
     for (std::size_t i = 0; i < batch.size(); ++i) {
       reference_attention(L, hist_[std::size_t(batch[i])][std::size_t(l)], q.data() + i * std::size_t(hq) * Q, scale_,
@@ -255,7 +307,48 @@ class decode_driver {
     }
   }
 
+  /// Byte-exact check of tokens [first, first + count) of `id` in `layer`:
+  /// what the cache holds (read_token, wherever the token lives) against the
+  /// history. Returns the number of mismatching tokens.
+  int count_mismatches(sequence_id id, int layer, index_t first, index_t count) const {
+    const layout_type& L = cache_.layout();
+    const std::size_t row = std::size_t(L.kv_heads()) * layout_type::row_elems;
+    std::vector<bf16> got(std::size_t(P) * row);
+    const kv_history<layout_type>& h = hist_[std::size_t(id)][std::size_t(layer)];
+    int bad = 0;
+    for (index_t t = first; t < first + count; ++t) {
+      cache_.read_token(layer, id, t, got);
+      bool same = true;
+      for (int p = 0; p < P && same; ++p)
+        same = std::memcmp(got.data() + std::size_t(p) * row, h.planes[p].data() + std::size_t(t) * row,
+                           row * sizeof(bf16)) == 0;
+      bad += same ? 0 : 1;
+    }
+    return bad;
+  }
+
+  /// After a flush: byte-exact check of the batch every sequence of `batch`
+  /// just evicted (its last D placed tokens), in every layer. Returns mismatches.
+  int check_evicted(std::span<const sequence_id> batch, std::span<const index_t> placed_before) const {
+    int bad = 0;
+    const int D = cache_.spec().d_window_tokens;
+    for (std::size_t i = 0; i < batch.size(); ++i) {
+      const sequence_state& st = cache_.sequence(batch[i]);
+      if (st.placed_tokens == placed_before[i]) continue;
+      for (int l = 0; l < cache_.spec().num_layers; ++l) bad += count_mismatches(batch[i], l, st.placed_tokens - D, D);
+    }
+    return bad;
+  }
+
+  /// Placed tokens of each sequence of `batch` (for check_evicted).
+  std::vector<index_t> placed(std::span<const sequence_id> batch) const {
+    std::vector<index_t> v;
+    for (sequence_id s : batch) v.push_back(cache_.sequence(s).placed_tokens);
+    return v;
+  }
+
   const kv_history<layout_type>& history(sequence_id id, int layer) const { return hist_[std::size_t(id)][std::size_t(layer)]; }
+  kv_history<layout_type>& history(sequence_id id, int layer) { return hist_[std::size_t(id)][std::size_t(layer)]; }
   hybrid_attention<Cache>& attention() { return attn_; }
   bf16_source& source() { return src_; }
 
@@ -265,6 +358,8 @@ class decode_driver {
   bf16_source& source_of(sequence_id id) { return has_own_source(id) ? *own_src_[std::size_t(id)] : src_; }
   double scale() const { return scale_; }
   Cache& cache() { return cache_; }
+  const Cache& cache() const { return cache_; }
+  io_type& io() { return io_; }
 
   std::vector<float> q, out, lse;
   std::vector<std::vector<float>> layer_out, layer_lse;
@@ -278,6 +373,48 @@ class decode_driver {
   double scale_;
   std::vector<std::vector<kv_history<layout_type>>> hist_;
   std::vector<std::optional<bf16_source>> own_src_;
+  io_type io_;
+};
+
+/// Dense and sparse steps with the same queries on a decode_driver's cache,
+/// on any backend; out / lse hold the last step's outputs in host memory.
+template <class Cache>
+struct step_runner {
+  using layout_type = typename Cache::layout_type;
+  using activation_space = typename Cache::activation_space;
+  static constexpr int Q = layout_type::q_dim;
+  static constexpr int V = layout_type::v_dim;
+  explicit step_runner(decode_driver<Cache>& driver) : d(driver), io(driver.cache()) {}
+  decode_driver<Cache>& d;
+  activation_io<activation_space, Cache> io;  ///< its own output buffers: the driver's stay as they are
+  mem_span<const float, activation_space> qa;
+  std::vector<float> out, lse;
+  step_report rep;
+
+  /// The queries of `batch` (host copy: d.q), drawn from each sequence's source.
+  void make_queries(std::span<const sequence_id> batch) { qa = d.make_queries(batch); }
+  void dense(int l, std::span<const sequence_id> batch, debug_partials* dbg = nullptr) {
+    const auto so = outputs(batch.size(), dbg);
+    rep = d.attention().step(l, batch, qa, float(d.scale()), so);
+    io.fetch(out, lse);
+  }
+  template <class Selector>
+  void sparse(int l, std::span<const sequence_id> batch, Selector& sel, debug_partials* dbg = nullptr) {
+    sparse_with(d.attention(), l, batch, sel, dbg);
+  }
+  /// A sparse step through another attention object on the same cache.
+  template <class Attention, class Selector>
+  void sparse_with(Attention& attn, int l, std::span<const sequence_id> batch, Selector& sel,
+                   debug_partials* dbg = nullptr) {
+    const auto so = outputs(batch.size(), dbg);
+    rep = attn.step(l, batch, qa, float(d.scale()), so, sel);
+    io.fetch(out, lse);
+  }
+
+ private:
+  step_outputs<activation_space> outputs(std::size_t batch, debug_partials* dbg) {
+    return io.outputs(out, lse, batch * std::size_t(d.cache().layout().num_q_heads()), V, dbg);
+  }
 };
 
 /// A small spec for tests: block 16, D 32, generous capacities.
@@ -304,6 +441,18 @@ void set_ping_pong_blocks(partition_spec& s, const Layout& L, index_t blocks) {
 
 template <kv_layout Layout, routing_policy Policy>
 using host_cache = inplace_kv_cache<Layout, host_backend, pageable_allocator, Policy>;
+
+/// The types a test body written once (sparse_checks.hpp) needs of a backend:
+/// its cache over a layout and a policy, and its decode driver. This is the
+/// host backend's; tests/cuda/device_harness.hpp specializes it for
+/// cuda_backend, so that the body runs on both with the same assertions.
+template <class Backend>
+struct backend_traits {
+  template <kv_layout Layout, routing_policy Policy>
+  using cache = inplace_kv_cache<Layout, Backend, pageable_allocator, Policy>;
+  template <class Cache>
+  using driver = decode_driver<Cache>;
+};
 
 /// A test policy routing by a function of the query; every query it answers is
 /// logged (shared between copies), so tests can check what the cache asked.

@@ -1,10 +1,15 @@
 // tests/support/sparse_checks.hpp — checks and selectors shared by the host
 // and device tests of block-level sparse selection (docs/SPARSE.md): the fp64
 // reference restricted to a selection (per KV head, plus the D-window), the
-// test's own block summaries and top-k, and small test selectors.
+// test's own block summaries and top-k, small test selectors, and the test
+// bodies written once for every backend (backend_traits, harness.hpp).
 #pragma once
 
+#include <bit>
+#include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <doctest/doctest.h>
 #include <set>
 #include <stdexcept>
 #include <vector>
@@ -12,6 +17,50 @@
 #include "support/harness.hpp"
 
 namespace wstest {
+
+/// The spec of the sparse tests: `seqs` sequences of up to `tokens_per_seq`
+/// tokens (+64) in each host region; block 16, D 32, splits of 4 blocks, CPU
+/// tasks of 3. The caller sets the ping-pong size.
+inline partition_spec sparse_spec(int layers, int seqs, index_t tokens_per_seq) {
+  partition_spec s = small_spec(layers, seqs, 16, 32);
+  s.cpu_capacity_tokens = s.pinned_capacity_tokens = index_t(seqs) * (tokens_per_seq + 64);
+  s.gpu_split_blocks = 4;
+  s.cpu_task_blocks = 3;
+  return s;
+}
+
+/// The K4/C7 spec (GQA 4/1, 512 bytes per token): one layer, blocks of 64,
+/// D 256, 4 sequences, 5 GiB in the region `where` (all of it mapped or
+/// page-locked at init), nothing in the other; ping-pong of 8 blocks.
+inline partition_spec past_4gib_spec(const gqa_layout<128>& lay, placement where) {
+  const index_t gib_tokens = (index_t{1} << 30) / 512;
+  partition_spec s;
+  s.num_layers = 1;
+  s.block_tokens = 64;
+  s.d_window_tokens = 256;
+  s.max_sequences = 4;
+  s.cpu_capacity_tokens = where == placement::cpu_compute ? 5 * gib_tokens : 0;
+  s.pinned_capacity_tokens = where == placement::gpu_load ? 5 * gib_tokens : 0;
+  s.pinned_initial_tokens = -1;
+  s.pinned_growth_tokens = s.pinned_capacity_tokens;
+  s.gpu_split_blocks = 4;
+  s.cpu_task_blocks = 4;
+  set_ping_pong_blocks(s, lay, 8);
+  return s;
+}
+
+/// Whether rows [row0, row0 + n) of a partial (o: [rows][v_dim], lse: [rows])
+/// are exactly the empty partial: LSE -inf and every output element +0.
+inline bool empty_rows(const std::vector<float>& o, const std::vector<float>& lse, std::size_t row0, int n,
+                       int v_dim = 128) {
+  for (int k = 0; k < n; ++k) {
+    if (!(std::isinf(lse[row0 + std::size_t(k)]) && lse[row0 + std::size_t(k)] < 0)) return false;
+    for (int e = 0; e < v_dim; ++e)
+      if (std::bit_cast<std::uint32_t>(o[(row0 + std::size_t(k)) * std::size_t(v_dim) + std::size_t(e)]) != 0u)
+        return false;
+  }
+  return true;
+}
 
 /// Compares batch row i of out/lse with the fp64 reference over, per KV head h,
 /// the tokens of the blocks h selected plus the D-window (tokens >= placed).
@@ -174,5 +223,50 @@ struct not_a_selector {  // structurally right, but without the opt-in tag
 };
 
 
+
+/// K10 on Backend: a sequence's top-k sparse output (keep ratio 0.5,
+/// fixed_ratio 0.5, GQA layout `L` with Hq = 32, head dim 128) is bit-identical
+/// alone, in a batch with two others (each sequence drawing from its own
+/// seeded source), and on a rerun of the batch; `steps` decode steps of one
+/// layer, room for `tokens_per_seq` tokens, the sequence's prompt `prompt`.
+template <class Backend>
+void sparse_batch_invariance(const gqa_layout<128>& L, index_t tokens_per_seq, index_t prompt, int steps) {
+  using G = gqa_layout<128>;
+  const double scale = 1.0 / std::sqrt(128.0);
+  auto run = [&](bool with_mates) {
+    Backend be;
+    partition_spec spec = sparse_spec(1, 4, tokens_per_seq);
+    set_ping_pong_blocks(spec, L, 5);
+    typename backend_traits<Backend>::template cache<G, fixed_ratio> cache(be, L, spec, fixed_ratio(0.5), {},
+                                                                          cache_options{true});
+    typename backend_traits<Backend>::template driver<decltype(cache)> d(cache, attention_options{2, true}, 81, scale);
+    std::vector<sequence_id> batch;
+    if (with_mates) batch.push_back(d.add(150, 7));
+    const sequence_id me = d.add(prompt, 8);
+    batch.push_back(me);
+    if (with_mates) batch.push_back(d.add(61, 9));
+    step_runner<decltype(cache)> r(d);
+    top_k_selector sel = top_k_selector::ratio(0.5);
+    std::vector<std::vector<float>> mine;
+    const std::size_t at = with_mates ? 1 : 0;
+    for (int s = 0; s < steps; ++s) {
+      d.append_layer(0, batch);
+      r.make_queries(batch);
+      r.sparse(0, batch, sel);
+      mine.emplace_back(r.out.begin() + std::ptrdiff_t(at * 32 * 128), r.out.begin() + std::ptrdiff_t((at + 1) * 32 * 128));
+      cache.flush();
+    }
+    return mine;
+  };
+  const auto alone = run(false);
+  const auto in_batch = run(true);
+  const auto again = run(true);
+  REQUIRE(alone.size() == in_batch.size());
+  for (std::size_t s = 0; s < alone.size(); ++s) {
+    CAPTURE(s);
+    CHECK(same_bits(alone[s], in_batch[s]));
+    CHECK(same_bits(in_batch[s], again[s]));
+  }
+}
 
 }  // namespace wstest
