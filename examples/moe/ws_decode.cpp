@@ -561,7 +561,7 @@ int run(cli& a) {
   // --placement-headroom less on the CPU than its balance: by default 0.05
   // on a real GPU (the CPU side's time wanders ±15 % within a run, the GPU
   // side's by ~2 %, and placement cannot move: the steadier side should be
-  // the long pole; docs/DECISIONS.md, session 7) and with an adaptive assist
+  // the long pole; docs/DECISIONS.md, the headroom entry) and with an adaptive assist
   // (left to the per-step balance); 0 on the host and emulated backends,
   // whose "GPU" side runs on the same CPU.
   o.assist = parse_assist(a.cpu_assist);
@@ -661,7 +661,7 @@ int main(int argc, char** argv) {
   //  * --device cuda: "active". The CPU engine's team leaves one core to the
   //    GPU-driving thread, and waking a passive team costs every layer: on the
   //    H200 machine DeepSeek-V2-Lite 32 x 32K decoded 423 tok/s with "active"
-  //    against 366 with "passive" (docs/DECODERS.md, session 4).
+  //    against 366 with "passive" (docs/DECISIONS.md, "OpenMP threads spin on the CUDA path").
   if (!std::getenv("OMP_WAIT_POLICY")) {
     bool cuda = false;
     for (int i = 1; i < argc; ++i) {

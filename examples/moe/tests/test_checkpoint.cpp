@@ -558,7 +558,7 @@ TEST_CASE("ws_decode --calibration: the entry of the model's attention geometry,
     REQUIRE(r16.status == 0);
     CHECK(json::parse(std::ifstream(out)).at("roofline_init").at("entry_batch") == 16);
   }
-  SUBCASE("the entry's KV plan and K (session 6): a plan that differs from the run's is named; K enters the share") {
+  SUBCASE("the entry's KV plan and K: a plan that differs from the run's is named; K enters the share") {
     json e = entry("Qwen3-30B-A3B", 4, 3.2e-8, 5.0e-8);
     e["block_tokens"] = 32;
     e["gpu_split_blocks"] = 4;

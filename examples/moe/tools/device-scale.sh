@@ -20,15 +20,15 @@
 #   qwen3_spill.roofline  Qwen3-30B-A3B, 8 layers, batch 8 x 992, half of the routed
 #               experts (--max-gpu-experts 512) in host memory, run by the CPU
 #   dsv2lite.{headroom,headroom03,assist}, mixtral.{gpu_only,cpu_only,headroom}  (only when named in RUNS)
-#               the TPOT-tail experiments left by session 5 (docs/DECODERS.md): roofline
+#               the TPOT-tail experiments (docs/DECODERS.md, known limitations): roofline
 #               placed 0.05 (0.03) below its balance (--placement-headroom, the GPU the long
-#               pole; 0.05 is ws_decode's default on a GPU since session 7, so *.headroom
+#               pole; 0.05 is ws_decode's default on a GPU, so *.headroom
 #               repeats *.roofline there), and the adaptive CPU assist (--cpu-assist adaptive)
 #   dsv2lite_8k.roofline, hf.dsv2lite_8k, mixtral_peer.roofline, hf.mixtral  (only when named in
 #               RUNS) the transformers peer on DeepSeek-V2-Lite (4 layers, 8 x 8160) and Mixtral
 #               (4 layers, 4 x 32736), each after ws_decode at the same shape
 #   mixtral_full4.{roofline,gpu_only}  (only when named in RUNS; ~65 s each) all 32 layers at
-#               batch 4 x 32736, 66 new tokens: session 5's full-depth Mixtral shape
+#               batch 4 x 32736, 66 new tokens: the full-depth Mixtral shape of docs/results/h200-2026-11-29-s5
 #   mixtral_ram.{roofline,gpu_only}  (only when named in RUNS; ~4 minutes each, RUN_CAP=300)
 #               all 32 layers at 16 x 32736 (64 GiB of KV in host memory), 34 new tokens
 #   *_full.{roofline,gpu_only,cpu_only}  (only when named in RUNS; each takes 2-4 minutes, so raise

@@ -318,7 +318,7 @@ writescope::partition_spec make_partition_spec(const Layout& layout, int num_lay
   // capacity (at least one D-window per sequence). A slab is one
   // registration and breaks a layer's run of blocks: the default (one D per
   // sequence) gave runs of 8-64 blocks, one H2D copy each, and a host
-  // enqueue of ~1 ms per layer (session 6, step_host_phases).
+  // enqueue of ~1 ms per layer (step_host_phases).
   s.pinned_growth_tokens = std::max<index_t>(index_t(s.max_sequences) * k.d_window_tokens, cap / 8);
   s.ping_pong_buffers = k.ping_pong_buffers;
   s.gpu_split_blocks = k.gpu_split_blocks;

@@ -94,14 +94,14 @@ struct device_options {
   /// cuda_backend: the engine's launcher thread enqueues each layer's streamed
   /// chunks while this thread runs the CPU engine (cuda_backend::set_launch_thread).
   /// Off by default: on the 16-core GPU machine the CPU engine lost what the
-  /// launch gained (docs/DECISIONS.md, session 6).
+  /// launch gained (docs/DECISIONS.md, the launcher-thread entry).
   bool launch_thread = false;
   /// Decode MoE layers run their device experts in two launches (gate‖up with
   /// SiLU, then down: launch_expert_gemv) instead of one cuBLAS product per
   /// expert and matrix, when the experts are bf16, no expert has more than
   /// grouped_expert_max_rows rows and at least grouped_expert_min_active
   /// device experts have rows (few experts: few launches to save, and cuBLAS
-  /// reads Mixtral's 14336-wide experts faster; docs/DECODERS.md, session 7).
+  /// reads Mixtral's 14336-wide experts faster; docs/DECISIONS-DECODERS.md).
   bool grouped_experts = true;
   int grouped_expert_max_rows = 32;
   int grouped_expert_min_active = 16;
