@@ -15,6 +15,8 @@ Architectures (config.json "architectures"[0] -> the snapshot's converter class)
   Qwen3MoeForCausalLM    -> conversion.qwen.Qwen3MoeModel
   DeepseekV2ForCausalLM  -> conversion.deepseek.DeepseekV2Model
   MixtralForCausalLM     -> conversion.llama.LlamaModel
+DeepSeek-V2 without q LoRA (V2-Lite) also gets attention.q_lora_rank = 0: llama.cpp
+recognises V2-Lite by its 27 (or 26) layers and otherwise requires that key.
 """
 import argparse
 import json
@@ -67,6 +69,10 @@ def main():
     def set_vocab_none(self):
         self.gguf_writer.add_tokenizer_model("none")
         self.gguf_writer.add_vocab_size(int(self.hparams.get("vocab_size", vocab_size)))
+        if arch == "DeepseekV2ForCausalLM" and self.hparams.get("q_lora_rank") is None:
+            # llama.cpp tells V2-Lite (no q LoRA) by its layer count (27 or 26) and otherwise
+            # requires the key: at reduced depth, say "no q LoRA" explicitly (0 = plain q_proj)
+            self.gguf_writer.add_q_lora_rank(0)
 
     registered.set_vocab = set_vocab_none  # the class the converter will instantiate
     sys.stderr.write("gguf_none_vocab: %s -> %s.set_vocab = tokenizer 'none', vocab %d\n"
