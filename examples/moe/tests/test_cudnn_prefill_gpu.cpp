@@ -35,6 +35,7 @@
 #include <writescope/cuda/cuda_error.hpp>
 #include <writescope/error.hpp>
 
+#include "device_array.hpp"
 #include "flash_prefill_reference.hpp"
 #include "ws_moe/gpu/cudnn_prefill.hpp"
 
@@ -48,23 +49,7 @@ constexpr std::size_t margin_elems = 4096;  ///< poisoned elements after out and
 constexpr std::uint16_t bf16_nan = 0x7fc0;
 const float poison = std::numeric_limits<float>::quiet_NaN();
 
-template <class T>
-struct device_array {
-  T* p = nullptr;
-  std::size_t n = 0;
-  explicit device_array(const std::vector<T>& h) : n(h.size()) {
-    WS_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&p), std::max<std::size_t>(n, 1) * sizeof(T)));
-    if (n > 0) WS_CUDA_TRY(cudaMemcpy(p, h.data(), n * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  device_array(const device_array&) = delete;
-  device_array& operator=(const device_array&) = delete;
-  ~device_array() { (void)cudaFree(p); }
-  std::vector<T> get() const {
-    std::vector<T> h(n);
-    if (n > 0) WS_CUDA_TRY(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
+using test::device_array;
 
 struct device_bytes {
   void* p = nullptr;

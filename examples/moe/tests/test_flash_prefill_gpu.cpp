@@ -31,6 +31,7 @@
 #include <writescope/cuda/cuda_error.hpp>
 #include <writescope/error.hpp>
 
+#include "device_array.hpp"
 #include "flash_prefill_reference.hpp"
 #include "ws_moe/gpu/flash_prefill_launch.hpp"
 
@@ -43,23 +44,7 @@ constexpr double rel_tol = 1.05 / 256.0, abs_tol = 1e-5, lse_tol = 1e-4;
 constexpr std::size_t margin_elems = 4096;  ///< poisoned floats after out and lse: an over-run shows
 const float poison = std::numeric_limits<float>::quiet_NaN();
 
-template <class T>
-struct device_array {
-  T* p = nullptr;
-  std::size_t n = 0;
-  explicit device_array(const std::vector<T>& h) : n(h.size()) {
-    WS_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&p), std::max<std::size_t>(n, 1) * sizeof(T)));
-    if (n > 0) WS_CUDA_TRY(cudaMemcpy(p, h.data(), n * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  device_array(const device_array&) = delete;
-  device_array& operator=(const device_array&) = delete;
-  ~device_array() { (void)cudaFree(p); }
-  std::vector<T> get() const {
-    std::vector<T> h(n);
-    if (n > 0) WS_CUDA_TRY(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
+using test::device_array;
 
 /// The inputs of one case on the device, with poisoned out (and lse) + margin.
 struct device_case {

@@ -2,8 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # examples/moe/tools/device-llamacpp.sh — llama.cpp as the peer of ws_decode on the
 # same machine and the SAME weights (issue #18 item 6), in one bounded call:
-#   1. build llama-bench and llama-batched-bench with CUDA from the source snapshot
-#      ../shared/peers/llama.cpp-src.tgz (carried in the ignored folder .peers/, unpacked
+#   1. build llama-bench and llama-batched-bench with CUDA from a source tarball of
+#      upstream llama.cpp (carried in the ignored folder .peers/ as llama.cpp-src.tgz, unpacked
 #      and built under build-peers/, which .gitignore's build*/ ignores), and ws_decode
 #      (BUILD_DIR, as device-run.sh does), both in the background, while
 #   2. the first model's random-weight checkpoint is made (make_peer_checkpoint.py:
@@ -33,8 +33,9 @@
 # JSON too. ws_decode runs its default KV policy (roofline; EXTRA_WS adds options).
 #
 # Here (development machine), once per checkout:
-#   ../shared/tools/stage-device-deps && scripts/stage-extra-deps   # .deps/usr (CLI11), as device-run.sh
-#   examples/moe/tools/device-llamacpp.sh stage                     # .peers/llama.cpp-src.tgz + .git/info/exclude
+#   .deps/usr staged as docs/DECODERS.md ("On the GPU machine") says (CLI11, cudnn-frontend)
+#   TGZ_SRC=/path/to/llama.cpp-src.tgz examples/moe/tools/device-llamacpp.sh stage
+#                                                  # .peers/llama.cpp-src.tgz + .git/info/exclude
 # then on the GPU machine (device tool, carry [".deps", ".peers"]):
 #   examples/moe/tools/device-llamacpp.sh
 # A warm machine keeps build-peers/ and BUILD_DIR between calls: a second call
@@ -69,8 +70,9 @@ cd "$root" || exit 2
 tools=$root/examples/moe/tools
 
 if [ "${1:-}" = stage ]; then
-  src=${TGZ_SRC:-$root/../shared/peers/llama.cpp-src.tgz}
-  [ -r "$src" ] || { echo "device-llamacpp stage: $src not found"; exit 2; }
+  src=${TGZ_SRC:-}
+  [ -n "$src" ] || { echo "device-llamacpp stage: set TGZ_SRC to a llama.cpp source tarball"; exit 2; }
+  [ -r "$src" ] || { echo "device-llamacpp stage: TGZ_SRC=$src not found"; exit 2; }
   mkdir -p "$root/.peers"
   cp "$src" "$root/.peers/llama.cpp-src.tgz"
   ex=$(git rev-parse --git-path info/exclude)
@@ -227,7 +229,7 @@ if [ -x "$WS_DECODE" ]; then
   say "ws_decode: $WS_DECODE already built"
 else
   if [ ! -f "$root/.deps/usr/share/cmake/CLI11/CLI11Config.cmake" ]; then
-    say ".deps/usr lacks CLI11: run ../shared/tools/stage-device-deps && scripts/stage-extra-deps here, carry .deps"
+    say ".deps/usr lacks CLI11: stage it as docs/DECODERS.md says (scripts/stage-extra-deps), carry .deps"
     exit 2
   fi
   say "ws_decode: building $BUILD_DIR (background, -j$JOBS)"

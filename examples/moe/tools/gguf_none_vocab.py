@@ -5,7 +5,7 @@ checkpoint's architecture gets a set_vocab that writes tokenizer model "none" an
 config's vocab_size (llama.cpp loads such a GGUF and benchmarks it), then the
 converter runs unchanged through runpy, with the snapshot's root and its gguf-py on
 sys.path. Nothing of llama.cpp is copied here: --llama-cpp points at an unpacked
-snapshot (e.g. of ../shared/peers/llama.cpp-src.tgz, in an ignored folder).
+source tree of llama.cpp (e.g. unpacked from .peers/llama.cpp-src.tgz, an ignored folder).
 
   python3 examples/moe/tools/gguf_none_vocab.py --llama-cpp build-peers/llama.cpp \\
       CKPT_DIR --outtype bf16 --outfile model.gguf
