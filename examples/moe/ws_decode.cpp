@@ -79,6 +79,7 @@ struct cli {
   std::string stream_experts = "on", flash_prefill = "on", cudnn_prefill = "on";
   double stream_min_rows = 32.0, expert_staging_mib = 0.0, kv_write_bounce_mib = 512.0;
   std::string batched_prefill_experts = "on";
+  std::string prefill_expert_gemm = "batched";
   std::string calibration, calibration_preset;
   int threads = 0;
   std::string json_out, expect, logits_out;
@@ -425,7 +426,7 @@ int run(cli& a) {
         "--prefill-chunk-tokens", "--prefill-attn-mib",    "--stream-experts",            "--stream-min-rows",
         "--expert-staging-mib", "--flash-prefill",         "--batched-prefill-experts",   "--kv-write-bounce-mib",
         "--cudnn-prefill",    "--no-warmup",               "--router-zipf",               "--expert-placement",
-        "--migrate-max-experts", "--migration"};
+        "--migrate-max-experts", "--migration",          "--prefill-expert-gemm"};
     for (const char* opt : cuda_only)
       if (a.gave(opt))
         refuse(opt, "acts on the CUDA path only (--device cuda or emulated)",
@@ -437,8 +438,10 @@ int run(cli& a) {
     for (const char* opt : {"--launch-thread", "--eviction-bounce-mib", "--kv-write-bounce-mib"})
       if (a.gave(opt)) refuse(opt, "acts with --device cuda only (a setting of cuda_backend)", "--device emulated");
   if (a.precision == "fp32")  // the fp32 precision materialises the prefill scores and runs experts per expert
-    for (const char* opt : {"--flash-prefill", "--batched-prefill-experts", "--cudnn-prefill"})
+    for (const char* opt : {"--flash-prefill", "--batched-prefill-experts", "--cudnn-prefill", "--prefill-expert-gemm"})
       if (a.gave(opt)) refuse(opt, "acts with --precision bf16 only", "--precision fp32");
+  if (a.batched_prefill_experts == "off" && a.gave("--prefill-expert-gemm"))
+    refuse("--prefill-expert-gemm", "acts with --batched-prefill-experts on only", "--batched-prefill-experts off");
   if (a.flash_prefill == "off" && a.gave("--cudnn-prefill"))
     refuse("--cudnn-prefill", "acts with --flash-prefill on only (cuDNN replaces the flash kernel)", "--flash-prefill off");
   if (a.stream_experts == "off")
@@ -606,6 +609,7 @@ int run(cli& a) {
   dopt.flash_prefill = a.flash_prefill == "on";
   dopt.cudnn_prefill = a.cudnn_prefill == "on";
   dopt.batched_prefill_experts = a.batched_prefill_experts == "on";
+  dopt.grouped_prefill_gemm = a.prefill_expert_gemm == "grouped";
   dopt.deferred_kv_write_bytes = writescope::index_t(a.kv_write_bounce_mib * double(1 << 20));
   dopt.router_zipf = a.router_zipf;
   dopt.router_zipf_seed = std::uint64_t(a.seed);
@@ -739,6 +743,11 @@ int main(int argc, char** argv) {
                  "CUDA path, --precision bf16: on = a prefill MoE layer's device experts run as batched GEMMs, one per "
                  "group of experts with equal rows padded to a multiple of 64; off = three cuBLAS products per expert")
       ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--prefill-expert-gemm", a.prefill_expert_gemm,
+                 "CUDA path, --batched-prefill-experts on: how the batched GEMMs are issued: batched = one "
+                 "cublasGemmBatchedEx per group of equal padded rows and matrix; grouped = one "
+                 "cublasGemmGroupedBatchedEx per matrix (gate, up, down) over every device expert at its exact rows")
+      ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"batched", "grouped"}));
   app.add_option("--kv-write-bounce-mib", a.kv_write_bounce_mib,
                  "CUDA path: prefill KV bound for the unpinned region leaves through a page-locked bounce buffer of at "
                  "most this many MiB without the host waiting, copied to its blocks during the next layer (0 = "

@@ -60,16 +60,14 @@
 #  include "ws_moe/gpu/cudnn_prefill.hpp"
 #endif
 #include "ws_moe/gpu/kernel_math.hpp"
+#include "bench_cuda.hpp"
 
 namespace gpu = ws_moe::gpu;
 using gpu::idx;
 using json = nlohmann::json;
+using namespace ws_moe::bench;
 
 namespace {
-
-struct usage_error : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
 
 struct model_shape {
   std::string name;
@@ -78,107 +76,6 @@ struct model_shape {
 struct batch_shape {
   int sequences, tokens_per_sequence;
 };
-
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::size_t a = 0;
-  while (a <= s.size()) {
-    const std::size_t b = std::min(s.find(',', a), s.size());
-    if (b > a) out.push_back(s.substr(a, b - a));
-    a = b + 1;
-  }
-  return out;
-}
-
-int parse_int(const std::string& flag, const std::string& v, int lo) {
-  char* end = nullptr;
-  const long x = std::strtol(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || x < lo || x > 1000000)
-    throw usage_error(flag + ": '" + v + "' is not an integer >= " + std::to_string(lo));
-  return int(x);
-}
-
-void cublas_check(cublasStatus_t s, const char* what) {
-  if (s != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string(what) + " failed: cuBLAS status " + std::to_string(int(s)));
-}
-
-template <class T>
-struct device_buffer {
-  T* p = nullptr;
-  explicit device_buffer(std::size_t n) { WS_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&p), std::max<std::size_t>(n, 1) * sizeof(T))); }
-  device_buffer(const device_buffer&) = delete;
-  device_buffer& operator=(const device_buffer&) = delete;
-  ~device_buffer() { (void)cudaFree(p); }
-};
-
-/// Random bf16 of unit variance (uniform on [-sqrt 3, sqrt 3]), a fast
-/// generator: the values only need to be ordinary.
-std::vector<std::uint16_t> random_bf16(std::size_t n, std::uint64_t seed) {
-  std::vector<std::uint16_t> v(n);
-  std::uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
-  for (std::size_t i = 0; i < n; ++i) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    const float u = float(x >> 40) * (1.0f / 16777216.0f);  // [0, 1)
-    v[i] = gpu::float_to_bf16((2.0f * u - 1.0f) * 1.7320508f);
-  }
-  return v;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-/// Seconds of each of `reps` runs of f on the default stream (events around each).
-template <class F>
-std::vector<double> time_runs(F f, int warmup, int reps) {
-  for (int i = 0; i < warmup; ++i) f();
-  WS_CUDA_TRY(cudaDeviceSynchronize());
-  cudaEvent_t a, b;
-  WS_CUDA_TRY(cudaEventCreate(&a));
-  WS_CUDA_TRY(cudaEventCreate(&b));
-  std::vector<double> s;
-  for (int i = 0; i < reps; ++i) {
-    WS_CUDA_TRY(cudaEventRecord(a, nullptr));
-    f();
-    WS_CUDA_TRY(cudaEventRecord(b, nullptr));
-    WS_CUDA_TRY(cudaEventSynchronize(b));
-    float ms = 0;
-    WS_CUDA_TRY(cudaEventElapsedTime(&ms, a, b));
-    s.push_back(double(ms) * 1e-3);
-  }
-  WS_CUDA_TRY(cudaEventDestroy(a));
-  WS_CUDA_TRY(cudaEventDestroy(b));
-  return s;
-}
-
-/// cuBLAS bf16 GEMM n^3 with fp32 output and fp32 compute: median TFLOP/s.
-json gemm_ceiling(int n, int warmup, int reps) {
-  cublasHandle_t h;
-  cublas_check(cublasCreate(&h), "cublasCreate");
-  device_buffer<std::uint16_t> a(std::size_t(n) * n), b(std::size_t(n) * n);
-  device_buffer<float> c(std::size_t(n) * n);
-  {
-    const std::vector<std::uint16_t> r = random_bf16(std::size_t(n) * n, 3);
-    WS_CUDA_TRY(cudaMemcpy(a.p, r.data(), r.size() * 2, cudaMemcpyHostToDevice));
-    WS_CUDA_TRY(cudaMemcpy(b.p, r.data(), r.size() * 2, cudaMemcpyHostToDevice));
-  }
-  const float one = 1.0f, zero = 0.0f;
-  const auto run = [&] {
-    cublas_check(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a.p, CUDA_R_16BF, n, b.p, CUDA_R_16BF, n, &zero,
-                              c.p, CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                 "cublasGemmEx");
-  };
-  const std::vector<double> s = time_runs(run, warmup, reps);
-  cublas_check(cublasDestroy(h), "cublasDestroy");
-  const double flops = 2.0 * double(n) * n * n, med = median(s);
-  return {{"name", "cublas_bf16_gemm_" + std::to_string(n) + "_fp32_out"},
-          {"m", n}, {"n", n}, {"k", n}, {"median_seconds", med},
-          {"best_seconds", *std::min_element(s.begin(), s.end())}, {"tflops", flops / med * 1e-12}};
-}
 
 /// Max over a few (sequence, head, row) of |device - fp64| / max|v|; the
 /// device rows are read from p.out (fp32), or from out_bf16 when it is given

@@ -127,6 +127,7 @@ struct device_report {
   index_t grouped_moe_passes = 0;    ///< MoE layer passes through the grouped kernels
   index_t per_expert_moe_passes = 0; ///< MoE layer passes with one cuBLAS product per expert
   index_t batched_moe_passes = 0;    ///< prefill MoE layer passes through the batched GEMMs
+  std::string prefill_expert_gemm;   ///< how those GEMMs were issued: "batched" or "grouped"
   int prefill_waves = 0;             ///< groups of sequences prefilled together
   index_t prefill_block_rows = 0;    ///< query rows per prefill attention block (materialised-score path)
   std::string prefill_attention;     ///< which prefill attention ran: "flash" or "materialised scores"

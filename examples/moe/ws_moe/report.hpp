@@ -163,9 +163,10 @@ inline void print_device(std::FILE* f, const generation_result& r) {
   std::fprintf(f, "experts    %d routed experts: %d on the GPU, %d in host memory (%s), CPU expert time %.3f s for %lld rows\n",
                d.experts_total, d.experts_gpu, d.experts_host, human_bytes(d.experts_host_bytes).c_str(), d.cpu_expert_seconds,
                static_cast<long long>(d.cpu_expert_rows));
-  std::fprintf(f, "           device experts: %s; MoE layer passes %lld grouped, %lld per expert, %lld batched (prefill)\n",
+  std::fprintf(f, "           device experts: %s; MoE layer passes %lld grouped, %lld per expert, %lld batched (prefill%s%s)\n",
                d.expert_kernels.c_str(), static_cast<long long>(d.grouped_moe_passes),
-               static_cast<long long>(d.per_expert_moe_passes), static_cast<long long>(d.batched_moe_passes));
+               static_cast<long long>(d.per_expert_moe_passes), static_cast<long long>(d.batched_moe_passes),
+               d.batched_moe_passes > 0 ? ", GEMMs issued " : "", d.batched_moe_passes > 0 ? d.prefill_expert_gemm.c_str() : "");
   if (d.experts_host > 0) {  // layers with the same host set, grouped
     for (std::size_t l = 0; l < d.host_experts.size();) {
       std::size_t m = l;
@@ -496,6 +497,7 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
                     {"cpu_rows", d.cpu_expert_rows},
                     {"kernels", d.expert_kernels},
                     {"batched_prefill_passes", d.batched_moe_passes},
+                    {"prefill_expert_gemm", d.prefill_expert_gemm},
                     {"grouped_passes", d.grouped_moe_passes},
                     {"per_expert_passes", d.per_expert_moe_passes}};
   }

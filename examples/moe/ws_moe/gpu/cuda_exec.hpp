@@ -213,6 +213,37 @@ class cuda_exec {
                                       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
 
+  /// One cublasGemmGroupedBatchedEx call (cuBLAS reads the per-group host
+  /// arrays during the call; the pointer tables are device memory).
+  void gemm_grouped(const gemm_grouped_desc& d, const char* what) {
+    check_gemm_grouped(d, what);
+    const gemm_desc& b = d.base;
+    if (d.n.empty() || b.m == 0) return;
+    const std::size_t g = d.n.size();
+    grouped_int_.assign(6 * g, 0);
+    int* m = grouped_int_.data();
+    int* k = m + g;
+    int* lda = k + g;
+    int* ldb = lda + g;
+    int* ldc = ldb + g;
+    for (std::size_t i = 0; i < g; ++i) {
+      m[i] = int(b.m);
+      k[i] = int(b.k);
+      lda[i] = int(b.lda);
+      ldb[i] = int(b.ldb);
+      ldc[i] = int(b.ldc);
+    }
+    grouped_ta_.assign(g, b.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N);
+    grouped_tb_.assign(g, b.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N);
+    grouped_alpha_.assign(g, 1.0f);
+    grouped_beta_.assign(g, 0.0f);
+    const cudaDataType t = b.a_type == wtype::bf16 ? CUDA_R_16BF : CUDA_R_32F;
+    WS_CUBLAS_TRY(cublasGemmGroupedBatchedEx(blas_, grouped_ta_.data(), grouped_tb_.data(), m, d.n.data(), k,
+                                             grouped_alpha_.data(), d.a, t, lda, d.b, t, ldb, grouped_beta_.data(),
+                                             reinterpret_cast<void* const*>(d.c), CUDA_R_32F, ldc, int(g),
+                                             d.count.data(), CUBLAS_COMPUTE_32F));
+  }
+
   void h2d(void* dst, const void* src, idx bytes) {
     if (bytes <= 0) return;
     WS_CUDA_TRY(cudaMemcpyAsync(dst, src, std::size_t(bytes), cudaMemcpyHostToDevice, stream_.get()));
@@ -322,6 +353,9 @@ class cuda_exec {
   writescope::cuda_detail::unique_stream copy_stream_;
   std::vector<writescope::cuda_detail::unique_event> ring_ready_, ring_free_, marks_;
   int marks_used_ = 0;
+  std::vector<int> grouped_int_;  ///< gemm_grouped's per-group host arrays
+  std::vector<cublasOperation_t> grouped_ta_, grouped_tb_;
+  std::vector<float> grouped_alpha_, grouped_beta_;
 };
 
 }  // namespace ws_moe::gpu

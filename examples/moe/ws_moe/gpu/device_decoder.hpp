@@ -126,6 +126,11 @@ struct device_options {
   /// experts with equal row counts padded to a multiple of 64, instead of
   /// three cuBLAS products per expert.
   bool batched_prefill_experts = true;
+  /// How the batched prefill experts' GEMMs are issued: false = one
+  /// cublasGemmBatchedEx per group of equal padded rows and matrix (gate, up,
+  /// down); true = one cublasGemmGroupedBatchedEx per matrix over every
+  /// device expert with rows, each at its exact row count (no padding).
+  bool grouped_prefill_gemm = false;
   /// cuda_backend: prefill KV bound for the unpinned region leaves through a
   /// page-locked bounce buffer of at most this many bytes without the host
   /// waiting; host threads copy it to its blocks during the next layer
@@ -408,6 +413,7 @@ class device_decoder {
     res.device.cpu_expert_seconds = cpu_expert_seconds_;
     res.device.cpu_expert_rows = cpu_expert_rows_;
     res.device.grouped_moe_passes = grouped_passes_;
+    res.device.prefill_expert_gemm = d_.grouped_prefill_gemm ? "grouped" : "batched";
     res.device.per_expert_moe_passes = per_expert_passes_;
     res.device.batched_moe_passes = batched_passes_;
     res.device.placement = d_.hot_placement ? "hot" : "id";
@@ -1319,34 +1325,22 @@ class device_decoder {
   /// [gather rows np][combine rows nk][combine weights nk][expert offsets E+1]).
   static index_t table_at(index_t np, index_t nk, int E) { return (np + 2 * nk + E + 1 + 1) / 2 * 2; }
 
-  /// rows_/count_ from the per-expert row counts; a batched prefill pads every
-  /// device-resident expert's rows up to padded_rows (padding rows
-  /// gather token 0 and are never combined) so that experts of equal padded
-  /// rows run as one batched GEMM.
+  /// rows_/count_ from the per-expert row counts; a batched prefill issued
+  /// through cublasGemmBatchedEx pads every device-resident expert's rows up
+  /// to padded_rows (padding rows gather token 0 and are never combined) so
+  /// that experts of equal padded rows run as one batched GEMM; the grouped
+  /// issue (grouped_prefill_gemm) keeps the exact rows.
   void lay_out_rows(const gpu::dlayer& L, bool batched) {
     const int E = c_.num_experts;
     for (int e = 0; e < E; ++e) {
       index_t m = rows_[std::size_t(e)];
-      if (batched && m > 0 && !L.on_host[std::size_t(e)]) m = padded_rows(m);
+      if (batched && !d_.grouped_prefill_gemm && m > 0 && !L.on_host[std::size_t(e)]) m = padded_rows(m);
       count_[std::size_t(e) + 1] = count_[std::size_t(e)] + int(m);
     }
   }
 
-  /// A batched prefill expert's rows rounded up to a size of a geometric
-  /// ladder: multiples of batch_pad up to 8 * batch_pad, above that 8 steps
-  /// per octave (m in (2^j, 2^(j+1)] rounds up to a multiple of 2^(j-3)). At
-  /// most 1/8 of the rows are padding beyond the first batch_pad; experts of
-  /// similar load share a size, and the sizes are the same in every layer, so
-  /// a layer runs a few batched GEMMs of shapes cuBLAS has seen before.
-  static index_t padded_rows(index_t m) {
-    index_t step = batch_pad;
-    if (m > 8 * batch_pad) {
-      int j = 0;
-      while ((index_t(2) << j) < m) ++j;  // 2^j < m <= 2^(j+1)
-      step = std::max<index_t>(batch_pad, index_t(1) << (j - 3));
-    }
-    return (m + step - 1) / step * step;
-  }
+  /// A batched prefill expert's rows padded for cublasGemmBatchedEx (gemm.hpp ladder_rows).
+  static index_t padded_rows(index_t m) { return gpu::ladder_rows(m, batch_pad); }
 
   /// The prefill grouping of a batched MoE pass on the device (kernel_math.hpp
   /// iota_op .. scatter_rows_op): a stable sort of the pairs by expert, the
@@ -1604,6 +1598,9 @@ class device_decoder {
   /// the bf16 copy of the packed inputs, G/U the fp32 gate/up outputs, A the
   /// bf16 SiLU products and Y the packed outputs (yg_), all at the expert's
   /// first packed row.
+  /// With grouped_prefill_gemm the tables are laid out per matrix instead:
+  /// 9 tables of `active` pointers (every device expert with rows, ordered by
+  /// rows), and batch_groups_ lists the runs of equal rows within them.
   void build_batch_tables(const gpu::dlayer& L, int E) {
     const index_t H = c_.hidden_size, I = c_.moe_intermediate_size;
     batch_ptrs_.clear();
@@ -1613,6 +1610,32 @@ class device_decoder {
       if (rows_[std::size_t(e)] > 0 && !L.on_host[std::size_t(e)]) order_.push_back(e);
     auto padded = [&](int e) { return index_t(count_[std::size_t(e) + 1] - count_[std::size_t(e)]); };
     std::stable_sort(order_.begin(), order_.end(), [&](int a, int b) { return padded(a) < padded(b); });
+    auto operand = [&](int t, int e) -> const void* {
+      const gpu::dmlp& m = L.experts[std::size_t(e)];
+      const index_t r0 = count_[std::size_t(e)];
+      switch (t) {
+        case 0: return m.gate.w.p;
+        case 1: return x16_ + r0 * H;
+        case 2: return g_batch_ + r0 * I;
+        case 3: return m.up.w.p;
+        case 4: return x16_ + r0 * H;
+        case 5: return u_batch_ + r0 * I;
+        case 6: return m.down.w.p;
+        case 7: return a16_ + r0 * I;
+        default: return yg_ + r0 * H;
+      }
+    };
+    if (d_.grouped_prefill_gemm) {
+      for (std::size_t i = 0; i < order_.size();) {
+        std::size_t j = i;
+        while (j < order_.size() && padded(order_[j]) == padded(order_[i])) ++j;
+        batch_groups_.push_back({padded(order_[i]), int(j - i), index_t(i)});
+        i = j;
+      }
+      for (int t = 0; t < 9; ++t)
+        for (const int e : order_) batch_ptrs_.push_back(operand(t, e));
+      return;
+    }
     for (std::size_t i = 0; i < order_.size();) {
       std::size_t j = i;
       while (j < order_.size() && padded(order_[j]) == padded(order_[i])) ++j;
@@ -1627,56 +1650,58 @@ class device_decoder {
       g.first = index_t(batch_ptrs_.size());
       batch_groups_.push_back(g);
       for (int t = 0; t < 9; ++t)
-        for (std::size_t q = i; q < j; ++q) {
-          const int e = order_[q];
-          const gpu::dmlp& m = L.experts[std::size_t(e)];
-          const index_t r0 = count_[std::size_t(e)];
-          const void* p = nullptr;
-          switch (t) {
-            case 0: p = m.gate.w.p; break;
-            case 1: p = x16_ + r0 * H; break;
-            case 2: p = g_batch_ + r0 * I; break;
-            case 3: p = m.up.w.p; break;
-            case 4: p = x16_ + r0 * H; break;
-            case 5: p = u_batch_ + r0 * I; break;
-            case 6: p = m.down.w.p; break;
-            case 7: p = a16_ + r0 * I; break;
-            default: p = yg_ + r0 * H; break;
-          }
-          batch_ptrs_.push_back(p);
-        }
+        for (std::size_t q = i; q < j; ++q) batch_ptrs_.push_back(operand(t, order_[q]));
       i = j;
     }
   }
 
   /// The device-resident experts of a batched prefill layer: the packed inputs
-  /// to bf16 once, per group of equal padded rows one batched GEMM for gate and
-  /// one for up, SiLU · up over every packed row, to bf16, one batched GEMM per
-  /// group for down into yg_ (the padding rows compute garbage that no token
-  /// combines).
+  /// to bf16 once, the gate and up products, SiLU · up over every packed row,
+  /// to bf16, the down products into yg_. Issued per group of equal padded
+  /// rows and matrix (cublasGemmBatchedEx; the padding rows compute garbage
+  /// that no token combines), or with grouped_prefill_gemm one grouped call
+  /// per matrix over every expert at its exact rows.
   void run_batched_experts(void* const* tables, index_t np) {
     const index_t H = c_.hidden_size, I = c_.moe_intermediate_size;
     if (!gathered16_) x_.run(gpu::convert_op{xg_, x16_, wtype::bf16}, np * H);
-    auto call = [&](const batch_group& g, int t, index_t out, index_t in) {
-      gpu::gemm_batched_desc d;
-      d.base = gpu::linear_desc(nullptr, wtype::bf16, out, in, nullptr, g.rows, nullptr, out);
-      d.a = tables + g.first + index_t(t) * g.count;
-      d.b = tables + g.first + index_t(t + 1) * g.count;
-      d.c = reinterpret_cast<float* const*>(tables + g.first + index_t(t + 2) * g.count);  // the C table holds float*
-      d.count = g.count;
-      x_.gemm_batched(d, "batched prefill experts");
-    };
-    for (const batch_group& g : batch_groups_) {
-      call(g, 0, I, H);  // gate
-      call(g, 3, I, H);  // up
+    // matrix t's products (t: the W table of gate 0, up 3, down 6; X and Y follow)
+    std::function<void(int, index_t, index_t)> products;
+    gpu::gemm_grouped_desc grouped;
+    if (d_.grouped_prefill_gemm) {  // one grouped call per matrix; tables [9][active]
+      const index_t active = index_t(order_.size());
+      for (const batch_group& g : batch_groups_) {
+        grouped.n.push_back(int(g.rows));
+        grouped.count.push_back(g.count);
+      }
+      products = [&, active](int t, index_t out, index_t in) {
+        grouped.base = gpu::linear_desc(nullptr, wtype::bf16, out, in, nullptr, 0, nullptr, out);
+        grouped.a = tables + index_t(t) * active;
+        grouped.b = tables + index_t(t + 1) * active;
+        grouped.c = reinterpret_cast<float* const*>(tables + index_t(t + 2) * active);  // the C table holds float*
+        x_.gemm_grouped(grouped, "grouped prefill experts");
+      };
+    } else {  // one batched call per group and matrix; tables per group [9][count]
+      products = [&](int t, index_t out, index_t in) {
+        for (const batch_group& g : batch_groups_) {
+          gpu::gemm_batched_desc d;
+          d.base = gpu::linear_desc(nullptr, wtype::bf16, out, in, nullptr, g.rows, nullptr, out);
+          d.a = tables + g.first + index_t(t) * g.count;
+          d.b = tables + g.first + index_t(t + 1) * g.count;
+          d.c = reinterpret_cast<float* const*>(tables + g.first + index_t(t + 2) * g.count);
+          d.count = g.count;
+          x_.gemm_batched(d, "batched prefill experts");
+        }
+      };
     }
+    products(0, I, H);  // gate
+    products(3, I, H);  // up
     if (gpu::fits_x4(np * I, g_batch_) && gpu::fits_x4(np * I, u_batch_)) {
       x_.run(gpu::silu_mul_bf16x4_op{g_batch_, u_batch_, a16_}, np * I / 4);
     } else {
       x_.run(gpu::silu_mul_op{g_batch_, u_batch_}, np * I);
       x_.run(gpu::convert_op{g_batch_, a16_, wtype::bf16}, np * I);
     }
-    for (const batch_group& g : batch_groups_) call(g, 6, H, I);  // down
+    products(6, H, I);  // down
   }
 
   /// The layer's CPU host runs (host_runs_, inputs in stage_x_, outputs to
@@ -2173,9 +2198,9 @@ class device_decoder {
   std::vector<std::array<int, 5>> moe_marks_;
   // batched prefill experts
   struct batch_group {
-    index_t rows = 0;   ///< padded rows of every expert of the group
+    index_t rows = 0;   ///< padded rows of every expert of the group (grouped issue: exact rows)
     int count = 0;      ///< experts
-    index_t first = 0;  ///< the group's first entry in the operand tables
+    index_t first = 0;  ///< the group's first entry in the operand tables (grouped issue: its first expert in order_)
   };
   bool batched_prefill_ = false;
   bool gathered16_ = false;  ///< this MoE pass gathered its packed rows to bf16 (x16_) directly

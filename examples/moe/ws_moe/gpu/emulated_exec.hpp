@@ -159,6 +159,11 @@ class emulated_exec {
     reference_gemm_batched(d);
   }
 
+  void gemm_grouped(const gemm_grouped_desc& d, const char* what) {
+    check_gemm_grouped(d, what);
+    reference_gemm_grouped(d);
+  }
+
   void h2d(void* dst, const void* src, idx bytes) { copy(dst, src, bytes); }
   void d2h(void* dst, const void* src, idx bytes) { copy(dst, src, bytes); }
   void d2d(void* dst, const void* src, idx bytes) { copy(dst, src, bytes); }

@@ -2,8 +2,10 @@
 // with cuBLAS's column-major semantics, the builders of the five products the
 // decoders need, and a reference executor on the host.
 //
-// The CUDA executor hands a descriptor to cublasGemmEx (batch 1) or
-// cublasGemmStridedBatchedEx (CUBLAS_COMPUTE_32F, fp32 output, alpha 1, beta 0);
+// The CUDA executor hands a descriptor to cublasGemmEx (batch 1),
+// cublasGemmStridedBatchedEx, cublasGemmBatchedEx (pointer tables) or
+// cublasGemmGroupedBatchedEx (pointer tables, several shapes), always
+// CUBLAS_COMPUTE_32F, fp32 output, alpha 1, beta 0;
 // the emulated executor (and the unit tests) run reference_gemm on the same
 // descriptor. Both call check_gemm first, which enforces cuBLAS's own argument
 // rules (leading dimensions, equal input types, 32-bit sizes), so a descriptor
@@ -21,6 +23,7 @@
 #include <algorithm>
 #include <climits>
 #include <string>
+#include <vector>
 
 #include <writescope/error.hpp>
 
@@ -88,6 +91,62 @@ inline void check_gemm_batched(const gemm_batched_desc& d, const char* what) {
   check_gemm(s, what);
 }
 
+/// Products of several shapes in one call (cublasGemmGroupedBatchedEx): every
+/// item has base's transposes, types, m, k and leading dimensions; group g has
+/// n[g] columns and count[g] items. The items of all groups, in group order,
+/// take their operands from the device pointer tables: item i computes base
+/// with a = a[i], b = b[i], c = c[i] (base's own pointers, strides, n and batch
+/// unused). n and count are host arrays of one entry per group.
+struct gemm_grouped_desc {
+  gemm_desc base;
+  const void* const* a = nullptr;  ///< [items] device pointers
+  const void* const* b = nullptr;
+  float* const* c = nullptr;
+  std::vector<int> n, count;  ///< per group: columns, items
+  [[nodiscard]] idx items() const {
+    idx t = 0;
+    for (int c : count) t += c;
+    return t;
+  }
+};
+
+/// check_gemm on every group's shape; the tables must not be null, counts
+/// positive, n and count of equal length.
+inline void check_gemm_grouped(const gemm_grouped_desc& d, const char* what) {
+  auto fail = [&](const std::string& m) { throw writescope::config_error(std::string("GEMM ") + what + ": " + m); };
+  if (d.n.size() != d.count.size())
+    fail(std::to_string(d.n.size()) + " column counts for " + std::to_string(d.count.size()) + " groups");
+  if (d.n.empty()) return;
+  if (d.a == nullptr || d.b == nullptr || d.c == nullptr) fail("null pointer table");
+  if (d.n.size() > std::size_t(INT_MAX) || d.items() > INT_MAX) fail("more than 2^31-1 groups or items");
+  for (std::size_t g = 0; g < d.n.size(); ++g) {
+    if (d.count[g] < 1) fail("group " + std::to_string(g) + " has " + std::to_string(d.count[g]) + " items (must be >= 1)");
+    gemm_desc s = d.base;
+    static float dummy;
+    s.a = s.b = &dummy;
+    s.c = &dummy;
+    s.n = d.n[g];
+    s.batch = 1;
+    check_gemm(s, what);
+  }
+}
+
+/// A batched prefill expert's rows rounded up to a size of a geometric
+/// ladder: multiples of `pad` up to 8 * pad, above that 8 steps per octave
+/// (m in (2^j, 2^(j+1)] rounds up to a multiple of 2^(j-3)). At most 1/8 of
+/// the rows are padding beyond the first `pad`; experts of similar load share
+/// a size, and the sizes are the same in every layer, so a layer runs a few
+/// batched GEMMs of shapes cuBLAS has seen before.
+inline idx ladder_rows(idx m, idx pad) {
+  idx step = pad;
+  if (m > 8 * pad) {
+    int j = 0;
+    while ((idx(2) << j) < m) ++j;  // 2^j < m <= 2^(j+1)
+    step = std::max<idx>(pad, idx(1) << (j - 3));
+  }
+  return (m + step - 1) / step * step;
+}
+
 /// The descriptor's product on the host (double accumulation), for the
 /// emulated executor and the tests. Parallel over (batch, column).
 inline void reference_gemm(const gemm_desc& d) {
@@ -123,6 +182,22 @@ inline void reference_gemm_batched(const gemm_batched_desc& d) {
     s.batch = 1;
     reference_gemm(s);
   }
+}
+
+/// A grouped descriptor on the host: reference_gemm per item (its tables in host memory).
+inline void reference_gemm_grouped(const gemm_grouped_desc& d) {
+  check_gemm_grouped(d, "reference");
+  idx i = 0;
+  for (std::size_t g = 0; g < d.n.size(); ++g)
+    for (int q = 0; q < d.count[g]; ++q, ++i) {
+      gemm_desc s = d.base;
+      s.a = d.a[i];
+      s.b = d.b[i];
+      s.c = d.c[i];
+      s.n = d.n[g];
+      s.batch = 1;
+      reference_gemm(s);
+    }
 }
 
 /// The host reference of expert_gemv_params (emulated executor and tests):
