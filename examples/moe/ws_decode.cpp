@@ -84,7 +84,8 @@ struct cli {
   int threads = 0;
   std::string json_out, expect, logits_out;
   double logit_tol = -1.0, logit_tol_bf16_kv = -1.0;
-  bool progress = false, no_progress = false, quiet = false, poison = false, per_sequence = false;
+  bool progress = false, no_progress = false, quiet = false, poison = false;
+  std::string per_sequence = "0";  // --per-sequence N|all: per-sequence summary lines for the first N sequences
   std::string device = "auto", precision = "bf16";
   double vram_budget_gib = 0.0, prefill_attn_mib = 2048.0;
   long long max_gpu_experts = -1, prefill_chunk_tokens = 32768;
@@ -158,6 +159,29 @@ CLI::Validator at_most_hardware_threads() {
                    : "must be <= " + std::to_string(hw) + " (this machine's hardware threads), not " + v;
       },
       "<= hardware threads");
+}
+
+/// A CLI11 check for --per-sequence: a whole number >= 0 or "all".
+CLI::Validator count_or_all() {
+  return CLI::Validator(
+      [](std::string& v) -> std::string {
+        if (v == "all") return "";
+        std::size_t used = 0;
+        long long x = -1;
+        try {
+          x = std::stoll(v, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        return used == v.size() && !v.empty() && x >= 0 ? std::string()
+                                                        : "must be a whole number >= 0 or all, not " + v;
+      },
+      "");
+}
+
+/// --per-sequence's value (checked by count_or_all) as summary_options::sequence_lines.
+std::size_t sequence_lines(const std::string& v) {
+  return v == "all" ? SIZE_MAX : std::size_t(std::stoull(v));
 }
 
 std::vector<int> parse_ids(const std::string& s, const std::string& where) {
@@ -368,6 +392,8 @@ int run(cli& a) {
       refuse("--prompt-len", std::string("excluded by ") + source + " (the length of random prompts)", a.given["--prompt-len"]);
   if (!a.expect.empty() && a.temperature > 0.0)
     refuse("--temperature", "must be 0 with --expect (the reference is greedy)", a.given["--temperature"]);
+  if (a.quiet && a.gave("--per-sequence"))
+    refuse("--per-sequence", "excluded by --quiet (lines of the text summary)", a.given["--per-sequence"]);
   // the costs act on the roofline only; the bandwidths also set the adaptive assist's first balance
   if (a.policy != "roofline") {
     (void)parse_policy(a.policy, writescope::roofline_params{});  // a bad --policy is named first
@@ -622,7 +648,9 @@ int run(cli& a) {
 
   // the costs are the roofline's: under another policy no line claims them
   const roofline_origin* roofline_costs = a.policy == "roofline" ? &costs : nullptr;
-  if (!a.quiet) print_summary(stdout, c, r, load_seconds, a.random_weights, roofline_costs, summary_options{a.per_sequence});
+  if (!a.quiet)
+    print_summary(stdout, c, r, load_seconds, a.random_weights, roofline_costs,
+                  summary_options{sequence_lines(a.per_sequence)});
   if (!a.json_out.empty()) {
     std::ofstream out(a.json_out);
     nlohmann::json j = summary_json(c, r, load_seconds, roofline_costs);
@@ -886,10 +914,13 @@ int main(int argc, char** argv) {
   app.add_flag("--progress", a.progress, "progress bar on stderr even when it is not a terminal")->group(g_out);
   app.add_flag("--no-progress", a.no_progress, "no progress bar")->group(g_out);
   app.add_flag("-q,--quiet", a.quiet, "no summary")->group(g_out);
-  app.add_flag("--per-sequence", a.per_sequence,
-               "the summary lists every sequence (its placement line and its generated tokens); default: the first "
-               "4, and aggregates over all of them")
-      ->group(g_out);
+  app.add_option("--per-sequence", a.per_sequence,
+                 "the summary also lists the first N sequences (each one's placement line and its generated tokens), "
+                 "or every one with all; default 0: only the aggregates over all sequences (the --json summary always "
+                 "has every sequence)")
+      ->group(g_out)
+      ->type_name("N|all")
+      ->check(count_or_all());
   app.add_option("--expect", a.expect,
                  "reference run (expected.json from tools/make_fixtures.py): greedy over the reference's prompts and steps, "
                  "compare logits and tokens, exit 3 on mismatch")

@@ -2,8 +2,8 @@
 // final summary (prefill tok/s, TPOT P50/P99, decode tok/s, deployed CPU share,
 // memory per region as in the paper's Table 2, generated tokens) and the same
 // numbers as JSON for scripts. The text summary's length does not grow with
-// the batch: per-sequence lines for the first summary_options::sequence_lines
-// sequences (all with per_sequence), aggregates over every sequence.
+// the batch: aggregates over every sequence, and per-sequence lines only for
+// the first summary_options::sequence_lines sequences (default none).
 #pragma once
 
 #include <unistd.h>
@@ -219,8 +219,9 @@ inline void print_device(std::FILE* f, const generation_result& r) {
 
 /// What the text summary lists per sequence.
 struct summary_options {
-  bool per_sequence = false;  ///< a line per sequence for every sequence (ws_decode --per-sequence)
-  int sequence_lines = 4;     ///< otherwise per-sequence lines for the first this many only
+  /// Per-sequence lines (placement, generated tokens) for the first this many
+  /// sequences: 0 (default) none, SIZE_MAX every one (ws_decode --per-sequence N|all).
+  std::size_t sequence_lines = 0;
 };
 
 /// min / mean / max of `v` as "min 1 / mean 2.5 / max 4" ("%g"-style, `digits` after the point for the mean).
@@ -322,7 +323,7 @@ inline void print_summary(std::FILE* f, const model_config& c, const generation_
                  return p;
                }()),
                r.cpu_batches, r.gpu_batches);
-  const std::size_t lines = so.per_sequence ? SIZE_MAX : std::size_t(std::max(0, so.sequence_lines));
+  const std::size_t lines = so.sequence_lines;
   const std::size_t listed = std::min(lines, r.sequences.size());
   for (std::size_t i = 0; i < listed; ++i) {
     const auto& q = r.sequences[i];
@@ -344,8 +345,11 @@ inline void print_summary(std::FILE* f, const model_config& c, const generation_
     std::fprintf(f, "sequences  %zu: prompt tokens %s; placed %s; CPU share of placed %s; D-window %s; generated %s\n",
                  r.sequences.size(), min_mean_max(prompt).c_str(), min_mean_max(placed).c_str(),
                  min_mean_max(share, 3).c_str(), min_mean_max(window).c_str(), min_mean_max(generated).c_str());
-    if (listed < r.sequences.size())
-      std::fprintf(f, "           per-sequence lines (seq, tokens) for the first %zu of %zu sequences; --per-sequence "
+    if (listed == 0 && !r.sequences.empty())
+      std::fprintf(f, "           no per-sequence lines (seq, tokens): --per-sequence N lists the first N sequences, "
+                      "--per-sequence all every one\n");
+    else if (listed < r.sequences.size())
+      std::fprintf(f, "           per-sequence lines (seq, tokens) for the first %zu of %zu sequences; --per-sequence all "
                       "lists every one\n",
                    listed, r.sequences.size());
   }
