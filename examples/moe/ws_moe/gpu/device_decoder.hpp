@@ -613,7 +613,20 @@ class device_decoder {
         grouped_rows_cap_ = index_t(B) * k;  // decode steps only
         eg_ = buffer<float>(grouped_rows_cap_ * c_.moe_intermediate_size, "grouped experts: gate-up outputs");
       }
-      xg_ = buffer<float>(np_cap * H, "expert inputs");
+      // fp32 expert inputs (xg_): allocated by place_and_load_experts, which
+      // knows whether host experts exist. A batched prefill that gathers its
+      // rows to bf16 needs fp32 rows only for the decode steps and for a
+      // prefill wave whose host experts run on the CPU.
+      xg_full_rows_ = np_cap;
+      xg_small_rows_ = np_cap;
+      xg_cpu_wave_rows_ = np_cap;
+      if (batched_prefill_ && gpu::fits_x4(H, h_)) {
+        xg_small_rows_ = std::min(np_cap, index_t(B) * k);
+        // a wave runs its host experts on the CPU when it routes fewer than
+        // stream_min_rows rows per expert on average (begin_streaming_wave)
+        const index_t cpu_pairs = index_t(std::ceil(d_.stream_min_rows * double(E)));
+        xg_cpu_wave_rows_ = std::clamp<index_t>(cpu_pairs + E * batch_pad + cpu_pairs / 8 + 1, xg_small_rows_, np_cap);
+      }
       yg_ = buffer<float>(np_cap * H, "expert outputs");
       if (batched_prefill_) {
         const index_t I = c_.moe_intermediate_size;
@@ -728,16 +741,25 @@ class device_decoder {
         budget = x_.device_total_bytes() - (index_t{1} << 30);  // in the units of device_used(): total - free
     }
     rep.budget_bytes = Exec::is_emulated && d_.vram_budget_bytes <= 0 ? 0 : budget;  // 0: no budget (emulated)
-    const index_t used = device_used();
+    // the fp32 expert inputs (xg_, allocated below) are a workspace: their
+    // size depends on whether host experts exist (allocate_workspaces' sizes)
+    const index_t H4 = H * index_t(sizeof(float));
+    const index_t used = device_used() + xg_small_rows_ * H4;
     const index_t reserve = Exec::is_emulated ? 0 : d_.budget_reserve_bytes;
     if (d_.vram_budget_bytes > 0 && used + reserve > budget)
       throw writescope::config_error("--vram-budget " + writescope::format_bytes(budget) +
                                      " cannot hold the non-expert weights, the KV cache's device regions and the "
                                      "workspaces: they take " + writescope::format_bytes(used) + " (+ " +
                                      writescope::format_bytes(reserve) + " kept free for cuBLAS and the engine)");
-    const index_t avail = std::max<index_t>(0, budget - used - reserve);
+    index_t avail = std::max<index_t>(0, budget - used - reserve);
     index_t fit = std::min(total, avail / eslab);
     if (d_.max_gpu_experts >= 0) fit = std::min<index_t>(fit, d_.max_gpu_experts);
+    xg_rows_ = xg_small_rows_;
+    if (fit < total && xg_small_rows_ < xg_full_rows_) {  // host experts: CPU prefill waves read fp32 rows
+      xg_rows_ = d_.stream_experts ? xg_cpu_wave_rows_ : xg_full_rows_;
+      avail = std::max<index_t>(0, avail - (xg_rows_ - xg_small_rows_) * H4);
+      fit = std::min(fit, avail / eslab);
+    }
     // The staging ring for streamed host experts, inside the budget: the
     // experts then placed on the device shrink until both fit.
     int slots = 0;
@@ -790,6 +812,7 @@ class device_decoder {
                                      ") need " + writescope::format_bytes(host_bytes) + " of host memory, more than " +
                                      std::to_string(limit_gib) + " GiB allowed (use --layers N or a larger --vram-budget)");
     if (fit > 0) ld.use_slab(x_.alloc(fit * eslab, "routed experts (device slab)"), fit * eslab);
+    if (xg_full_rows_ > 0) xg_ = buffer<float>(xg_rows_ * H, "expert inputs (fp32)");
     if (host_bytes > 0) {
       host_arena_ = slots > 0 ? x_.host_staging(host_bytes) : x_.host_pageable(host_bytes);
       host_arena_pinned_ = slots > 0;
@@ -1502,6 +1525,9 @@ class device_decoder {
       for (int e = 0; e < E && !need_f32; ++e)
         need_f32 = L.on_host[std::size_t(e)] && !L.host_experts[std::size_t(e)].is_bf16();
     if (gathered16) x_.run(gpu::gather_rows_bf16x4_op{h_, H, src_rows, int(H / 4), x16_}, np * H / 4);
+    if (need_f32 && np > xg_rows_)
+      throw std::logic_error("device_decoder: " + std::to_string(np) + " fp32 expert input rows, room for " +
+                             std::to_string(xg_rows_));
     if (need_f32) x_.run(gpu::gather_rows_op{h_, H, src_rows, int(H), xg_}, np * H);
     gathered16_ = gathered16;
 
@@ -2068,7 +2094,7 @@ class device_decoder {
         const index_t row = count_[std::size_t(it.expert)];
         // bf16 experts read the bf16 packed rows of a batched prefill (x16_), as the device experts do
         const void* in16 = gathered16_ && t == wtype::bf16 ? static_cast<const void*>(x16_ + row * H) : nullptr;
-        mlp(dm, xg_ + row * H, m, yg_ + row * H, in16);
+        mlp(dm, in16 != nullptr ? nullptr : xg_ + row * H, m, yg_ + row * H, in16);
       }
       x_.ring_release(slot);
       if (next_copy_ < index_t(stream_items_.size())) enqueue_stream_copy();
@@ -2143,6 +2169,9 @@ class device_decoder {
   std::array<writescope::bf16*, 2> kvb_{};
   float *g_ = nullptr, *u_ = nullptr;
   float *router_logits_ = nullptr, *sel_w_ = nullptr, *xg_ = nullptr, *yg_ = nullptr, *eg_ = nullptr;
+  /// xg_'s rows: allocated (xg_rows_); with every expert on the device, with
+  /// host experts that stream (CPU waves only), and the full packed rows.
+  index_t xg_rows_ = 0, xg_small_rows_ = 0, xg_cpu_wave_rows_ = 0, xg_full_rows_ = 0;
   int *sel_e_ = nullptr, *route_dev_ = nullptr, *last_rows_ = nullptr;
   index_t grouped_rows_cap_ = 0;  ///< rows eg_ holds (decode batch × experts per token)
   bool grouped_ok_ = false;       ///< build_expert_tables() made the tables
