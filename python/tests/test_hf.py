@@ -1,0 +1,233 @@
+# SPDX-License-Identifier: Apache-2.0
+"""WriteScopeCache + the "writescope" attention under transformers' generate(), against
+DynamicCache + SDPA, on tiny random models of each GQA architecture."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import writescope
+from writescope.hf import WriteScopeCache
+
+from conftest import ARCHS, device_of, tiny_model
+
+NEW_TOKENS = 64
+# Small blocks and D so that prompts place whole batches and decoding evicts: the
+# 22..40-token prompts and 64 new tokens cross the D = 32 boundary 2-3 times per row.
+SPEC = dict(block_tokens=16, d_window_tokens=32, cpu_threads=1)
+POLICIES = [0.0, 0.5, 1.0, "roofline"]
+
+
+def prompts(device, batch=3, length=40, seed=1):
+    """Left-padded prompts (transformers' layout for decoder-only generation)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 256, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    for row, pad in zip(range(batch), (0, 7, 18)[:batch]):
+        ids[row, :pad] = 0
+        mask[row, :pad] = 0
+    return ids.to(device), mask.to(device)
+
+
+def reference(model, ids, mask, new_tokens=NEW_TOKENS, **kw):
+    """DynamicCache + SDPA, decode steps over bf16-rounded K/V (the cache's precision)."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation("sdpa_bf16_kv")
+    try:
+        return model.generate(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(),
+                              max_new_tokens=new_tokens, min_new_tokens=kw.pop("min_new_tokens", new_tokens),
+                              do_sample=False, pad_token_id=0, **kw)
+    finally:
+        model.set_attn_implementation(before)
+
+
+def generate(model, ids, mask, cache, new_tokens=NEW_TOKENS):
+    return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"r={p}" if isinstance(p, float) else p)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_match_dynamic_cache_fp32(arch, policy, backend):
+    dev = device_of(backend)
+    model = tiny_model(arch, device=dev)
+    ids, mask = prompts(dev)
+    ref = reference(model, ids, mask)
+    cache = WriteScopeCache(model, policy=policy, backend=backend, **SPEC)
+    out = generate(model, ids, mask, cache)
+    assert out.shape == ref.shape
+    assert torch.equal(out, ref), f"first differing positions: {(out != ref).nonzero()[:4].tolist()}"
+    # The step attended the split the policy chose: check where the placed tokens are.
+    split = cache.split()
+    placed = split["cpu_tokens"] + split["pinned_tokens"]
+    assert placed > 0 and cache.last_flush is not None
+    if policy == 0.0:
+        assert split["cpu_tokens"] == 0
+    elif policy == 1.0:
+        assert split["pinned_tokens"] == 0
+    else:
+        assert split["cpu_tokens"] > 0 and split["pinned_tokens"] > 0
+    # Every real token of every row is cached, none of the padding.
+    real = mask.sum(dim=1).tolist()
+    for row, seq in enumerate(cache._seqs):
+        st = cache.kv.sequence(seq)
+        assert st["placed_tokens"] + st["window_tokens.0"] == real[row] + NEW_TOKENS - 1
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_logits_under_teacher_forcing(arch, backend):
+    """bf16 model: logits of every step within tolerance of DynamicCache + SDPA, both fed the
+    same tokens (greedy decoding of a random bf16 model flips on near-ties)."""
+    dev = device_of(backend)
+    model = tiny_model(arch, dtype=torch.bfloat16, device=dev)
+    ids, mask = prompts(dev, batch=2, length=36)
+    g = torch.Generator().manual_seed(2)
+    forced = torch.randint(3, 256, (2, 40), generator=g).to(dev)
+
+    def run(cache):
+        logits = []
+        m = mask
+        out = model(input_ids=ids, attention_mask=m, past_key_values=cache)
+        logits.append(out.logits[:, -1].float())
+        pos = (m.sum(dim=1, keepdim=True) - 1)
+        for t in range(forced.shape[1]):
+            m = torch.cat([m, torch.ones_like(m[:, :1])], dim=1)
+            pos = pos + 1
+            out = model(input_ids=forced[:, t:t + 1], attention_mask=m, position_ids=pos, past_key_values=cache)
+            logits.append(out.logits[:, -1].float())
+        return torch.stack(logits, dim=1)
+
+    ref = run(DynamicCache())
+    cache = WriteScopeCache(model, policy=0.5, backend=backend, **SPEC)
+    got = run(cache)
+    assert cache.split()["cpu_tokens"] > 0 and cache.split()["pinned_tokens"] > 0
+    err = (got - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    assert err <= 0.03 * scale, f"max |logit difference| {err} against max |logit| {scale}"
+
+
+def test_padded_batch_equals_each_prompt_alone(backend):
+    """A left-padded batch gives each row the tokens it gets alone (padding is not cached)."""
+    dev = device_of(backend)
+    model = tiny_model("qwen3_moe", device=dev)
+    ids, mask = prompts(dev)
+    batch = generate(model, ids, mask, WriteScopeCache(model, policy=0.5, backend=backend, **SPEC), 40)
+    for row in range(ids.shape[0]):
+        keep = mask[row].bool()
+        one = ids[row:row + 1, keep]
+        alone = generate(model, one, torch.ones_like(one), WriteScopeCache(model, policy=0.5, backend=backend, **SPEC), 40)
+        assert torch.equal(alone[0, one.shape[1]:], batch[row, ids.shape[1]:]), f"row {row}"
+
+
+def test_eos_stops_like_dynamic_cache(backend):
+    """EOS handled as transformers does: finished rows are padded, the others go on."""
+    dev = device_of(backend)
+    model = tiny_model("llama", device=dev)
+    ids, mask = prompts(dev)
+    ref = reference(model, ids, mask)
+    eos = int(ref[1, ids.shape[1] + 5])  # a token row 1 emits early
+    ref = reference(model, ids, mask, eos_token_id=eos, min_new_tokens=0)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                         pad_token_id=0, eos_token_id=eos,
+                         past_key_values=WriteScopeCache(model, policy="roofline", backend=backend, **SPEC))
+    assert torch.equal(out, ref)
+    assert (ref[1, ids.shape[1] + 6:] == 0).all()
+
+
+def test_reset_reuses_the_cache(backend):
+    dev = device_of(backend)
+    model = tiny_model("qwen2", device=dev)
+    ids, mask = prompts(dev)
+    cache = WriteScopeCache(model, policy=0.5, backend=backend, **SPEC)
+    first = generate(model, ids, mask, cache, 24)
+    with pytest.raises(NotImplementedError, match="one query token per sequence"):
+        generate(model, ids, mask, cache, 4)  # continuation of a cache that holds tokens
+    cache.reset()
+    assert cache.kv.usage()["live_sequences"] == 0
+    assert torch.equal(generate(model, ids, mask, cache, 24), first)
+
+
+# --- bad input: an exception naming the value, the cache unchanged -----------------------
+def test_unsupported_head_dim_raises_config_error():
+    model = tiny_model("llama", head_dim=32)
+    with pytest.raises(writescope.ConfigError, match="head dim 32 is not supported; supported: 64, 128, 256"):
+        WriteScopeCache(model)
+
+
+def test_mla_model_is_refused():
+    import transformers as tf
+
+    cfg = tf.DeepseekV2Config(vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                              num_hidden_layers=1, num_attention_heads=2, kv_lora_rank=32, q_lora_rank=None,
+                              qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=2,
+                              num_experts_per_tok=1)
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(writescope.ConfigError, match="deepseek_v2 uses MLA"):
+        WriteScopeCache(model)
+
+
+def test_unsupported_kv_dtype_raises_and_leaves_cache_empty(backend):
+    dev = device_of(backend)
+    model = tiny_model("llama", dtype=torch.float64, device=dev)
+    ids, mask = prompts(dev)
+    cache = WriteScopeCache(model, backend=backend, max_batch_size=3, **SPEC)
+    with pytest.raises(writescope.ShapeError, match="K/V dtype torch.float64 is not supported"):
+        generate(model, ids, mask, cache, 4)
+    assert cache.kv.usage()["live_sequences"] == 0 and cache.get_seq_length() == 0
+
+
+def test_cache_reused_across_models_raises(backend):
+    dev = device_of(backend)
+    a = tiny_model("llama", device=dev)
+    b = tiny_model("llama", device=dev, seed=1)
+    ids, mask = prompts(dev)
+    cache = WriteScopeCache(a, backend=backend, max_batch_size=3, **SPEC)
+    with pytest.raises(writescope.StateError, match="outside a forward of the model this cache was built for"):
+        generate(b, ids, mask, cache, 4)
+    assert cache.kv.usage()["live_sequences"] == 0 and cache.get_seq_length() == 0
+    ref = reference(a, ids, mask, 8)
+    assert torch.equal(generate(a, ids, mask, cache, 8), ref)  # still serves its own model
+
+
+def test_capacity_exceeded_at_admission_leaves_cache_unchanged(backend):
+    dev = device_of(backend)
+    model = tiny_model("mixtral", device=dev)
+    ids, mask = prompts(dev)
+    # room for the first prompt's batch only (gpu_only: the pinned region): the second is refused
+    cache = WriteScopeCache(model, policy="gpu_only", backend=backend, cpu_capacity_tokens=0,
+                            pinned_capacity_tokens=32, **SPEC)
+    with pytest.raises(writescope.CapacityError, match=r"raise partition_spec::pinned_capacity_tokens\), now 32 tokens"):
+        generate(model, ids, mask, cache, 4)
+    u = cache.kv.usage()
+    assert u["live_sequences"] == 0 and u["pinned_used_blocks"] == 0 and cache.get_seq_length() == 0
+
+
+def test_capacity_exceeded_at_eviction_raises(backend):
+    dev = device_of(backend)
+    model = tiny_model("qwen3_moe", device=dev)
+    ids, mask = prompts(dev)
+    cache = WriteScopeCache(model, policy="cpu_only", backend=backend, cpu_capacity_tokens=96,
+                            pinned_capacity_tokens=0, **SPEC)
+    with pytest.raises(writescope.CapacityError, match="flush: the full D-window of sequence"):
+        generate(model, ids, mask, cache, NEW_TOKENS)
+    assert cache.kv.usage()["cpu_used_blocks"] == 96 // 16  # what was placed before stays; nothing half-evicted
+
+
+def test_decode_needs_the_writescope_attention(backend):
+    dev = device_of(backend)
+    model = tiny_model("llama", device=dev)
+    ids, mask = prompts(dev)
+    cache = WriteScopeCache(model, backend=backend, **SPEC)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(writescope.ConfigError, match="attention implementation is 'sdpa'"):
+        generate(model, ids, mask, cache, 4)
+
+
+def test_wrong_mask_shape_raises(backend):
+    dev = device_of(backend)
+    model = tiny_model("llama", device=dev)
+    ids, mask = prompts(dev)
+    cache = WriteScopeCache(model, backend=backend, max_batch_size=3, **SPEC)
+    with pytest.raises(writescope.ShapeError, match=r"attention mask of shape \(3, 39\) for a prompt batch of 3 x 40"):
+        model(input_ids=ids, attention_mask=mask[:, 1:], past_key_values=cache)
+    assert cache.kv.usage()["live_sequences"] == 0

@@ -1,0 +1,165 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The torch ops of writescope.KVCache against a float64 reference, and their errors."""
+
+import math
+
+import pytest
+import torch
+
+import writescope as ws
+
+from conftest import device_of
+
+
+def reference(keys, values, q, scale, group):
+    """Attention of one query row set over all cached tokens, float64. keys [T, Hkv, D]."""
+    k = keys.double().repeat_interleave(group, dim=1)
+    v = values.double().repeat_interleave(group, dim=1)
+    s = torch.einsum("hd,thd->ht", q.double(), k) * scale
+    return torch.einsum("ht,thd->hd", s.softmax(-1), v), torch.logsumexp(s, -1)
+
+
+def make(layout, backend, r=0.5, layers=2, **kw):
+    spec = dict(max_sequences=4, cpu_capacity_tokens=4096, pinned_capacity_tokens=4096, block_tokens=16,
+                d_window_tokens=32, ping_pong_bytes=1 << 20, cpu_threads=1)
+    spec.update(kw)
+    return ws.KVCache(layout, layers, policy=r, backend=backend, **spec)
+
+
+@pytest.mark.parametrize("r", [0.0, 0.5, 1.0, "roofline"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gqa_decode_matches_reference(head_dim, r, backend):
+    dev = device_of(backend)
+    lay = ws.gqa(8, 2, head_dim)
+    cache = make(lay, backend, r=r)
+    torch.manual_seed(0)
+    prompts = [70, 5, 33]
+    seqs = [cache.begin_sequence(p) for p in prompts]
+    kv = {}  # (layer, seq) -> (K, V) as cached (bf16)
+    for layer in range(2):
+        for s, p in zip(seqs, prompts):
+            k = torch.randn(p, 2, head_dim).bfloat16()
+            v = torch.randn(p, 2, head_dim).bfloat16()
+            cache.append_prefill(layer, s, k.to(dev), v.to(dev))
+            kv[layer, s] = (k, v)
+    scale = 1 / math.sqrt(head_dim)
+    for step in range(40):
+        q = torch.randn(3, 8, head_dim)
+        for layer in range(2):
+            k = torch.randn(3, 2, head_dim).bfloat16()
+            v = torch.randn(3, 2, head_dim).bfloat16()
+            cache.append(layer, seqs, k.to(dev), v.to(dev))
+            out, lse = cache.attention(layer, seqs, q.to(dev), scale)
+            for i, s in enumerate(seqs):
+                K, V = kv[layer, s]
+                kv[layer, s] = (torch.cat([K, k[i:i + 1]]), torch.cat([V, v[i:i + 1]]))
+                ro, rl = reference(*kv[layer, s], q[i], scale, 4)
+                assert torch.allclose(out[i].cpu().double(), ro, atol=2e-5, rtol=1e-4), (step, layer, i)
+                assert torch.allclose(lse[i].cpu().double(), rl, atol=2e-5, rtol=1e-5)
+        cache.flush()
+    split = cache.split()
+    if r == 0.0:
+        assert split["cpu_tokens"] == 0 and split["pinned_tokens"] > 0
+    elif r == 1.0:
+        assert split["pinned_tokens"] == 0 and split["cpu_tokens"] > 0
+    else:
+        assert split["cpu_tokens"] > 0 and split["pinned_tokens"] > 0
+    # placed + window tokens account for every token of every sequence
+    for s, p in zip(seqs, prompts):
+        st = cache.sequence(s)
+        assert st["placed_tokens"] + st["window_tokens.1"] == p + 40
+
+
+def test_mla_decode_matches_reference(backend):
+    """MLA (absorbed): one latent row of 512 + 64 per token; V is its first 512 elements."""
+    dev = device_of(backend)
+    lay = ws.mla(4)
+    cache = make(lay, backend, r=0.5, layers=1, cpu_capacity_tokens=1024, pinned_capacity_tokens=1024,
+                 ping_pong_bytes=4 << 20)
+    torch.manual_seed(0)
+    seq = cache.begin_sequence(45)
+    rows = torch.randn(45, 1, 576).bfloat16()
+    cache.append_prefill(0, seq, rows.to(dev))
+    scale = 0.07
+    for step in range(30):
+        new = torch.randn(1, 1, 576).bfloat16()
+        cache.append(0, [seq], new.to(dev))
+        rows = torch.cat([rows, new])
+        q = torch.randn(1, 4, 576)
+        out, lse = cache.attention(0, [seq], q.to(dev), scale)
+        k = rows[:, 0].double()
+        s = (q[0].double() @ k.T) * scale
+        ro = s.softmax(-1) @ k[:, :512]
+        assert out.shape == (1, 4, 512)
+        assert torch.allclose(out[0].cpu().double(), ro, atol=1e-4, rtol=1e-3), step
+        assert torch.allclose(lse[0].cpu().double(), torch.logsumexp(s, -1), atol=1e-4)
+        cache.flush()
+    assert cache.split()["cpu_tokens"] > 0 and cache.split()["pinned_tokens"] > 0
+
+
+def test_strided_kv_is_taken_as_is(backend):
+    """K/V as views of a fused [tokens, 2, kv_heads, D] buffer (a token stride) are read correctly."""
+    dev = device_of(backend)
+    lay = ws.gqa(4, 2, 64)
+    cache = make(lay, backend, layers=1)
+    torch.manual_seed(3)
+    fused = torch.randn(50, 2, 2, 64).bfloat16().to(dev)
+    s = cache.begin_sequence(50)
+    cache.append_prefill(0, s, fused[:, 0], fused[:, 1])
+    for pos in (0, 31, 32, 49):
+        got = cache.read_token(0, s, pos)
+        assert torch.equal(got[0], fused[pos, 0].cpu()) and torch.equal(got[1], fused[pos, 1].cpu())
+
+
+# --- errors: the library's exceptions, as Python exceptions naming the value -------------
+def test_errors_name_the_value(backend):
+    dev = device_of(backend)
+    lay = ws.gqa(4, 2, 64)
+    with pytest.raises(ws.ConfigError, match="head dim 96 is not supported; supported: 64, 128, 256"):
+        make(ws.gqa(4, 2, 96), backend)
+    with pytest.raises(ws.ConfigError, match="Hq=6 is not a multiple of Hkv=4"):
+        make(ws.gqa(6, 4, 64), backend)
+    with pytest.raises(ws.ConfigError, match=r"D \(d_window_tokens\) 40 is not a positive multiple of the block size 16"):
+        make(lay, backend, d_window_tokens=40)
+    with pytest.raises(ws.ConfigError, match="fixed_ratio: CPU share 1.5 is outside"):
+        make(lay, backend, r=1.5)
+    with pytest.raises(ws.ConfigError, match="unknown option 'gpu_splits'"):
+        make(lay, backend, gpu_splits=4)
+    cache = make(lay, backend, layers=1)
+    s = cache.begin_sequence(40)
+    k = torch.randn(40, 2, 64).bfloat16().to(dev)
+    before = cache.sequence(s)
+    with pytest.raises(ws.ShapeError, match="append_prefill: k has dtype Float, expected BFloat16"):
+        cache.append_prefill(0, s, k.float(), k)
+    with pytest.raises(ws.ShapeError, match=r"append_prefill: v has shape \[39, 2, 64\], expected \[40, 2, 64\]"):
+        cache.append_prefill(0, s, k, k[:39])
+    with pytest.raises(ws.ShapeError, match="append_prefill: layer 3 outside"):
+        cache.append_prefill(3, s, k, k)
+    assert cache.sequence(s) == before  # nothing written
+    cache.append_prefill(0, s, k, k)
+    with pytest.raises(ws.StateError, match="already holds its prompt"):
+        cache.append_prefill(0, s, k, k)
+    q = torch.randn(1, 4, 64).to(dev)
+    with pytest.raises(ws.ShapeError, match="sequence 7 is not a live sequence"):
+        cache.attention(0, [7], q, 0.1)
+    with pytest.raises(ws.ConfigError, match="softmax scale -1.000000 must be finite and positive"):
+        cache.attention(0, [s], q, -1.0)
+    with pytest.raises(ws.CapacityError, match=r"a prompt of 100000 tokens .*capacity exceeded; raise partition_spec::(cpu|pinned)_capacity_tokens\)"):
+        cache.begin_sequence(10**5)
+    assert cache.usage()["live_sequences"] == 1
+    if dev.type == "cpu" and ws.cuda_built() is False:
+        with pytest.raises(ws.ConfigError, match="no CUDA backend"):
+            make(lay, "cuda")
+
+
+def test_error_classes_are_python_exceptions():
+    assert issubclass(ws.ConfigError, ValueError) and issubclass(ws.ShapeError, ValueError)
+    assert issubclass(ws.StateError, RuntimeError) and issubclass(ws.CapacityError, RuntimeError)
+    assert issubclass(ws.PinnedMemoryError, ws.ResourceError)
+    for c in (ws.ConfigError, ws.ShapeError, ws.StateError, ws.CapacityError, ws.CudaError):
+        assert issubclass(c, ws.Error)
+
+
+def test_build_info_says_whether_cuda_was_built():
+    info = ws.build_info()
+    assert "CUDA backend: built" in info if ws.cuda_built() else "CUDA backend: not built" in info
