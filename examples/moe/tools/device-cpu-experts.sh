@@ -6,7 +6,7 @@
 # run the test (every ISA the CPU has: scalar, AVX2, AVX-512, AVX512-BF16),
 # then the benchmark pinned with OMP_PROC_BIND=close OMP_PLACES=cores.
 #
-# From the repository root with .deps staged (device tool, carry [".deps"]):
+# From the repository root, with .deps staged as device-run.sh describes:
 #   examples/moe/tools/device-cpu-experts.sh
 #
 # Environment: OUT (default ./device-out), BUILD_DIR (default build-device),

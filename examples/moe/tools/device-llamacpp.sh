@@ -36,7 +36,7 @@
 #   .deps/usr staged as docs/DECODERS.md ("On the GPU machine") says (CLI11, cudnn-frontend)
 #   TGZ_SRC=/path/to/llama.cpp-src.tgz examples/moe/tools/device-llamacpp.sh stage
 #                                                  # .peers/llama.cpp-src.tgz + .git/info/exclude
-# then on the GPU machine (device tool, carry [".deps", ".peers"]):
+# then on the GPU machine, with .deps and .peers copied along:
 #   examples/moe/tools/device-llamacpp.sh
 # A warm machine keeps build-peers/ and BUILD_DIR between calls: a second call
 # (e.g. MODELS="dsv2lite mixtral") skips the builds.
@@ -200,7 +200,7 @@ step() {
 # ---- builds (background) --------------------------------------------------------------
 # the snapshot's source (its converter too) under $PEERS
 if [ ! -f "$SRC/convert_hf_to_gguf.py" ] || { [ -z "$LLAMA_BIN" ] && [ ! -x "$PEERS/build/bin/llama-bench" ]; }; then
-  [ -r "$TGZ" ] || { say "no $TGZ: run '$0 stage' here and carry .peers"; exit 2; }
+  [ -r "$TGZ" ] || { say "no $TGZ: run '$0 stage' on a machine with the tarball and copy .peers here"; exit 2; }
   rm -rf "$SRC"
   mkdir -p "$PEERS"
   tar xzf "$TGZ" -C "$PEERS" || { say "tar xzf $TGZ failed"; exit 2; }
@@ -229,7 +229,7 @@ if [ -x "$WS_DECODE" ]; then
   say "ws_decode: $WS_DECODE already built"
 else
   if [ ! -f "$root/.deps/usr/share/cmake/CLI11/CLI11Config.cmake" ]; then
-    say ".deps/usr lacks CLI11: stage it as docs/DECODERS.md says (scripts/stage-extra-deps), carry .deps"
+    say ".deps/usr lacks CLI11: stage it with scripts/stage-extra-deps and copy .deps here"
     exit 2
   fi
   say "ws_decode: building $BUILD_DIR (background, -j$JOBS)"

@@ -5,9 +5,9 @@
 # --device cuda: r = 0, r = 1, roofline, mixed CPU/GPU experts, all experts on
 # the CPU, bf16), then the scale runs of device-scale.sh with what is left.
 #
-# On the development machine first (the GPU machine cannot install packages):
-#   ../shared/tools/stage-device-deps && scripts/stage-extra-deps     # .deps/usr incl. CLI11
-# then on the GPU machine (device tool, carry [".deps"]):
+# On a Debian machine first, when the GPU machine cannot install packages:
+#   scripts/stage-deps          # .deps/usr: the header-only dependencies, CLI11, cudnn-frontend
+# and copy the tree with .deps to the GPU machine; there:
 #   examples/moe/tools/device-run.sh
 #
 # Environment: OUT (default ./device-out), TOTAL_BUDGET seconds (default 470),
@@ -56,7 +56,7 @@ cat "$OUT/env.txt"
 # --- build ----------------------------------------------------------------------
 s=$(date +%s)
 if [ ! -f "$root/.deps/usr/share/cmake/CLI11/CLI11Config.cmake" ]; then
-  echo "device-run: .deps/usr lacks CLI11: run ../shared/tools/stage-device-deps && scripts/stage-extra-deps, carry .deps" |
+  echo "device-run: .deps/usr lacks CLI11: stage it with scripts/stage-extra-deps and bring .deps along" |
     tee "$OUT/build.log"
   summary+=("build    FAILED  .deps/usr without CLI11")
   failed=1

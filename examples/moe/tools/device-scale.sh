@@ -38,7 +38,7 @@
 #   {qwen3,dsv2lite,mixtral}.balance  (only when named in RUNS) roofline at the paper's balance
 #               (--placement-headroom 0); ws_decode's default on a GPU places 0.05 below it
 # KV plan: block 32, D 64, ping-pong 2 x 64 MiB, GPU splits of ws_decode's default 4 blocks
-# (sessions 3-5 ran 8 or 16; calibrate with --block-tokens 32 --split-blocks 4 to match, since
+# (earlier results used 8 or 16; calibrate with --block-tokens 32 --split-blocks 4 to match, since
 # B and K depend on both). Prompts of 32736 = 511.5 x 64
 # (8160 = 127.5 x 64) tokens leave 32 in each D-window, so every sequence
 # evicts at decode steps 32, 96, 160, ...; NEW_TOKENS = 130 gives 129 decode

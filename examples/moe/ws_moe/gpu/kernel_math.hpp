@@ -35,7 +35,7 @@ namespace ws_moe::gpu {
 using idx = std::int64_t;
 
 /// Element type of a weight or GEMM operand. Activations are always fp32 in
-/// memory; GEMM inputs are bf16 or fp32 (docs/DECODERS.md, precision).
+/// memory; GEMM inputs are bf16 or fp32 (docs/DECODER-INTERNALS.md, precision).
 enum class wtype : int { bf16 = 0, f32 = 1 };
 
 [[nodiscard]] WS_MOE_HD inline int type_bytes(wtype t) { return t == wtype::bf16 ? 2 : 4; }
