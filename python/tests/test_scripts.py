@@ -1,0 +1,60 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The example (python/examples/generate.py) and the benchmark (python/bench/bench_generate.py)
+run end to end on a tiny local checkpoint with its own tokenizer and chat template."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_model
+
+PY = Path(__file__).resolve().parents[1]
+WORDS = ["<unk>", "<pad>", "<eos>"] + [f"w{i}" for i in range(253)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    d = tmp_path_factory.mktemp("tiny-qwen3-moe")
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w1{% endif %}"
+    fast.save_pretrained(d)
+    model = tiny_model("qwen3_moe", eos_token_id=2, pad_token_id=1)
+    model.save_pretrained(d)
+    return d
+
+
+def run(args):
+    p = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return p.stdout
+
+
+def test_example_generate_prints_text_rate_and_split(checkpoint):
+    out = run([PY / "examples" / "generate.py", checkpoint, "--prompt", "w5 w6 w7 " * 12, "--prompt", "w9 w10",
+               "--max-new-tokens", "40", "--policy", "0.5", "--dtype", "fp32", "--block-tokens", "16",
+               "--d-window", "32", "--cpu-threads", "1", "--device", "cpu"])
+    assert out.count("--- prompt") == 2
+    assert "tok/s" in out and "split:" in out and "policy 0.5 target 0.500" in out
+
+
+def test_bench_writes_json_and_table(checkpoint, tmp_path):
+    js = tmp_path / "bench.json"
+    out = run([PY / "bench" / "bench_generate.py", "--config", checkpoint, "--batch", "2", "--context", "64",
+               "--new-tokens", "8", "--dtype", "bf16", "--caches", "writescope,dynamic", "--policies",
+               "roofline,0.5", "--block-tokens", "16", "--d-window", "32", "--cpu-threads", "1", "--json", js])
+    doc = json.loads(js.read_text())
+    names = [r["cache"] for r in doc["results"]]
+    assert names == ["writescope:roofline", "writescope:0.5", "DynamicCache"]
+    assert all(r["decode_steps"] == 7 for r in doc["results"])
+    assert doc["results"][1]["split"]["cpu_share"] == 0.5
+    assert "decode tok/s" in out and "writescope:0.5" in out
