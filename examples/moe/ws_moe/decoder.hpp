@@ -108,7 +108,7 @@ struct sequence_summary {
 struct device_report {
   bool used = false;                 ///< false: host path
   std::string device;                ///< the executor's device name
-  std::string precision;             ///< GEMM precision (docs/DECODERS.md)
+  std::string precision;             ///< GEMM precision (docs/DECODER-INTERNALS.md)
   index_t total_bytes = 0;           ///< device memory of the GPU (0 when emulated)
   index_t budget_bytes = 0;          ///< --vram-budget (or the default)
   index_t used_bytes = 0;            ///< device memory in use after setup (everything)
@@ -159,6 +159,10 @@ struct device_report {
   index_t kv_prefault_bytes = 0;
   double kv_prefault_seconds = 0.0;
   index_t peak_used_bytes = 0;       ///< highest device memory in use sampled at phase boundaries and decode steps
+  /// The highest device memory NVML attributed to this process at the same
+  /// samples (-1: NVML could not say at some sample; process_memory_source says why).
+  index_t peak_process_bytes = -1;
+  std::string process_memory_source;
   /// Prefill phases (device time between events on the compute stream; host
   /// time for the CPU parts): attention incl. projections and the KV
   /// write-out, the MoE layers (router, experts, combine), the host-expert

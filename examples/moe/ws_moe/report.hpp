@@ -175,9 +175,12 @@ inline void print_device(std::FILE* f, const generation_result& r) {
       l = m + 1;
     }
   }
-  std::fprintf(f, "           device memory peak %s (sampled after setup, each prefill wave and each decode step)%s\n",
+  std::fprintf(f, "           device memory peak %s (total - free), this process %s (%s); sampled after setup, each prefill "
+                  "wave and each decode step%s\n",
                human_bytes(d.peak_used_bytes).c_str(),
-               d.budget_bytes > 0 && d.peak_used_bytes > d.budget_bytes ? ": ABOVE THE BUDGET" : "");
+               d.peak_process_bytes >= 0 ? human_bytes(d.peak_process_bytes).c_str() : "unknown",
+               d.process_memory_source.c_str(),
+               d.budget_bytes > 0 && std::max(d.peak_used_bytes, d.peak_process_bytes) > d.budget_bytes ? ": ABOVE THE BUDGET" : "");
   if (d.prefill_block_rows > 0)
     std::fprintf(f, "prefill    %d wave(s), attention: %s, blocks of %lld query rows\n", d.prefill_waves,
                  d.prefill_attention.c_str(), static_cast<long long>(d.prefill_block_rows));
@@ -463,6 +466,8 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
                    {"kv_bytes", d.kv_bytes},
                    {"workspace_bytes", d.workspace_bytes},
                    {"peak_used_bytes", d.peak_used_bytes},
+                   {"peak_process_bytes", d.peak_process_bytes},
+                   {"process_memory_source", d.process_memory_source},
                    {"prefill_waves", d.prefill_waves},
                    {"prefill_block_rows", d.prefill_block_rows},
                    {"prefill_attention", d.prefill_attention}};

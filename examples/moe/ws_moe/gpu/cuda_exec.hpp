@@ -33,6 +33,7 @@
 #include "flash_prefill_launch.hpp"
 #include "gemm.hpp"
 #include "kernel_math.hpp"
+#include "nvml_memory.hpp"
 #include "ops.hpp"
 
 namespace ws_moe::gpu {
@@ -75,6 +76,13 @@ class cuda_exec {
     WS_CUDA_TRY(cudaMemGetInfo(&free, &total));
     free_at_start_ = idx(free);
     total_ = idx(total);
+    {
+      int dev = 0;
+      char bus[32] = {};
+      WS_CUDA_TRY(cudaGetDevice(&dev));
+      WS_CUDA_TRY(cudaDeviceGetPCIBusId(bus, int(sizeof bus), dev));
+      nvml_ = std::make_unique<nvml_process_memory>(bus);
+    }
     backend_.emplace(stream_.get());
     done_ = writescope::cuda_detail::unique_event::create();
     WS_CUBLAS_TRY(cublasCreate(&blas_));
@@ -338,10 +346,17 @@ class cuda_exec {
   /// upper bound of what NVML reports for the process on a GPU it has alone).
   [[nodiscard]] idx device_used_bytes() const { return total_ - device_free_bytes(); }
   [[nodiscard]] idx device_free_at_start() const noexcept { return free_at_start_; }
+  /// Device memory NVML attributes to this process now (context included), or
+  /// -1 where NVML cannot say; process_memory_source() then says why.
+  [[nodiscard]] long long process_device_bytes() { return nvml_->available() ? nvml_->used_bytes() : -1; }
+  [[nodiscard]] std::string process_memory_source() const {
+    return nvml_->available() && nvml_->why().empty() ? "NVML (" + nvml_->source() + ")" : "NVML unavailable: " + nvml_->why();
+  }
 
  private:
   writescope::cuda_detail::unique_stream stream_;
   idx free_at_start_ = 0, total_ = 0;
+  std::unique_ptr<nvml_process_memory> nvml_;
   std::optional<backend_type> backend_;
   writescope::cuda_detail::unique_event done_;
   cublasHandle_t blas_ = nullptr;

@@ -410,6 +410,8 @@ class device_decoder {
     res.policy_final = cache_->policy().describe();
     sample_used();
     res.device.peak_used_bytes = peak_used_;
+    res.device.peak_process_bytes = process_readable_ ? peak_process_ : -1;
+    res.device.process_memory_source = x_.process_memory_source();
     res.device.cpu_expert_seconds = cpu_expert_seconds_;
     res.device.cpu_expert_rows = cpu_expert_rows_;
     res.device.grouped_moe_passes = grouped_passes_;
@@ -2113,7 +2115,17 @@ class device_decoder {
   }
 
   /// Device memory in use now; keeps the highest value seen.
-  void sample_used() { peak_used_ = std::max(peak_used_, device_used()); }
+  /// The device memory in use (total - free) and NVML's figure for this
+  /// process, each kept at its highest; one NVML sample it cannot give makes
+  /// the process peak unknown (-1) for the run.
+  void sample_used() {
+    peak_used_ = std::max(peak_used_, device_used());
+    const long long p = x_.process_device_bytes();
+    if (p < 0 || !process_readable_)
+      process_readable_ = false;
+    else
+      peak_process_ = std::max(peak_process_, index_t(p));
+  }
 
   void layer_decode(int l, const std::vector<writescope::sequence_id>& seqs, generation_result& res) {
     using namespace writescope;
@@ -2224,6 +2236,8 @@ class device_decoder {
   float *cbuf_ = nullptr, *kvx_ = nullptr;
   std::uint16_t *kx_ = nullptr, *vx_ = nullptr;
   index_t peak_used_ = 0;
+  index_t peak_process_ = 0;  ///< NVML's figure for this process (sample_used)
+  bool process_readable_ = true;
   std::vector<std::array<int, 5>> moe_marks_;
   // batched prefill experts
   struct batch_group {

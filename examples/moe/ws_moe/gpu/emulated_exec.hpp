@@ -51,6 +51,9 @@ class emulated_exec {
     return bufs_.back().data();
   }
   [[nodiscard]] idx allocated_bytes() const noexcept { return allocated_; }
+  /// No device process to measure: -1 (the budget is checked on allocated_bytes()).
+  [[nodiscard]] long long process_device_bytes() const noexcept { return -1; }
+  [[nodiscard]] std::string process_memory_source() const { return "emulated: no device process"; }
 
   template <class Op>
   void run(const Op& op, idx n) {
