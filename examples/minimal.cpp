@@ -58,6 +58,7 @@ int main() {
   // merged by log-sum-exp), then flush once all layers are done.
   const ws::sequence_id batch[] = {seq};
   cache.append(0, batch, {{new_k.data(), new_v.data()}, 1});
+  // outputs: out, lse (may be empty), and a debug_partials* (nullptr: none); returns a step_report
   attention.step(0, batch, ws::host_span<const float>(q.data(), ws::index_t(q.size())), scale,
                  {ws::host_span<float>(out.data(), ws::index_t(out.size())),
                   ws::host_span<float>(lse.data(), ws::index_t(lse.size())), nullptr});
