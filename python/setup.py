@@ -116,7 +116,7 @@ def extension():
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
         say(f"TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}")
         sources += ["csrc/engine_cuda.cpp", "csrc/kernels.cu"]
-        nvcc = ["-std=c++20", "--expt-relaxed-constexpr", "-O3", "-g0", "-DNDEBUG"]
+        nvcc = ["-std=c++20", "--expt-relaxed-constexpr", "-O3", "-DNDEBUG"]
         return cpp_extension.CUDAExtension("writescope._C", sources,
                                            extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **kwargs)
     sources += ["csrc/engine_nocuda.cpp"]

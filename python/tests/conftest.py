@@ -15,7 +15,7 @@ torch.set_num_threads(1)
 
 import writescope  # noqa: E402
 
-ARCHS = ("qwen3_moe", "mixtral", "llama", "qwen2")
+ARCHS = ("qwen3_moe", "mixtral", "llama", "qwen2", "deepseek_v2")
 
 
 def backends():
@@ -50,6 +50,15 @@ def tiny_config(arch, **over):
         return tf.LlamaConfig(**common)
     if arch == "qwen2":
         return tf.Qwen2Config(**common)
+    if arch in ("deepseek_v2", "deepseek_v2_qlora"):
+        # MLA at the instantiated latent size (kv_lora_rank 512, rope 64, as DeepSeek-V2-Lite)
+        for k in ("head_dim", "num_key_value_heads"):
+            common.pop(k)
+        mla = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                   q_lora_rank=96 if arch.endswith("qlora") else None, n_routed_experts=4, n_shared_experts=1,
+                   num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1)
+        mla.update({k: common.pop(k) for k in list(common) if k in mla})
+        return tf.DeepseekV2Config(**mla, **common)
     raise ValueError(arch)
 
 
@@ -61,27 +70,21 @@ def tiny_model(arch, dtype=torch.float32, device="cpu", seed=0, **over):
     return model.to(device=device, dtype=dtype).eval()
 
 
-def _sdpa_bf16_kv(module, query, key, value, attention_mask, **kwargs):
-    """The reference for float32 models: SDPA whose decode steps read bf16-rounded K/V, i.e.
-    DynamicCache + SDPA with writescope's KV precision (prompts attend the K/V as computed,
-    as the "writescope" attention's prefill does)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+def bf16_kv_dynamic_cache():
+    """The reference for float32 models: DynamicCache + SDPA whose decode steps read the cached
+    K/V rounded to bf16 (GQA: K and V; MLA: the latent rows), i.e. with writescope's KV
+    precision; prompts attend the K/V as computed, as the "writescope" attention's prefill does."""
+    from transformers import DynamicCache
 
-    if query.shape[2] == 1:
-        key = key.to(torch.bfloat16).to(key.dtype)
-        value = value.to(torch.bfloat16).to(value.dtype)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    class Bf16KVDynamicCache(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            if key_states.shape[2] == 1:
+                keys = keys.to(torch.bfloat16).to(keys.dtype)
+                values = values.to(torch.bfloat16).to(values.dtype)
+            return keys, values
 
-
-def register_reference_attention():
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
-    AttentionInterface.register("sdpa_bf16_kv", _sdpa_bf16_kv)
-    AttentionMaskInterface.register("sdpa_bf16_kv", sdpa_mask)
-
-
-register_reference_attention()
+    return Bf16KVDynamicCache()
 
 
 @pytest.fixture(params=BACKENDS)

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 import writescope
 from writescope.hf import WriteScopeCache
 
-from conftest import ARCHS, device_of, tiny_model
+from conftest import ARCHS, bf16_kv_dynamic_cache, device_of, tiny_model
 
 NEW_TOKENS = 64
 # Small blocks and D so that prompts place whole batches and decoding evicts: the
@@ -30,15 +30,10 @@ def prompts(device, batch=3, length=40, seed=1):
 
 
 def reference(model, ids, mask, new_tokens=NEW_TOKENS, **kw):
-    """DynamicCache + SDPA, decode steps over bf16-rounded K/V (the cache's precision)."""
-    before = model.config._attn_implementation
-    model.set_attn_implementation("sdpa_bf16_kv")
-    try:
-        return model.generate(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(),
-                              max_new_tokens=new_tokens, min_new_tokens=kw.pop("min_new_tokens", new_tokens),
-                              do_sample=False, pad_token_id=0, **kw)
-    finally:
-        model.set_attn_implementation(before)
+    """DynamicCache + SDPA, decode steps over bf16-rounded cached K/V (the cache's precision)."""
+    return model.generate(input_ids=ids, attention_mask=mask, past_key_values=bf16_kv_dynamic_cache(),
+                          max_new_tokens=new_tokens, min_new_tokens=kw.pop("min_new_tokens", new_tokens),
+                          do_sample=False, pad_token_id=0, **kw)
 
 
 def generate(model, ids, mask, cache, new_tokens=NEW_TOKENS):
@@ -154,16 +149,22 @@ def test_unsupported_head_dim_raises_config_error():
         WriteScopeCache(model)
 
 
-def test_mla_model_is_refused():
-    import transformers as tf
-
-    cfg = tf.DeepseekV2Config(vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
-                              num_hidden_layers=1, num_attention_heads=2, kv_lora_rank=32, q_lora_rank=None,
-                              qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=2,
-                              num_experts_per_tok=1)
-    model = tf.AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(writescope.ConfigError, match="deepseek_v2 uses MLA"):
+def test_unsupported_mla_latent_raises_config_error():
+    model = tiny_model("deepseek_v2", kv_lora_rank=128, qk_rope_head_dim=32)
+    with pytest.raises(writescope.ConfigError, match="MLA kv_lora_rank 128 with rope dim 32 is not supported; "
+                                                     "supported: 512 with 64"):
         WriteScopeCache(model)
+
+
+def test_mla_with_q_lora_matches_dynamic_cache(backend):
+    """DeepSeek-V2 with a q LoRA (V2 proper; V2-Lite has none): the cache holds the latent rows."""
+    dev = device_of(backend)
+    model = tiny_model("deepseek_v2_qlora", device=dev)
+    ids, mask = prompts(dev)
+    ref = reference(model, ids, mask, 40)
+    cache = WriteScopeCache(model, policy="roofline", backend=backend, **SPEC)
+    assert torch.equal(generate(model, ids, mask, cache, 40), ref)
+    assert cache.kv.usage()["num_layers"] == 2 and cache.layout.kind == "mla"
 
 
 def test_unsupported_kv_dtype_raises_and_leaves_cache_empty(backend):
@@ -221,6 +222,22 @@ def test_decode_needs_the_writescope_attention(backend):
     model.set_attn_implementation("sdpa")
     with pytest.raises(writescope.ConfigError, match="attention implementation is 'sdpa'"):
         generate(model, ids, mask, cache, 4)
+
+
+def test_decode_mask_that_hides_the_new_token_raises(backend):
+    dev = device_of(backend)
+    model = tiny_model("llama", device=dev)
+    ids, mask = prompts(dev)
+    cache = WriteScopeCache(model, backend=backend, **SPEC)
+    model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    step = torch.cat([mask, torch.zeros_like(mask[:, :1])], dim=1)
+    with pytest.raises(writescope.ShapeError, match="masks the new token of some row"):
+        model(input_ids=ids[:, :1], attention_mask=step, past_key_values=cache)
+    with pytest.raises(writescope.ShapeError, match=r"attention mask has shape \(3, 40\), expected \[batch, 41\]"):
+        model(input_ids=ids[:, :1], attention_mask=mask, past_key_values=cache)
+    assert cache.get_seq_length() == 40 and all(cache.kv.sequence(s)["window_tokens.1"] >= 0 for s in cache._seqs)
+    placed = [cache.kv.sequence(s)["placed_tokens"] + cache.kv.sequence(s)["window_tokens.0"] for s in cache._seqs]
+    assert placed == mask.sum(dim=1).tolist()  # nothing appended by the refused steps
 
 
 def test_wrong_mask_shape_raises(backend):

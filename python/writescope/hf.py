@@ -17,8 +17,12 @@ attention mask work: only the tokens the mask keeps are cached, so each sequence
 exactly what SDPA over the padded cache would. Finished sequences (EOS) go on being
 computed and appended, as transformers does with any cache.
 
-Not supported (each raises): sliding-window or chunked layers, MLA models (DeepSeek-V2),
-beam search / cache reordering, a second multi-token input to a cache that holds tokens
+MLA (DeepSeek-V2): transformers' DeepseekV2Attention hands update() the latent itself (the
+normalized c_kv and the roped k_pe), so the cache holds one 576-element row per token and
+layer; decode steps attend it in absorbed form (q' = q_nope W_UK ‖ q_pe, out = W_UV · the
+latent output), with W_UK and W_UV taken from the module's kv_b_proj.
+
+Not supported (each raises): sliding-window or chunked layers, beam search / cache reordering, a second multi-token input to a cache that holds tokens
 (chunked prefill, assisted decoding, multi-turn continuation: use ``reset()``).
 """
 
@@ -34,7 +38,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from . import CapacityError, ConfigError, KVCache, ShapeError, StateError, gqa  # noqa: F401
+from . import CapacityError, ConfigError, KVCache, ShapeError, StateError, gqa, mla  # noqa: F401
 from . import _errors
 
 __all__ = ["WriteScopeCache", "writescope_attention", "ATTN_IMPLEMENTATION"]
@@ -127,21 +131,23 @@ class WriteScopeCache(Cache):
         cfg = _decoder_config(model)
         self._num_layers = int(cfg.num_hidden_layers)
         super().__init__(layers=[_Layer(self) for _ in range(self._num_layers)])
-        if getattr(cfg, "kv_lora_rank", None) is not None or getattr(cfg, "model_type", "") in ("deepseek_v2",
-                                                                                             "deepseek_v3"):
-            raise ConfigError(f"WriteScopeCache: {cfg.model_type} uses MLA, which writescope.hf does not support yet "
-                              "(its attention module would need an absorbed forward); GQA models only")
         types = getattr(cfg, "layer_types", None) or []
         other = sorted({t for t in types if t != "full_attention"})
         if other or (getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None)):
             raise ConfigError(f"WriteScopeCache: layer types {other or ['sliding_attention']} are not supported "
                               "(writescope attends every cached token); full attention only")
         hq = int(cfg.num_attention_heads)
-        hkv = int(getattr(cfg, "num_key_value_heads", None) or hq)
-        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // hq)
-        self.layout = gqa(hq, hkv, head_dim)
-        with _errors():
-            torch.ops.writescope.validate_layout("gqa", hq, hkv, head_dim, 0)
+        if getattr(cfg, "kv_lora_rank", None) is not None:  # MLA (DeepSeek-V2): the cache holds the latent rows
+            rank, rope = int(cfg.kv_lora_rank), int(cfg.qk_rope_head_dim)
+            self.layout = mla(hq, rank, rope)
+            with _errors():
+                torch.ops.writescope.validate_layout("mla", hq, 1, rank, rope)
+        else:
+            hkv = int(getattr(cfg, "num_key_value_heads", None) or hq)
+            head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // hq)
+            self.layout = gqa(hq, hkv, head_dim)
+            with _errors():
+                torch.ops.writescope.validate_layout("gqa", hq, hkv, head_dim, 0)
         device = next(model.parameters()).device
         self.device = device
         self.backend = backend or ("cuda" if device.type == "cuda" else "host")
@@ -160,6 +166,7 @@ class WriteScopeCache(Cache):
         self._forward = None  # the attention mask of the model forward in progress, or None when none is
         self._in_forward = False
         self._prefilling = False
+        self._absorbed = {}  # MLA: id(attention module) -> (weight, version, W_UK, W_UV)
         self._valid = None
         self._starts = None
         self.last_flush = None
@@ -195,7 +202,7 @@ class WriteScopeCache(Cache):
                 cache._forward = None
 
         handles = [model.register_forward_pre_hook(pre, with_kwargs=True),
-                   model.register_forward_hook(post, with_kwargs=True)]
+                   model.register_forward_hook(post, with_kwargs=True, always_call=True)]
         weakref.finalize(self, lambda hs=handles: [h.remove() for h in hs])
 
     def _create(self, batch: int):
@@ -267,10 +274,16 @@ class WriteScopeCache(Cache):
         """Appends layer ``layer_idx``'s new K/V ([batch, kv_heads, tokens, head_dim]) to the writescope cache."""
         self._check_bound("update")
         b, h, t, dh = key_states.shape
-        if (h, dh) != (self.layout.num_kv_heads, self.layout.head_dim) or value_states.shape != key_states.shape:
+        lay = self.layout
+        if lay.kind == "gqa":
+            want = ((b, lay.num_kv_heads, t, lay.head_dim),) * 2
+            what = f"{lay.num_kv_heads} KV heads of {lay.head_dim}"
+        else:  # DeepSeek-V2's attention caches the normalized latent and the roped key part
+            want = ((b, 1, t, lay.kv_lora_rank), (b, 1, t, lay.rope_dim))
+            what = f"MLA latent rows of {lay.kv_lora_rank} + {lay.rope_dim}"
+        if (tuple(key_states.shape), tuple(value_states.shape)) != want:
             raise ShapeError(f"WriteScopeCache.update: K/V of shape {tuple(key_states.shape)} / "
-                             f"{tuple(value_states.shape)} for a cache of {self.layout.num_kv_heads} KV heads of "
-                             f"{self.layout.head_dim}")
+                             f"{tuple(value_states.shape)} for a cache of {what}")
         if key_states.dtype not in _KV_DTYPES:
             raise ShapeError(f"WriteScopeCache.update: K/V dtype {key_states.dtype} is not supported; the cache stores "
                              "bfloat16 and takes bfloat16, float16 or float32 (converted to bfloat16)")
@@ -300,9 +313,11 @@ class WriteScopeCache(Cache):
                 raise ConfigError(f"WriteScopeCache: the model's attention implementation is {impl!r}; decoding "
                                   f"from a WriteScopeCache needs {ATTN_IMPLEMENTATION!r} "
                                   f"(model.set_attn_implementation({ATTN_IMPLEMENTATION!r}))")
-        k = key_states[:, :, 0, :].to(torch.bfloat16)
-        v = value_states[:, :, 0, :].to(torch.bfloat16)
-        self.kv.append(layer_idx, self._seqs, k, v)
+        if lay.kind == "gqa":
+            self.kv.append(layer_idx, self._seqs, key_states[:, :, 0, :].to(torch.bfloat16),
+                           value_states[:, :, 0, :].to(torch.bfloat16))
+        else:
+            self.kv.append(layer_idx, self._seqs, self._latent_rows(key_states, value_states)[:, 0])
         _active.state = (self, layer_idx)
         return key_states, value_states
 
@@ -343,18 +358,26 @@ class WriteScopeCache(Cache):
         self._prefilling = True
 
     def _append_prefill(self, layer: int, key_states, value_states):
-        # token-major [batch, tokens, kv_heads, head_dim] bf16, one copy for the batch
-        k = key_states.to(torch.bfloat16).transpose(1, 2).contiguous()
-        v = value_states.to(torch.bfloat16).transpose(1, 2).contiguous()
+        # token-major [batch, tokens, kv_heads, row] bf16, one copy for the batch
+        if self.layout.kind == "gqa":
+            k = key_states.to(torch.bfloat16).transpose(1, 2).contiguous()
+            v = value_states.to(torch.bfloat16).transpose(1, 2).contiguous()
+        else:
+            k, v = self._latent_rows(key_states, value_states), None
         for i, s in enumerate(self._seqs):
             if self._valid is None:
-                ki, vi = k[i], v[i]
+                ki, vi = k[i], v[i] if v is not None else None
             elif self._starts[i] is not None:
-                ki, vi = k[i, self._starts[i]:], v[i, self._starts[i]:]
+                ki, vi = k[i, self._starts[i]:], v[i, self._starts[i]:] if v is not None else None
             else:
                 idx = self._valid[i].nonzero().flatten().to(k.device)
-                ki, vi = k[i].index_select(0, idx), v[i].index_select(0, idx)
+                ki, vi = k[i].index_select(0, idx), v[i].index_select(0, idx) if v is not None else None
             self.kv.append_prefill(layer, s, ki, vi)
+
+    @staticmethod
+    def _latent_rows(c_kv, k_pe):
+        """MLA: [batch, 1, tokens, rank] and [batch, 1, tokens, rope] -> rows c_kv ‖ k_pe, [batch, tokens, 1, rank + rope] bf16."""
+        return torch.cat([c_kv, k_pe], dim=-1).to(torch.bfloat16).transpose(1, 2).contiguous()
 
     def _check_decode_mask(self):
         mask = self._forward
@@ -377,11 +400,32 @@ class WriteScopeCache(Cache):
         q = query[:, :, 0, :].to(torch.float32)
         if scaling is None:
             scaling = dh ** -0.5
+        if self.layout.kind == "mla":
+            # Absorbed MLA: the score of head h is q_nope·(W_UK_h c) + q_pe·k_pe = (q_nope W_UK_h)·c + q_pe·k_pe,
+            # and its output W_UV_h (sum_t p_t c_t): attend the latent rows with q' = q_nope W_UK ‖ q_pe.
+            w_uk, w_uv = self._absorbed_weights(module)
+            nope = module.qk_nope_head_dim
+            q_lat = torch.einsum("bhn,hnc->bhc", q[..., :nope], w_uk)
+            q = torch.cat([q_lat, q[..., nope:]], dim=-1).contiguous()
         out, _ = self.kv.attention(layer, self._seqs, q, float(scaling))
+        if self.layout.kind == "mla":
+            out = torch.einsum("bhc,hvc->bhv", out, w_uv)
         if layer == self._num_layers - 1:
             self.last_flush = self.kv.flush()
             self._seq_len += 1
         return out.to(query.dtype).unsqueeze(1)
+
+    def _absorbed_weights(self, module):
+        """W_UK [heads, nope, rank] and W_UV [heads, v, rank] of an MLA module's kv_b_proj, fp32 (kept per module)."""
+        w = getattr(module, "kv_b_proj").weight
+        cached = self._absorbed.get(id(module))
+        if cached is None or cached[0] is not w or cached[1] != w._version:
+            per_head = w.detach().to(torch.float32).view(module.num_heads, module.qk_nope_head_dim + module.v_head_dim,
+                                                         self.layout.kv_lora_rank)
+            cached = (w, w._version, per_head[:, :module.qk_nope_head_dim].contiguous(),
+                      per_head[:, module.qk_nope_head_dim:].contiguous())
+            self._absorbed[id(module)] = cached
+        return cached[2], cached[3]
 
     def split(self) -> dict:
         """Where the cached tokens are now (see KVCache.split), plus the policy's target share."""
