@@ -7,9 +7,10 @@
 
 One process, the same model and prompts for every cache. Prompts are random token ids,
 batch x context, no padding. Per run: prefill (time to first token, prefill tok/s), decode
-tok/s over the decode steps, TPOT P50/P99, the writescope split, and the Python overhead
-per decode step (host time in WriteScopeCache.update and the decode attention outside the
-library's ops). A run that runs out of device memory is recorded as "oom". Writes a JSON
+tok/s over the decode steps, TPOT P50/P99, the attention part of a decode step (every
+layer's cache update and attention, between CUDA events), the writescope split, and the
+Python overhead per decode step (host time in WriteScopeCache.update and the decode
+attention outside the library's ops). A run that runs out of device memory is recorded as "oom". Writes a JSON
 (--json) and prints a table.
 """
 
@@ -70,6 +71,51 @@ class OverheadMeter:
             setattr(owner, name, orig)
 
 
+class AttentionTimer:
+    """Per decode step, the time of its attention part: each layer's cache update and attention call,
+    between two CUDA events on the current stream (host clock on the CPU). Every cache runs through
+    the "writescope" attention here (plain SDPA for the DynamicCache runs), so one wrapper serves all."""
+
+    def __init__(self, cache, device):
+        self.cache, self.device, self.pairs = cache, device, []
+        self._orig_attention = wshf.writescope_attention
+        self._orig_update = cache.update
+
+    def _mark(self):
+        if self.device.type == "cuda":
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def __enter__(self):
+        def update(key_states, value_states, layer_idx, *a, **k):
+            if key_states.shape[2] == 1:
+                self._start = self._mark()
+            return self._orig_update(key_states, value_states, layer_idx, *a, **k)
+
+        def attention(module, query, *a, **k):
+            out = self._orig_attention(module, query, *a, **k)
+            if query.shape[2] == 1 and getattr(self, "_start", None) is not None:
+                self.pairs.append((self._start, self._mark()))
+                self._start = None
+            return out
+
+        self.cache.update = update
+        wshf.AttentionInterface.register(wshf.ATTN_IMPLEMENTATION, attention)
+        return self
+
+    def __exit__(self, *exc):
+        wshf.AttentionInterface.register(wshf.ATTN_IMPLEMENTATION, self._orig_attention)
+        del self.cache.update
+
+    def seconds(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return sum(a.elapsed_time(b) for a, b in self.pairs) * 1e-3
+        return sum(b - a for a, b in self.pairs)
+
+
 def load_model(path, dtype, device, **kw):
     """from_pretrained onto `device`: through device_map where accelerate is installed, else load and move."""
     import importlib.util
@@ -105,7 +151,7 @@ def run_one(model, ids, args, name, make_cache, device):
     try:
         cache = make_cache()
         clock = StepClock(device)
-        with OverheadMeter() as meter, torch.inference_mode():
+        with OverheadMeter() as meter, AttentionTimer(cache, device) as attn, torch.inference_mode():
             t0 = time.perf_counter()
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
                            max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
@@ -119,6 +165,8 @@ def run_one(model, ids, args, name, make_cache, device):
                decode_steps=len(steps), decode_tok_s=b * len(steps) / sum(steps) if steps else None,
                tpot_p50_ms=statistics.median(steps) * 1e3 if steps else None,
                tpot_p99_ms=sorted(steps)[min(len(steps) - 1, int(0.99 * len(steps)))] * 1e3 if steps else None)
+    if steps:
+        rec["attention_ms_per_step"] = attn.seconds() / len(steps) * 1e3
     if device.type == "cuda":
         rec["peak_device_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     if isinstance(cache, wshf.WriteScopeCache):
@@ -171,6 +219,8 @@ def main():
                 results.append(run_one(model, ids, args, f"writescope:{pol}", make, device))
         elif name == "dynamic":
             results.append(run_one(model, ids, args, "DynamicCache", lambda: DynamicCache(config=cfg), device))
+        elif name == "offloaded" and device.type != "cuda":
+            results.append({"cache": "DynamicCache(offloading=True)", "skipped": "offloading needs a CUDA device"})
         elif name == "offloaded":
             results.append(run_one(model, ids, args, "DynamicCache(offloading=True)",
                                    lambda: DynamicCache(config=cfg, offloading=True), device))
@@ -187,20 +237,24 @@ def main():
             json.dump(doc, f, indent=1)
     base = {r["cache"]: r for r in results}
     off = base.get("DynamicCache(offloading=True)", {}).get("decode_tok_s")
+    off_attn = base.get("DynamicCache(offloading=True)", {}).get("attention_ms_per_step")
     print(f"\n{doc['model']}, {doc['layers']} layers, {args.batch} x {args.context}, {args.new_tokens} new tokens, "
           f"{doc['device']}")
     print(f"{'cache':34} {'prefill tok/s':>14} {'decode tok/s':>13} {'x offloaded':>12} {'TPOT P50 ms':>12} "
-          f"{'P99/P50':>8} {'CPU share':>10} {'py ms/step':>11}")
+          f"{'P99/P50':>8} {'attn ms/step':>13} {'attn x off':>11} {'CPU share':>10} {'py ms/step':>11}")
     for r in results:
-        if "oom" in r:
-            print(f"{r['cache']:34} {'out of memory':>14}")
+        if "oom" in r or "skipped" in r:
+            print(f"{r['cache']:34} {'out of memory' if 'oom' in r else r['skipped']}")
             continue
         d = r["decode_tok_s"] or float("nan")
         ratio = f"{d / off:.2f}" if off else "-"
         share = f"{r['split']['cpu_share']:.3f}" if "split" in r else "-"
         py = f"{r['python_overhead_per_step_ms']:.2f}" if "python_overhead_per_step_ms" in r else "-"
+        am = r.get("attention_ms_per_step")
+        attn_ratio = f"{off_attn / am:.2f}" if off_attn and am else "-"
         print(f"{r['cache']:34} {r['prefill_tok_s']:14.0f} {d:13.1f} {ratio:>12} {r['tpot_p50_ms']:12.2f} "
-              f"{r['tpot_p99_ms'] / r['tpot_p50_ms']:8.3f} {share:>10} {py:>11}")
+              f"{r['tpot_p99_ms'] / r['tpot_p50_ms']:8.3f} {am if am is not None else float('nan'):13.3f} "
+              f"{attn_ratio:>11} {share:>10} {py:>11}")
 
 
 if __name__ == "__main__":
