@@ -147,8 +147,11 @@ def test_errors_name_the_value(backend):
     with pytest.raises(ws.CapacityError, match=r"a prompt of 100000 tokens .*capacity exceeded; raise partition_spec::(cpu|pinned)_capacity_tokens\)"):
         cache.begin_sequence(10**5)
     assert cache.usage()["live_sequences"] == 1
-    if dev.type == "cpu" and ws.cuda_built() is False:
+    if not ws.cuda_built():
         with pytest.raises(ws.ConfigError, match="no CUDA backend"):
+            make(lay, "cuda")
+    elif not torch.cuda.is_available():
+        with pytest.raises(ws.CudaError, match="^no CUDA device: cudaGetDeviceCount"):
             make(lay, "cuda")
 
 
