@@ -10,6 +10,7 @@
 // after that stream's work, and that stream after the call's (two events), so
 // tensors handed in or returned follow torch's usual stream semantics.
 #include <ATen/cuda/CUDAContext.h>
+#include <array>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <writescope/cuda/cuda_backend.hpp>
@@ -42,18 +43,24 @@ struct cuda_traits {
       }
     }
     ~scope() {
-      if (current_ != b_.caller_stream()) {
+      if (current_ == b_.caller_stream()) return;
+      try {  // the events exist (the constructor made them); nothing here may throw out of a destructor
         if (cudaEventRecord(events().second, b_.caller_stream()) == cudaSuccess)
           (void)cudaStreamWaitEvent(current_, events().second, 0);
-        (void)cudaGetLastError();
+      } catch (...) {
       }
+      (void)cudaGetLastError();
     }
     scope(const scope&) = delete;
     scope& operator=(const scope&) = delete;
 
    private:
-    static std::pair<cudaEvent_t, cudaEvent_t>& events() {
-      thread_local std::pair<cudaEvent_t, cudaEvent_t> ev{nullptr, nullptr};
+    // Two events per device for this thread (created on first use, with that device current).
+    std::pair<cudaEvent_t, cudaEvent_t>& events() {
+      thread_local std::array<std::pair<cudaEvent_t, cudaEvent_t>, 64> per_device{};
+      if (b_.device() < 0 || b_.device() >= int(per_device.size()))
+        throw ws::config_error("cuda backend: device " + std::to_string(b_.device()) + " beyond the 64 this binding orders");
+      auto& ev = per_device[std::size_t(b_.device())];
       if (ev.first == nullptr) {
         WS_CUDA_TRY(cudaEventCreateWithFlags(&ev.first, cudaEventDisableTiming));
         WS_CUDA_TRY(cudaEventCreateWithFlags(&ev.second, cudaEventDisableTiming));
