@@ -34,6 +34,9 @@ namespace wsb {
 
 #if WS_BENCH_CUDA
 using backend_t = ws::cuda_backend;
+/// The ablation arms' backend (ws_bench --mode ablate): the run-time switches
+/// of cuda_test_hooks; bench_kernels.cu instantiates its kernels.
+using ablation_backend_t = ws::basic_cuda_backend<ws::cuda_test_hooks>;
 using pinned_t = ws::cuda_host_register;
 inline constexpr bool has_cuda = true;
 #else
@@ -115,7 +118,8 @@ class act_buffer {
 };
 
 /// Waits for everything the backend's caller stream holds (the end of a step).
-inline void sync_caller(backend_t& be) {
+template <class Backend>
+void sync_caller(Backend& be) {
 #if WS_BENCH_CUDA
   WS_CUDA_TRY(cudaStreamSynchronize(be.caller_stream()));
 #else
@@ -124,7 +128,8 @@ inline void sync_caller(backend_t& be) {
 }
 
 /// Waits for every stream of the backend (admission done, pinned writes landed).
-inline void sync_all(backend_t& be) {
+template <class Backend>
+void sync_all(Backend& be) {
 #if WS_BENCH_CUDA
   be.synchronize();
 #else
@@ -228,17 +233,17 @@ struct decode_stats {
   int layers = 0;
 };
 
-template <class Preset, class Policy, class Pinned = pinned_t>
+template <class Preset, class Policy, class Pinned = pinned_t, class Backend = backend_t>
 class rig {
  public:
   using layout_type = typename Preset::layout_type;
   using policy_type = recording_policy<Policy>;
-  using cache_type = ws::inplace_kv_cache<layout_type, backend_t, Pinned, policy_type>;
+  using cache_type = ws::inplace_kv_cache<layout_type, Backend, Pinned, policy_type>;
   using attention_type = ws::hybrid_attention<cache_type>;
   static constexpr int Q = layout_type::q_dim;
   static constexpr int V = layout_type::v_dim;
 
-  rig(backend_t& be, const rig_config& c, Policy policy, const kv_pool<layout_type>& pool)
+  rig(Backend& be, const rig_config& c, Policy policy, const kv_pool<layout_type>& pool)
       : be_(&be),
         cfg_(c),
         layout_(Preset::layout()),
@@ -380,7 +385,7 @@ class rig {
     return std::make_unique<attention_type>(cache, ao);
   }
 
-  backend_t* be_;
+  Backend* be_;
   rig_config cfg_;
   layout_type layout_;
   const kv_pool<layout_type>* pool_;

@@ -120,7 +120,6 @@ class monolithic_cache {
       p.q = q;
       p.out_o = out_o;
       p.out_lse = out_lse;
-      p.delay_cycles = 0;
       p.block_elems = index_t(Layout::planes) * layout_.kv_heads() * tokens * row;
       p.scale = scale;
       p.hq = layout_.num_q_heads();

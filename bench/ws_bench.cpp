@@ -15,7 +15,11 @@
 //   ablate    paper Fig. 10: the full system against one design point replaced
 //             at a time: fixed share, per-block and per-slice DMA, per-step
 //             ping-pong allocation, pageable pinned region, monolithic per-step
-//             rebuild (bench/monolithic.hpp). Normalised throughput.
+//             rebuild (bench/monolithic.hpp). Normalised throughput. The
+//             DMA, allocation and pageable arms run on a second backend with
+//             the run-time switches (basic_cuda_backend<cuda_test_hooks>), the
+//             DMA and allocation arms on one cache admitted and warmed up as
+//             the full system's; the full system on cuda_backend.
 //   contend   paper Table 3: two caches decoding at once on two threads (each
 //             its own backend, cores and OpenMP team): solo, both frozen at the
 //             solo share, both adaptive (A and B online).
@@ -527,7 +531,7 @@ void run_ablate(context& cx) {
         std::fflush(stdout);
         cx.add("ablate", std::move(row));
       };
-      {  // the full system, then the arms that only flip a backend switch on the same cache
+      {  // the full system (cuda_backend)
         rig<Preset, ws::roofline_policy> r(*cx.be, rc, full_policy, pool);
         r.admit(L);
         if (o.warmup > 0) r.decode(o.warmup);
@@ -535,7 +539,16 @@ void run_ablate(context& cx) {
         full_ms = j["step_ms"].get<double>();
         j["costs"] = costs_json(costs);
         emit("full", j);
+      }
 #if WS_BENCH_CUDA
+      // The arms that flip a switch of the ablation backend (cuda_test_hooks;
+      // with every switch off it runs the production code path), on one cache
+      // admitted and warmed up as the full system's.
+      ablation_backend_t abe;
+      if (!cx.skip("ablate arms per_block_dma, per_slice_dma, per_step_alloc")) {
+        rig<Preset, ws::roofline_policy, pinned_t, ablation_backend_t> r(abe, rc, full_policy, pool);
+        r.admit(L);
+        if (o.warmup > 0) r.decode(o.warmup);
         using cg = ws::cuda_ablation_options::copy_granularity;
         struct arm {
           const char* name;
@@ -547,19 +560,19 @@ void run_ablate(context& cx) {
         arms.push_back({"per_step_alloc", cg::coalesced_runs, true});
         for (const arm& a : arms) {
           if (cx.skip(std::string("ablate arm ") + a.name)) break;
-          cx.be->ablation().copies = a.copies;
-          cx.be->ablation().per_step_allocation = a.alloc;
+          abe.ablation().copies = a.copies;
+          abe.ablation().per_step_allocation = a.alloc;
           try {
             r.decode(1);
             emit(a.name, stats_json(r, r.decode(o.steps)));
           } catch (...) {
-            cx.be->ablation() = {};
+            abe.ablation() = {};
             throw;
           }
-          cx.be->ablation() = {};
+          abe.ablation() = {};
         }
-#endif
       }
+#endif
       if (!cx.skip("ablate arm fixed_share")) {
         const double p = full_policy.converged_share();
         rig<Preset, ws::fixed_ratio> r(*cx.be, rc, ws::fixed_ratio(p), pool);
@@ -571,17 +584,17 @@ void run_ablate(context& cx) {
       }
 #if WS_BENCH_CUDA
       if (!cx.skip("ablate arm pageable_source")) {
-        cx.be->debug().allow_pageable_sources = true;
+        abe.debug().allow_pageable_sources = true;  // debug builds refuse pageable H2D sources otherwise
         try {
-          rig<Preset, ws::roofline_policy, ws::pageable_allocator> r(*cx.be, rc, full_policy, pool);
+          rig<Preset, ws::roofline_policy, ws::pageable_allocator, ablation_backend_t> r(abe, rc, full_policy, pool);
           r.admit(L);
           r.decode(1);
           emit("pageable_source", stats_json(r, r.decode(std::max(3, o.steps / 2))));
         } catch (...) {
-          cx.be->debug().allow_pageable_sources = false;
+          abe.debug().allow_pageable_sources = false;
           throw;
         }
-        cx.be->debug().allow_pageable_sources = false;
+        abe.debug().allow_pageable_sources = false;
       }
       if (!cx.skip("ablate arm monolithic_rebuild")) {
         // One layer: the rebuild touches everything anyway; pinning dominates.

@@ -240,18 +240,23 @@ class device_decode_driver : public decode_driver<Cache> {
   }
 };
 
-template <kv_layout Layout, routing_policy Policy, pinned_allocator Alloc = cuda_host_alloc>
-using device_cache = inplace_kv_cache<Layout, cuda_backend, Alloc, Policy>;
+/// The backend of the mutation tests: cuda_backend with the run-time switches
+/// of cuda_test_hooks (debug(), ablation()); kernels_instantiate.cu
+/// instantiates its slow-consumer kernels.
+using mutation_backend = basic_cuda_backend<cuda_test_hooks>;
+
+template <kv_layout Layout, routing_policy Policy, pinned_allocator Alloc = cuda_host_alloc, class Backend = cuda_backend>
+using device_cache = inplace_kv_cache<Layout, Backend, Alloc, Policy>;
 
 }  // namespace wstest::dev
 
 namespace wstest {
 
-/// The shared test bodies' types on cuda_backend (support/harness.hpp).
-template <>
-struct backend_traits<cuda_backend> {
+/// The shared test bodies' types on cuda_backend, with either hooks (support/harness.hpp).
+template <cuda_hooks Hooks>
+struct backend_traits<basic_cuda_backend<Hooks>> {
   template <kv_layout Layout, routing_policy Policy>
-  using cache = dev::device_cache<Layout, Policy>;
+  using cache = dev::device_cache<Layout, Policy, cuda_host_alloc, basic_cuda_backend<Hooks>>;
   template <class Cache>
   using driver = dev::device_decode_driver<Cache>;
 };

@@ -11,7 +11,7 @@
 //   cuda_host_register::skip_refusal_check  a refused chunk (injected with
 //       inject_refusal_chunk) no longer fails at cache init; the first decode
 //       step meets the unpinned block instead (debug builds, as here)
-//   cuda_debug_options::skip_registration_split  copies across cudaHostRegister
+//   cuda_debug_options::skip_registration_split (mutation_backend)  copies across cudaHostRegister
 //       chunk boundaries reach the driver whole; detected when the driver
 //       refuses them (cudaErrorInvalidValue) or a result goes wrong. The case
 //       reports what the driver answers to one such raw copy.
@@ -217,8 +217,8 @@ enum class split_off { never, from_prefill, from_first_step };
 /// Returns how a failure showed ("" if none: every step and eviction right).
 std::string registration_split_case(split_off when) {
   const G L(8, 2);
-  cuda_backend be;
-  using cache_t = device_cache<G, gpu_only, cuda_host_register>;
+  mutation_backend be;  // the switch of cuda_test_hooks
+  using cache_t = device_cache<G, gpu_only, cuda_host_register, mutation_backend>;
   cache_t cache(be, L, k8_spec(L, 2, 1024), gpu_only{}, small_chunks(), cache_options{true});
   device_decode_driver<cache_t> d(cache, attention_options{2, true}, 77, gqa_scale);
   std::string shown;
@@ -256,8 +256,8 @@ struct refusal_outcome {
 
 refusal_outcome injected_refusal(index_t refused, bool mutate) {
   const G L(8, 2);
-  cuda_backend be;
-  using cache_t = device_cache<G, gpu_only, cuda_host_register>;
+  mutation_backend be;  // the switch of cuda_test_hooks
+  using cache_t = device_cache<G, gpu_only, cuda_host_register, mutation_backend>;
   cuda_host_register alloc = small_chunks();
   alloc.inject_refusal_chunk = refused;
   alloc.skip_refusal_check = mutate;

@@ -10,7 +10,7 @@
 //        with poison) right after a step that streams it was submitted.
 //
 // Every guard has a mutation check: the matching cuda_debug_options switch
-// removes it and the test asserts that the result is WRONG. Races are timing
+// (mutation_backend, i.e. basic_cuda_backend<cuda_test_hooks>) removes it and the test asserts that the result is WRONG. Races are timing
 // dependent: a mutation counts as detected when any of three fresh attempts
 // goes wrong, and the checks are only meaningful on a real GPU (they widen the
 // race window with spin kernels and slow consumers). Uploads go through pinned
@@ -29,6 +29,11 @@ using G = gqa_layout<128>;
 const double gqa_scale = 1.0 / std::sqrt(128.0);
 constexpr long long long_spin = 100'000'000;      // ~50 ms at 2 GHz
 constexpr long long slow_consumer = 20'000'000;  // ~10 ms per CTA
+
+/// The caches of the cases that flip a cuda_debug_options switch or widen a
+/// race window with one (mutation_backend); the first case runs cuda_backend.
+template <routing_policy Policy>
+using race_cache = device_cache<G, Policy, cuda_host_alloc, mutation_backend>;
 
 /// True when any of `tries` attempts reports a wrong result.
 template <class F>
@@ -55,7 +60,7 @@ struct manual_step {
   using layout_type = typename Cache::layout_type;
   stream_plan plan;
   std::vector<window_ref> windows;
-  cuda_backend::gpu_engine<layout_type> engine;
+  typename Cache::backend_type::template gpu_engine<layout_type> engine;
 
   explicit manual_step(Cache& c) : engine(c.backend(), c.layout(), c.spec().max_sequences) {}
 
@@ -137,8 +142,8 @@ TEST_CASE("K7/C10: a long spin on the caller stream before append, eviction in t
 TEST_CASE("K7/C10 mutation: skip_caller_event -> the GPU side reads KV and q before they are written (expected wrong)") {
   const G L(32, 4);
   const bool wrong = detected([&] {
-    cuda_backend be;
-    device_cache<G, fixed_ratio> cache(be, L, race_spec(L, 1, 2, 4, 4), fixed_ratio(0.5), {}, cache_options{true});
+    mutation_backend be;
+    race_cache<fixed_ratio> cache(be, L, race_spec(L, 1, 2, 4, 4), fixed_ratio(0.5), {}, cache_options{true});
     device_decode_driver<decltype(cache)> d(cache, attention_options{4, true}, 22, gqa_scale);
     std::vector<sequence_id> batch{d.add(31), d.add(95)};
     d.before_append = [&](int) { spin(be.caller_stream(), long_spin); };
@@ -154,8 +159,8 @@ TEST_CASE("K7/C10 mutation: skip_caller_event -> the GPU side reads KV and q bef
 TEST_CASE("K7/C10 mutation: skip_eviction_wait -> the D-window is evicted before the append wrote it (expected wrong)") {
   const G L(32, 4);
   const bool wrong = detected([&] {
-    cuda_backend be;
-    device_cache<G, fixed_ratio> cache(be, L, race_spec(L, 1, 2, 4, 4), fixed_ratio(0.5), {}, cache_options{true});
+    mutation_backend be;
+    race_cache<fixed_ratio> cache(be, L, race_spec(L, 1, 2, 4, 4), fixed_ratio(0.5), {}, cache_options{true});
     device_decode_driver<decltype(cache)> d(cache, attention_options{4, true}, 24, gqa_scale);
     std::vector<sequence_id> batch{d.add(31), d.add(95)};
     d.before_append = [&](int) { spin(be.caller_stream(), long_spin); };
@@ -179,8 +184,8 @@ namespace {
 template <class Body>
 bool pingpong_case(Body&& body) {
   const G L(32, 4);
-  cuda_backend be;
-  device_cache<G, gpu_only> cache(be, L, race_spec(L, 1, 2, 4, 4), gpu_only{}, {}, cache_options{true});
+  mutation_backend be;
+  race_cache<gpu_only> cache(be, L, race_spec(L, 1, 2, 4, 4), gpu_only{}, {}, cache_options{true});
   device_decode_driver<decltype(cache)> d(cache, attention_options{4, true}, 31, gqa_scale);
   std::vector<sequence_id> batch{d.add(325), d.add(265)};
   return body(be, d, batch);
@@ -208,7 +213,7 @@ struct busy_copy {
 
 TEST_CASE("K7/C10: a slow consumer while the next refill targets its buffer; a busy copy stream") {
   SUBCASE("slow consumer") {
-    CHECK(pingpong_case([](cuda_backend& be, auto& d, std::vector<sequence_id>& batch) {
+    CHECK(pingpong_case([](mutation_backend& be, auto& d, std::vector<sequence_id>& batch) {
       be.debug().consumer_delay_cycles = slow_consumer;
       for (int s = 0; s < 2; ++s) {
         const compare_result r = d.step(batch);
@@ -221,7 +226,7 @@ TEST_CASE("K7/C10: a slow consumer while the next refill targets its buffer; a b
   }
   SUBCASE("copies delayed behind other work on the copy stream") {
     busy_copy busy;
-    CHECK(pingpong_case([&](cuda_backend& be, auto& d, std::vector<sequence_id>& batch) {
+    CHECK(pingpong_case([&](mutation_backend& be, auto& d, std::vector<sequence_id>& batch) {
       d.before_append = [&](int) { busy.enqueue(be.copy_stream()); };
       for (int s = 0; s < 2; ++s) REQUIRE(d.step(batch).ok());
       return true;
@@ -231,7 +236,7 @@ TEST_CASE("K7/C10: a slow consumer while the next refill targets its buffer; a b
 
 TEST_CASE("K7/C10 mutation: skip_consumed_wait -> a buffer is refilled while its consumer still reads it (expected wrong)") {
   const bool wrong = detected([] {
-    return pingpong_case([](cuda_backend& be, auto& d, std::vector<sequence_id>& batch) {
+    return pingpong_case([](mutation_backend& be, auto& d, std::vector<sequence_id>& batch) {
       be.debug().consumer_delay_cycles = slow_consumer;
       be.debug().skip_consumed_wait = true;
       const compare_result r = d.step(batch);
@@ -244,7 +249,7 @@ TEST_CASE("K7/C10 mutation: skip_consumed_wait -> a buffer is refilled while its
 }
 
 TEST_CASE("K7/C10: slow copies (a spin before every chunk's copies) still give the right result") {
-  CHECK(pingpong_case([](cuda_backend& be, auto& d, std::vector<sequence_id>& batch) {
+  CHECK(pingpong_case([](mutation_backend& be, auto& d, std::vector<sequence_id>& batch) {
     be.debug().copy_delay_cycles = slow_consumer;
     const compare_result r = d.step(batch);
     be.debug() = {};
@@ -255,7 +260,7 @@ TEST_CASE("K7/C10: slow copies (a spin before every chunk's copies) still give t
 
 TEST_CASE("K7/C10 mutation: skip_filled_wait -> a buffer is attended before its copies land (expected wrong)") {
   const bool wrong = detected([&] {
-    return pingpong_case([&](cuda_backend& be, auto& d, std::vector<sequence_id>& batch) {
+    return pingpong_case([&](mutation_backend& be, auto& d, std::vector<sequence_id>& batch) {
       be.debug().copy_delay_cycles = slow_consumer;  // copies land long after the consumer could start
       be.debug().skip_filled_wait = true;
       const compare_result r = d.step(batch);
@@ -277,8 +282,8 @@ namespace {
 /// immediately runs a step that streams those blocks. Returns that step's result.
 compare_result evict_then_stream(bool skip_landing_wait) {
   const G L(32, 4);
-  cuda_backend be;
-  device_cache<G, gpu_only> cache(be, L, race_spec(L, 1, 2, 4, 4), gpu_only{}, {}, cache_options{true});
+  mutation_backend be;
+  race_cache<gpu_only> cache(be, L, race_spec(L, 1, 2, 4, 4), gpu_only{}, {}, cache_options{true});
   device_decode_driver<decltype(cache)> d(cache, attention_options{4, true}, 41, gqa_scale);
   std::vector<sequence_id> batch{d.add(31), d.add(63)};
   d.before_append = [&](int) { spin(be.caller_stream(), long_spin); };
@@ -318,8 +323,8 @@ namespace {
 compare_result recycle_after_submit(bool skip_block_reuse_wait, long long launcher_delay_us = 0,
                                     bool skip_pending_launch_join = false) {
   const G L(32, 4);
-  using cache_t = device_cache<G, gpu_only>;
-  cuda_backend be;
+  using cache_t = race_cache<gpu_only>;
+  mutation_backend be;
   cache_t cache(be, L, race_spec(L, 1, 2, 4, 4), gpu_only{}, {}, cache_options{true});
   device_decode_driver<cache_t> d(cache, attention_options{4, true}, 51, gqa_scale);
   const sequence_id a = d.add(256);
@@ -398,8 +403,8 @@ namespace {
 /// Returns the merged output (host copy) and its comparison with fp64.
 std::pair<std::vector<float>, compare_result> launcher_step(bool launcher_on, bool clobber) {
   const G L(32, 4);
-  using cache_t = device_cache<G, gpu_only>;
-  cuda_backend be;
+  using cache_t = race_cache<gpu_only>;
+  mutation_backend be;
   be.set_launch_thread(launcher_on);
   cache_t cache(be, L, race_spec(L, 1, 2, 4, 2), gpu_only{}, {}, cache_options{true});
   device_decode_driver<cache_t> d(cache, attention_options{4, true}, 77, gqa_scale);
@@ -447,14 +452,14 @@ TEST_CASE("launcher thread: on and off give bit-identical outputs; the caller's 
 
 TEST_CASE("K7/C10: r flipping between 0.2 and 0.8 every step for 300 steps at L = 8192, byte-exact evictions") {
   const G L(8, 2);
-  cuda_backend be;
+  mutation_backend be;
   partition_spec spec = small_spec(1, 2, 16, 32);
   spec.cpu_capacity_tokens = 2 * (8192 + 400);
   spec.pinned_capacity_tokens = 2 * (8192 + 400);
   spec.pinned_initial_tokens = -1;
   spec.gpu_split_blocks = 8;
   set_ping_pong_blocks(spec, L, 32);
-  using cache_t = device_cache<G, flip_policy>;
+  using cache_t = race_cache<flip_policy>;
   cache_t cache(be, L, spec, flip_policy(0.2, 0.8), {}, cache_options{true});
   device_decode_driver<cache_t> d(cache, attention_options{8, true}, 61, gqa_scale);
   std::vector<sequence_id> batch{d.add(8192), d.add(8192 - 17)};

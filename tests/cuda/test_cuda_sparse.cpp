@@ -360,11 +360,11 @@ namespace {
 template <class Setup>
 int gather_race_run(Setup&& setup, int steps, std::uint64_t seed,
                     sparse_transfer transfer = sparse_transfer::host_gather) {
-  cuda_backend be;
+  mutation_backend be;  // the switches of cuda_test_hooks
   const G L = presets::qwen3_30b_a3b::layout();
   partition_spec spec = sparse_spec(1, 3, 900);
   set_ping_pong_blocks(spec, L, 4);
-  device_cache<G, gpu_only> cache(be, L, spec, gpu_only{}, {}, cache_options{true});
+  device_cache<G, gpu_only, cuda_host_alloc, mutation_backend> cache(be, L, spec, gpu_only{}, {}, cache_options{true});
   attention_options ao{2, true};
   ao.sparse.reserve = true;
   ao.sparse.gather_threads = 2;

@@ -15,7 +15,10 @@
 // (at global namespace scope; compile with -std=c++20 --expt-relaxed-constexpr
 // and the target architecture, e.g. -arch=sm_90 — linking the .cu target to
 // writescope::cuda adds the first two). Keep the instantiated set short: each
-// layout costs six kernels of compile time.
+// layout costs six kernels of compile time. Programs whose backend has the
+// mutation-test hooks (basic_cuda_backend<cuda_test_hooks>, hooks.hpp) also
+// write WS_CUDA_INSTANTIATE_TEST_HOOKS(Layout) per layout: the attention
+// kernels with a slow consumer, which the production kernels do not contain.
 //
 // Numerics (docs/MERGE-CONTRACT.md): KV is bf16 in memory and widened exactly; scores,
 // running max, running sum and outputs are fp32; exp/log are the natural-base
@@ -46,6 +49,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <type_traits>
 
 #include "../layout.hpp"
 #include "../partial_state.hpp"
@@ -128,8 +132,15 @@ struct attend_cfg {
   static_assert(k_off % 16 == 0 && v_off % 16 == 0 && p_off % 16 == 0, "attend: smem regions must be 16-byte aligned");
 };
 
-template <class L, bool Listed>
-__global__ void __launch_bounds__(256) attend_kernel(const __grid_constant__ attend_params p) {
+/// The production attention kernel's spin parameter: none.
+struct no_spin {};
+/// Mutation tests (launch_attend_slow): every CTA spins `cycles` before reading KV.
+struct consumer_spin {
+  long long cycles;
+};
+
+template <class L, bool Listed, class Spin>
+__global__ void __launch_bounds__(256) attend_kernel(const __grid_constant__ attend_params p, const Spin spin) {
   using C = attend_cfg<L>;
   extern __shared__ __align__(16) unsigned char smem[];
   float* qs = reinterpret_cast<float*>(smem + C::q_off);
@@ -162,13 +173,17 @@ __global__ void __launch_bounds__(256) attend_kernel(const __grid_constant__ att
     tokens = (count < 0 ? 0 : (count > nb ? nb : count)) * bt;
   }
 
-  if (p.delay_cycles > 0) {  // debug: a slow consumer (race tests)
-    if (tid == 0) {
-      const long long t0 = clock64();
-      while (clock64() - t0 < p.delay_cycles) {
+  if constexpr (!std::is_same_v<Spin, no_spin>) {  // mutation tests: a slow consumer
+    if (spin.cycles > 0) {
+      if (tid == 0) {
+        const long long t0 = clock64();
+        while (clock64() - t0 < spin.cycles) {
+        }
       }
+      __syncthreads();
     }
-    __syncthreads();
+  } else {
+    (void)spin;
   }
 
   // Queries of this CTA's heads, pre-scaled, fp32.
@@ -472,36 +487,43 @@ inline unsigned grid_for(index_t n, int threads) {
 
 namespace writescope::gpu {
 
-template <class Layout>
-void launch_attend(const attend_params& p, cudaStream_t stream) {
-  using C = detail::attend_cfg<Layout>;
+namespace detail {
+
+// One attention kernel variant: shared memory above 48 KiB needs an opt-in,
+// once per kernel (cudaFuncAttributeMaxDynamicSharedMemorySize).
+template <class Layout, bool Listed, class Spin>
+void launch_attend_variant(const attend_params& p, const Spin spin, cudaStream_t stream) {
+  using C = attend_cfg<Layout>;
   if (p.num_items <= 0) return;
-  // Shared memory above 48 KiB needs an opt-in, once per kernel
-  // (cudaFuncAttributeMaxDynamicSharedMemorySize).
   static const bool configured = [] {
-    WS_CUDA_TRY(cudaFuncSetAttribute(detail::attend_kernel<Layout, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    WS_CUDA_TRY(cudaFuncSetAttribute(attend_kernel<Layout, Listed, Spin>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      int(C::smem_bytes)));
     return true;
   }();
   (void)configured;
   const dim3 grid(unsigned(p.num_items), unsigned(p.hkv), unsigned((p.group + C::heads - 1) / C::heads));
-  detail::attend_kernel<Layout, false><<<grid, C::threads, C::smem_bytes, stream>>>(p);
+  attend_kernel<Layout, Listed, Spin><<<grid, C::threads, C::smem_bytes, stream>>>(p, spin);
   WS_CUDA_CHECK_LAST();
+}
+
+}  // namespace detail
+
+template <class Layout>
+void launch_attend(const attend_params& p, cudaStream_t stream) {
+  detail::launch_attend_variant<Layout, false>(p, detail::no_spin{}, stream);
 }
 
 template <class Layout>
 void launch_attend_listed(const attend_params& p, cudaStream_t stream) {
-  using C = detail::attend_cfg<Layout>;
-  if (p.num_items <= 0) return;
-  static const bool configured = [] {
-    WS_CUDA_TRY(cudaFuncSetAttribute(detail::attend_kernel<Layout, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     int(C::smem_bytes)));
-    return true;
-  }();
-  (void)configured;
-  const dim3 grid(unsigned(p.num_items), unsigned(p.hkv), unsigned((p.group + C::heads - 1) / C::heads));
-  detail::attend_kernel<Layout, true><<<grid, C::threads, C::smem_bytes, stream>>>(p);
-  WS_CUDA_CHECK_LAST();
+  detail::launch_attend_variant<Layout, true>(p, detail::no_spin{}, stream);
+}
+
+template <class Layout>
+void launch_attend_slow(const attend_params& p, bool listed, long long delay_cycles, cudaStream_t stream) {
+  if (listed)
+    detail::launch_attend_variant<Layout, true>(p, detail::consumer_spin{delay_cycles}, stream);
+  else
+    detail::launch_attend_variant<Layout, false>(p, detail::consumer_spin{delay_cycles}, stream);
 }
 
 template <class Layout>
@@ -599,6 +621,13 @@ void launch_pull_blocks(const void* const* src, index_t count, void* dst, index_
   template void writescope::gpu::launch_init_state<__VA_ARGS__>(float*, float*, writescope::index_t, cudaStream_t); \
   template void writescope::gpu::launch_merge<__VA_ARGS__>(const writescope::gpu::merge_params&, cudaStream_t);   \
   template void writescope::gpu::launch_scatter<__VA_ARGS__>(const writescope::gpu::scatter_params&, cudaStream_t);
+
+/// Explicitly instantiates the attention kernels with a slow consumer
+/// (launch_attend_slow) for the layout given as the argument: only programs
+/// whose backend has the mutation-test hooks (cuda_test_hooks) need it.
+#define WS_CUDA_INSTANTIATE_TEST_HOOKS(...)                                                                \
+  template void writescope::gpu::launch_attend_slow<__VA_ARGS__>(const writescope::gpu::attend_params&, bool, \
+                                                                 long long, cudaStream_t);
 
 /// Explicitly instantiates the layout-independent launchers. Exactly once per program.
 #define WS_CUDA_INSTANTIATE_COMMON()                                                                      \

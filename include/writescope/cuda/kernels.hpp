@@ -15,7 +15,10 @@
 //     WS_CUDA_INSTANTIATE(writescope::mla_layout<512, 64>)
 //
 // A layout used with cuda_backend but not instantiated there fails at link time
-// with an undefined reference to writescope::gpu::launch_attend<Layout>.
+// with an undefined reference to writescope::gpu::launch_attend<Layout>. A
+// program whose backend has the mutation-test hooks
+// (basic_cuda_backend<cuda_test_hooks>) also instantiates
+// WS_CUDA_INSTANTIATE_TEST_HOOKS(Layout) for each of its layouts.
 //
 // Parameter blocks travel as kernel parameters (by value, captured at launch),
 // so a launch never reads host memory the caller may change afterwards, and
@@ -71,7 +74,6 @@ struct attend_params {
   const float* q;        ///< [batch][hq][q_dim] fp32, unscaled
   float* out_o;          ///< [*][hq][v_dim]
   float* out_lse;        ///< [*][hq]
-  long long delay_cycles;  ///< debug: each CTA spins this long before reading KV (slow consumer)
   const std::int32_t* block_lists;  ///< launch_attend_listed: per-item, per-KV-head block lists (device)
   index_t block_elems;   ///< elements of one block
   float scale;           ///< softmax scale applied to q·k
@@ -92,6 +94,15 @@ void launch_attend(const attend_params& p, cudaStream_t stream);
 /// bit-identical to launch_attend's (same loads, same arithmetic, same order).
 template <class Layout>
 void launch_attend_listed(const attend_params& p, cudaStream_t stream);
+
+/// Mutation tests only (cuda_test_hooks, cuda_debug_options::consumer_delay_cycles):
+/// launch_attend (`listed` false) or launch_attend_listed (true) whose every CTA
+/// first spins `delay_cycles` SM clock cycles before it reads KV (a slow
+/// consumer); the same results. A separate kernel instantiation, so the
+/// production kernels carry no such branch; instantiated by
+/// WS_CUDA_INSTANTIATE_TEST_HOOKS(Layout) (kernels.cuh).
+template <class Layout>
+void launch_attend_slow(const attend_params& p, bool listed, long long delay_cycles, cudaStream_t stream);
 
 // -----------------------------------------------------------------------------
 // Folding split partials into running per-sequence states

@@ -1,0 +1,599 @@
+// SPDX-License-Identifier: Apache-2.0
+// writescope/cuda/dense_engine.hpp — the step machinery of
+// basic_cuda_backend::gpu_engine<Layout> (paper §4.2; docs/CUDA-ENGINE.md):
+// workspaces, the engine's streams and events, the phases every launch runs
+// (begin_step, attend_chunk, end_step), the dense chunk loop (on the calling
+// thread or the launcher thread), the final merge and the GPU-side timing. The
+// sparse pipeline (sparse_engine.hpp) runs its chunks through the same phases.
+// Host compiler only.
+//
+// Per dense launch, on the engine's compute stream unless noted:
+//   q D2H into pinned staging (q stream, after the caller's event);
+//   streamed state := empty;
+//   for each plan chunk c, buffer b = chunk.buffer:
+//     h2d: wait consumed[b]; copy the chunk's runs into ping-pong[b] (one copy
+//          per piece of the Hooks' copy policy); record filled[b]
+//     compute: wait filled[b]; attend the chunk's splits (per-split partials);
+//              record consumed[b]; fold the partials into each sequence's
+//              running streamed state, in split order
+//   record h2d_done on h2d (C9); D-window attention (only the valid rows are read);
+// merge(): CPU partial H2D, then on the caller stream
+//   out = (streamed ⊕ D-window) ⊕ CPU  (merge_state_row semantics).
+//
+// Shapes: partial states are fp32, [max_batch][Hq][v_dim] and [max_batch][Hq]
+// (device); the split workspace holds gpu::max_attend_items splits; q staging
+// is [max_batch][Hq][q_dim] fp32 and the CPU partial [max_batch][Hq][v_dim] /
+// [max_batch][Hq] fp32, both page-locked. Everything is allocated at
+// construction; a launch allocates nothing (ablation per_step_allocation aside)
+// and never blocks the host. Threads: the driving thread, and between post and
+// join the launcher thread (the chunk loop and end_step only). Errors:
+// resource_error / pinned_memory_error at construction; shape_error /
+// config_error from validate(); pinned_memory_error (debug builds) for a
+// pageable H2D source; cuda_error for a failing CUDA call.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "../backend.hpp"
+#include "../config.hpp"
+#include "../error.hpp"
+#include "../host_memory.hpp"
+#include "../layout.hpp"
+#include "../memory_space.hpp"
+#include "../partial_state.hpp"
+#include "../stream_plan.hpp"
+#include "context.hpp"
+#include "cuda_error.hpp"
+#include "handles.hpp"
+#include "hooks.hpp"
+#include "kernels.hpp"
+#include "launch_thread.hpp"
+#include "pinned_allocators.hpp"
+
+namespace writescope::cuda_detail {
+
+template <kv_layout Layout, cuda_hooks Hooks>
+class dense_engine {
+ public:
+  using args_type = gpu_step_args<Layout, device_space>;
+  using switches = typename Hooks::switches;
+  using ablation = typename Hooks::ablation;
+  static constexpr int Q = Layout::q_dim;
+  static constexpr int V = Layout::v_dim;
+
+  dense_engine(backend_context<Hooks>& ctx, const Layout& layout, int max_batch)
+      : ctx_(&ctx), layout_(layout), max_batch_(std::max(max_batch, 0)), hq_(layout.num_q_heads()), launcher_(ctx.pending) {
+    const index_t rows = index_t(max_batch_) * hq_;
+    const index_t split_rows = index_t(gpu::max_attend_items) * hq_;
+    streamed_o_ = allocate_device_buffer(rows * V * 4, "streamed partial state");
+    streamed_lse_ = allocate_device_buffer(rows * 4, "streamed partial state");
+    window_o_ = allocate_device_buffer(rows * V * 4, "D-window partial state");
+    window_lse_ = allocate_device_buffer(rows * 4, "D-window partial state");
+    cpu_o_ = allocate_device_buffer(rows * V * 4, "CPU partial state");
+    cpu_lse_ = allocate_device_buffer(rows * 4, "CPU partial state");
+    split_o_ = allocate_device_buffer(split_rows * V * 4, "split partial workspace");
+    split_lse_ = allocate_device_buffer(split_rows * 4, "split partial workspace");
+    q_host_ = allocate_page_locked(rows * Q * 4);
+    cpu_o_host_ = allocate_page_locked(rows * V * 4);
+    cpu_lse_host_ = allocate_page_locked(rows * 4);
+    compute_ = unique_stream::create();
+    qstream_ = unique_stream::create();
+    launch_ev_ = unique_event::create();
+    q_done_ = unique_event::create();
+    compute_done_ = unique_event::create();
+    cpu_h2d_done_ = unique_event::create();
+    for (int b = 0; b < max_ping_pong_buffers; ++b) {
+      filled_[std::size_t(b)] = unique_event::create();
+      consumed_[std::size_t(b)] = unique_event::create();
+    }
+    for (int s = 0; s < 2; ++s) {
+      t_start_[std::size_t(s)] = unique_event::create(true);
+      t_ready_[std::size_t(s)] = unique_event::create(true);
+      t_end_[std::size_t(s)] = unique_event::create(true);
+    }
+  }
+  dense_engine(const dense_engine&) = delete;
+  dense_engine& operator=(const dense_engine&) = delete;
+  ~dense_engine() {
+    launcher_.stop();
+    free_step_buffers();
+  }
+
+  [[nodiscard]] backend_context<Hooks>& context() const noexcept { return *ctx_; }
+  [[nodiscard]] cudaStream_t compute() const noexcept { return compute_.get(); }
+  [[nodiscard]] const unique_event& filled(std::size_t b) const noexcept { return filled_[b]; }
+  [[nodiscard]] const unique_event& consumed(std::size_t b) const noexcept { return consumed_[b]; }
+  [[nodiscard]] bool last_sparse() const noexcept { return last_sparse_; }
+  /// A launch (dense or sparse) of `batch` sequences is under way.
+  void mark_launched(int batch, bool sparse) noexcept {
+    batch_ = batch;
+    launched_ = true;
+    last_sparse_ = sparse;
+  }
+
+  // --- the launcher thread ---------------------------------------------------
+
+  [[nodiscard]] bool launch_pending() const noexcept { return launcher_.pending(); }
+  void join_launch() { launcher_.join(); }
+  void stop_launcher() noexcept { launcher_.stop(); }
+
+  // --- dense launch ----------------------------------------------------------
+
+  /// Steps 0-4 of a dense launch (after validate): the chunk loop and end_step
+  /// on the launcher thread when the backend has it on (set_launch_thread) and
+  /// the ablation allocates nothing per step, else here.
+  void launch(const args_type& a, const switches& dbg) {
+    last_sparse_ = false;
+    const ablation abl = ctx_->ablation;
+    if (abl.per_step_allocation) allocate_step_buffers(*a.plan, a.ping_pong.size(), a.format.block_bytes());
+    mark_launched(a.batch, false);
+
+    // 0-2. Caller event, q to the CPU engine, stream ordering, workspaces.
+    const int slot = begin_step(a, dbg);
+
+    // 3-4. On the launcher thread (set_launch_thread), or here.
+    if (ctx_->launch_thread && !abl.per_step_allocation && post_launch(a, dbg, abl, slot)) return;
+    run_chunks(a, dbg, abl);
+    end_step(a, slot);
+  }
+
+  // --- validation ------------------------------------------------------------
+
+  /// Shapes and plan geometry (shape_error / config_error) before anything is enqueued.
+  void validate(const args_type& a) const {
+    if (a.batch < 0 || a.batch > max_batch_)
+      throw shape_error("gpu_engine::launch: batch " + std::to_string(a.batch) + " outside [0, " +
+                        std::to_string(max_batch_) + "] (max_batch of the engine)");
+    if (a.plan == nullptr) throw shape_error("gpu_engine::launch: no stream plan");
+    if (index_t(a.windows.size()) < a.batch)
+      throw shape_error("gpu_engine::launch: " + std::to_string(a.windows.size()) + " D-window refs for a batch of " +
+                        std::to_string(a.batch));
+    if (a.q.size() < index_t(a.batch) * hq_ * Q)
+      throw shape_error("gpu_engine::launch: q has " + std::to_string(a.q.size()) + " elements, needs " +
+                        std::to_string(index_t(a.batch) * hq_ * Q));
+    if (a.ping_pong.size() > std::size_t(max_ping_pong_buffers))
+      throw config_error("gpu_engine::launch: " + std::to_string(a.ping_pong.size()) +
+                         " ping-pong buffers; cuda_backend supports at most " +
+                         std::to_string(max_ping_pong_buffers));
+    if (a.format.layout.num_q_heads() != hq_ || a.format.layout.kv_heads() != layout_.kv_heads())
+      throw shape_error("gpu_engine::launch: the step's layout differs from the engine's");
+    for (const stream_chunk& c : a.plan->chunks)
+      if (c.buffer < 0 || std::size_t(c.buffer) >= a.ping_pong.size())
+        throw shape_error("gpu_engine::launch: plan chunk uses ping-pong buffer " + std::to_string(c.buffer) + " of " +
+                          std::to_string(a.ping_pong.size()));
+  }
+
+  /// Debug builds (WS_DEBUG_CHECKS()): every run the copy engine DMAs from the
+  /// pinned region is page-locked (pinned_memory_error otherwise), unless the
+  /// pageable-source ablation allows it.
+  void check_page_locked_sources(const args_type& a) const {
+    if (!WS_DEBUG_CHECKS() || ctx_->debug.allow_pageable_sources) return;
+    if (!a.plan->sparse) {
+      for (const stream_run& r : a.plan->runs) require_page_locked(r.src, r.num_blocks * a.format.block_bytes());
+    } else {  // only direct chunks DMA from the region; gathered ones from staging (page-locked) or,
+              // pulled, are checked in every build (sparse_pipeline::validate)
+      for (const stream_chunk& c : a.plan->chunks)
+        for (index_t k = c.run_begin; k < c.run_end && !c.gathered; ++k) {
+          const stream_run& r = a.plan->runs[std::size_t(k)];
+          require_page_locked(r.src, r.num_blocks * a.format.block_bytes());
+        }
+    }
+  }
+
+  // --- the phases of a launch ------------------------------------------------
+
+  // Steps 0-2 of a launch, dense or sparse: the caller's work so far recorded;
+  // q copied D2H for the CPU engine after it; the compute stream after the
+  // caller, the copy stream after pending D2H writes into host blocks (C9);
+  // the step's start timed on the copy stream; workspaces poisoned on request;
+  // the streamed state initialized; the attention parameters of the step set.
+  // Returns the timing slot of the step.
+  int begin_step(const args_type& a, const switches& dbg) {
+    const index_t rows = index_t(a.batch) * hq_;
+    cudaStream_t h2d = ctx_->h2d.get();
+    cudaStream_t comp = compute_.get();
+    record(launch_ev_, ctx_->caller);
+    if (!dbg.skip_caller_event) wait(qstream_.get(), launch_ev_);
+    if (rows > 0)
+      WS_CUDA_TRY(cudaMemcpyAsync(q_host_.data(), a.q.data(), static_cast<std::size_t>(rows * Q * 4),
+                                  cudaMemcpyDeviceToHost, qstream_.get()));
+    record(q_done_, qstream_.get());
+    if (!dbg.skip_caller_event) wait(comp, launch_ev_);
+    const int slot = timing_slot_;
+    record(t_ready_[std::size_t(slot)], comp);
+    if (!dbg.skip_landing_wait) wait(h2d, ctx_->d2h_done);
+    record(t_start_[std::size_t(slot)], h2d);
+    if (a.poison_workspaces) {
+      WS_CUDA_TRY(cudaMemsetAsync(split_o_.data(), 0xff, static_cast<std::size_t>(split_o_.size_bytes()), comp));
+      WS_CUDA_TRY(cudaMemsetAsync(split_lse_.data(), 0xff, static_cast<std::size_t>(split_lse_.size_bytes()), comp));
+      WS_CUDA_TRY(cudaMemsetAsync(window_o_.data(), 0xff, static_cast<std::size_t>(rows * V * 4), comp));
+      WS_CUDA_TRY(cudaMemsetAsync(window_lse_.data(), 0xff, static_cast<std::size_t>(rows * 4), comp));
+    }
+    gpu::launch_init_state<Layout>(streamed_o_.as<float>(), streamed_lse_.as<float>(), rows, comp);
+    gpu::attend_params& ap = attend_;
+    ap.q = a.q.data();
+    ap.block_elems = a.format.block_elems();
+    ap.scale = a.softmax_scale;
+    ap.hq = hq_;
+    ap.hkv = layout_.kv_heads();
+    ap.group = layout_.group_size();
+    ap.block_tokens = a.format.block_tokens;
+    return slot;
+  }
+
+  // Step 3's compute side for one chunk in ping-pong buffer `b` (at `buf`),
+  // on the compute stream after its filled event: the chunk's splits attended
+  // (max_attend_items per launch; with `lists`, the listed kernel over each
+  // split's block lists, else the dense one), each launch folded in order into
+  // the streamed state; consumed[b] recorded after the last reader of the
+  // buffer (and of its lists).
+  void attend_chunk(const args_type& a, const stream_chunk& c, bf16* buf, std::size_t b, const std::int32_t* lists,
+                    const switches& dbg) {
+    const stream_plan& plan = *a.plan;
+    const index_t block_elems = a.format.block_elems();
+    cudaStream_t comp = compute_.get();
+    gpu::attend_params& ap = attend_;
+    ap.block_lists = lists;
+    for (index_t s0 = c.split_begin; s0 < c.split_end; s0 += gpu::max_attend_items) {
+      const index_t s1 = std::min<index_t>(c.split_end, s0 + gpu::max_attend_items);
+      ap.out_o = split_o_.as<float>();
+      ap.out_lse = split_lse_.as<float>();
+      ap.num_items = int(s1 - s0);
+      gpu::fold_params& fp = fold_;
+      fp.state_o = streamed_o_.as<float>();
+      fp.state_lse = streamed_lse_.as<float>();
+      fp.split_o = split_o_.as<float>();
+      fp.split_lse = split_lse_.as<float>();
+      fp.hq = hq_;
+      fp.num_segments = 0;
+      for (index_t s = s0; s < s1; ++s) {
+        const stream_split& sp = plan.splits[std::size_t(s)];
+        const int local = int(s - s0);
+        ap.items[local] = {buf + sp.first_block * block_elems, sp.num_blocks * a.format.block_tokens,
+                           sp.batch_index, local, lists != nullptr ? int(sp.list_offset) : 0};
+        if (fp.num_segments > 0 && fp.segments[fp.num_segments - 1].batch_index == sp.batch_index)
+          fp.segments[fp.num_segments - 1].split_end = local + 1;
+        else
+          fp.segments[fp.num_segments++] = {sp.batch_index, local, local + 1};
+      }
+      attend_streamed(ap, lists != nullptr, dbg, comp);
+      if (s1 == c.split_end) record(consumed_[b], comp);  // last reader of buffer b (and its lists)
+      gpu::launch_fold<Layout>(fp, comp);
+    }
+  }
+
+  // Step 4 of a launch: the copy stream's end recorded for later D2H writes
+  // (C9); the D-window attended with the dense kernel; the step's end and the
+  // compute-done event recorded; the timing slot handed over.
+  void end_step(const args_type& a, int slot) {
+    cudaStream_t comp = compute_.get();
+    record(ctx_->h2d_done, ctx_->h2d.get());  // C9: D2H into host blocks waits for this
+    gpu::attend_params& ap = attend_;
+    ap.block_lists = nullptr;
+    ap.out_o = window_o_.as<float>();
+    ap.out_lse = window_lse_.as<float>();
+    for (int i0 = 0; i0 < a.batch; i0 += gpu::max_attend_items) {
+      const int i1 = std::min(a.batch, i0 + gpu::max_attend_items);
+      ap.num_items = i1 - i0;
+      for (int i = i0; i < i1; ++i) {
+        const window_ref& w = a.windows[std::size_t(i)];
+        ap.items[i - i0] = {w.slot, w.tokens, i, i, 0};
+      }
+      gpu::launch_attend<Layout>(ap, comp);
+    }
+    record(t_end_[std::size_t(slot)], comp);
+    record(compute_done_, comp);
+    timing_pending_[std::size_t(slot)] = true;
+    slot_tokens_[std::size_t(slot)] = a.plan->streamed_blocks * a.format.block_tokens;
+    slot_sparse_[std::size_t(slot)] = a.plan->sparse;
+    last_slot_ = slot;
+    timing_slot_ = slot ^ 1;
+  }
+
+  // Host -> device, split where the source crosses a page-locked registration;
+  // whole with the K8 mutation switch (`dbg.skip_registration_split`).
+  static void copy_h2d(bf16* dst, const bf16* src, index_t bytes, cudaStream_t s, const switches& dbg) {
+    auto issue = [&](index_t off, index_t len) {
+      WS_CUDA_TRY(cudaMemcpyAsync(reinterpret_cast<std::byte*>(dst) + off,
+                                  reinterpret_cast<const std::byte*>(src) + off, static_cast<std::size_t>(len),
+                                  cudaMemcpyHostToDevice, s));
+    };
+    if (dbg.skip_registration_split)
+      issue(0, bytes);
+    else
+      pinned_registry::instance().split(src, bytes, issue);
+  }
+
+  // --- the CPU side's buffers, the merge, timing -----------------------------
+
+  [[nodiscard]] const float* host_queries() {
+    WS_CUDA_TRY(cudaEventSynchronize(q_done_.get()));
+    return reinterpret_cast<const float*>(q_host_.data());
+  }
+
+  [[nodiscard]] host_partial_view<float> cpu_partial(int batch) {
+    WS_CUDA_TRY(cudaEventSynchronize(cpu_h2d_done_.get()));
+    return host_partial_view<float>::dense(reinterpret_cast<float*>(cpu_o_host_.data()),
+                                           reinterpret_cast<float*>(cpu_lse_host_.data()), batch, hq_, V);
+  }
+
+  /// The first half of finish(): state_error without a launch, shape_error for
+  /// short outputs; then the launch is over and its launcher joined (its error
+  /// ends the step).
+  void end_launch(const step_outputs<device_space>& o) {
+    if (!launched_) throw state_error("gpu_engine::finish: no step was launched");
+    const index_t rows = index_t(batch_) * hq_;
+    if (o.out.size() < rows * V)
+      throw shape_error("gpu_engine::finish: out has " + std::to_string(o.out.size()) + " elements, needs " +
+                        std::to_string(rows * V));
+    if (!o.lse.empty() && o.lse.size() < rows)
+      throw shape_error("gpu_engine::finish: lse has " + std::to_string(o.lse.size()) + " elements, needs " +
+                        std::to_string(rows));
+    launched_ = false;
+    join_launch();  // the launcher's chunk loop (set_launch_thread); its error ends the step
+  }
+
+  /// The second half of finish(): the CPU partial uploaded and the merge
+  /// enqueued on the caller stream; returns completed_gpu_seconds().
+  double merge(const step_outputs<device_space>& o) {
+    const index_t rows = index_t(batch_) * hq_;
+    cudaStream_t caller = ctx_->caller;
+    if (rows > 0) {
+      WS_CUDA_TRY(cudaMemcpyAsync(cpu_o_.data(), cpu_o_host_.data(), static_cast<std::size_t>(rows * V * 4),
+                                  cudaMemcpyHostToDevice, caller));
+      WS_CUDA_TRY(cudaMemcpyAsync(cpu_lse_.data(), cpu_lse_host_.data(), static_cast<std::size_t>(rows * 4),
+                                  cudaMemcpyHostToDevice, caller));
+    }
+    record(cpu_h2d_done_, caller);
+    wait(caller, compute_done_);  // streamed and D-window partials are final
+    wait(caller, q_done_);        // the caller may overwrite q after this
+    gpu::merge_params mp{};
+    mp.streamed_o = streamed_o_.as<float>();
+    mp.streamed_lse = streamed_lse_.as<float>();
+    mp.window_o = window_o_.as<float>();
+    mp.window_lse = window_lse_.as<float>();
+    mp.cpu_o = cpu_o_.as<float>();
+    mp.cpu_lse = cpu_lse_.as<float>();
+    mp.out = o.out.data();
+    mp.out_lse = o.lse.empty() ? nullptr : o.lse.data();
+    mp.rows = rows;
+    gpu::launch_merge<Layout>(mp, caller);
+    free_step_buffers();  // ablation only (per_step_allocation): cudaFree synchronizes the device
+    if (o.debug) copy_debug(*o.debug, rows);
+    return completed_gpu_seconds();
+  }
+
+  completed_gpu_cost take_completed_gpu_cost() noexcept {
+    if (launcher_.pending()) return {};  // the launch's timing state is the launcher's until joined
+    if (!fresh_) return {};
+    fresh_ = false;
+    return fresh_cost_;
+  }
+
+  double gpu_seconds_sync() {
+    join_launch();
+    const auto s = std::size_t(last_slot_);
+    if (!timing_pending_[s]) return last_seconds_;
+    WS_CUDA_TRY(cudaEventSynchronize(t_end_[s].get()));
+    WS_CUDA_TRY(cudaEventSynchronize(t_start_[s].get()));
+    WS_CUDA_TRY(cudaEventSynchronize(t_ready_[s].get()));
+    read_timing(s);
+    return last_seconds_;
+  }
+
+  void free_step_buffers() noexcept {
+    for (void* p : step_buffers_raw_) ignore(cudaFree(p));  // waits for the work that uses it
+    step_buffers_raw_.clear();
+    step_buffers_.fill(nullptr);
+  }
+
+ private:
+  // Step 3 of a dense launch with the copy policy of `abl` (chosen here, once).
+  void run_chunks(const args_type& a, const switches& dbg, const ablation& abl) {
+    visit_copy_policy(abl, [&]<class Copy>() { stream_chunks<Copy>(a, dbg, abl); });
+  }
+
+  // Step 3 of a dense launch: stream the chunks through ping-pong; attend and
+  // fold each. Runs on the launcher thread or inside launch().
+  template <class Copy>
+  void stream_chunks(const args_type& a, const switches& dbg, const ablation& abl) {
+    const stream_plan& plan = *a.plan;
+    const index_t block_elems = a.format.block_elems();
+    const index_t slice_elems = a.format.slice_elems();
+    cudaStream_t h2d = ctx_->h2d.get();
+    cudaStream_t comp = compute_.get();
+    for (const stream_chunk& c : plan.chunks) {
+      const auto b = std::size_t(c.buffer);
+      bf16* buf = abl.per_step_allocation ? step_buffers_[b] : a.ping_pong[b];
+      if (!dbg.skip_consumed_wait) wait(h2d, consumed_[b]);  // WAR
+      if (dbg.copy_delay_cycles > 0) gpu::launch_spin(dbg.copy_delay_cycles, h2d);
+      for (index_t r = c.run_begin; r < c.run_end; ++r) {
+        const stream_run& run = plan.runs[std::size_t(r)];
+        bf16* dst = buf + run.dst_block * block_elems;
+        Copy::for_each_piece(run.num_blocks * block_elems, block_elems, slice_elems, [&](index_t e, index_t n) {
+          copy_h2d(dst + e, run.src + e, n * index_t(sizeof(bf16)), h2d, dbg);
+        });
+      }
+      record(filled_[b], h2d);
+      if (!dbg.skip_filled_wait) wait(comp, filled_[b]);  // RAW
+      attend_chunk(a, c, buf, b, nullptr, dbg);
+    }
+  }
+
+  // The streamed splits' attention; with the test hooks' slow consumer, the
+  // kernel variant that spins first (WS_CUDA_INSTANTIATE_TEST_HOOKS).
+  static void attend_streamed(const gpu::attend_params& ap, bool listed, const switches& dbg, cudaStream_t s) {
+    if constexpr (Hooks::enabled) {
+      if (dbg.consumer_delay_cycles > 0) {
+        gpu::launch_attend_slow<Layout>(ap, listed, dbg.consumer_delay_cycles, s);
+        return;
+      }
+    }
+    if (listed)
+      gpu::launch_attend_listed<Layout>(ap, s);
+    else
+      gpu::launch_attend<Layout>(ap, s);
+  }
+
+  // The launcher thread: launch() posts steps 3-4 with copies of the plan, the
+  // window list and the ping-pong pointers (vector assignment keeps capacity:
+  // no allocation once warm); false (the caller enqueues them itself) when the
+  // thread could not be started.
+  bool post_launch(const args_type& a, const switches& dbg, const ablation& abl, int slot) {
+    if (!launcher_.start(ctx_->device, [this] { run_posted(); })) return false;
+    job_plan_ = *a.plan;
+    job_windows_.assign(a.windows.begin(), a.windows.end());
+    job_ping_pong_.assign(a.ping_pong.begin(), a.ping_pong.end());
+    job_args_ = a;
+    job_args_.plan = &job_plan_;
+    job_args_.windows = job_windows_;
+    job_args_.ping_pong = job_ping_pong_;
+    job_dbg_ = dbg;
+    job_abl_ = abl;
+    job_slot_ = slot;
+    launcher_.post();
+    return true;
+  }
+
+  void run_posted() {
+    if (job_dbg_.launcher_delay_microseconds > 0)
+      std::this_thread::sleep_for(std::chrono::microseconds(job_dbg_.launcher_delay_microseconds));
+    run_chunks(job_args_, job_dbg_, job_abl_);
+    end_step(job_args_, job_slot_);
+  }
+
+  // Fault case C9: a pageable source silently makes the copy synchronous and
+  // staged (and hides ordering bugs). Debug builds refuse it.
+  static void require_page_locked(const void* p, index_t bytes) {
+    if (bytes <= 0 || pinned_registry::instance().contains(p, bytes)) return;
+    const void* ends[2] = {p, static_cast<const std::byte*>(p) + (bytes - 1)};
+    for (const void* q : ends) {
+      cudaPointerAttributes attr{};
+      if (cudaPointerGetAttributes(&attr, q) != cudaSuccess) {
+        (void)cudaGetLastError();
+        attr.type = cudaMemoryTypeUnregistered;
+      }
+      if (attr.type != cudaMemoryTypeHost) {
+        char addr[32];
+        std::snprintf(addr, sizeof addr, "%p", q);
+        throw pinned_memory_error(
+            std::string("pinned memory: the H2D source at ") + addr + " (a run of " + format_bytes(bytes) +
+            " of the pinned load region) is not page-locked, so the copy would be synchronous and staged "
+            "(fault case C9 in docs/RELIABILITY.md); use cuda_host_alloc or cuda_host_register, or set "
+            "cuda_debug_options::allow_pageable_sources for the pageable ablation");
+      }
+    }
+  }
+
+  // Ablation (per_step_allocation): fresh ping-pong buffers for this launch,
+  // the size of the plan's largest chunk. Throws resource_error (nothing stays
+  // allocated) when cudaMalloc refuses.
+  void allocate_step_buffers(const stream_plan& plan, std::size_t buffers, index_t block_bytes) {
+    free_step_buffers();
+    index_t blocks = 1;
+    for (const stream_chunk& c : plan.chunks) blocks = std::max(blocks, c.num_blocks);
+    for (std::size_t b = 0; b < buffers; ++b) {
+      void* p = nullptr;
+      const cudaError_t e = cudaMalloc(&p, static_cast<std::size_t>(blocks * block_bytes));
+      if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        free_step_buffers();
+        throw resource_error("gpu_engine (ablation per_step_allocation): cudaMalloc of " +
+                             format_bytes(blocks * block_bytes) + " failed: " + cuda_error_text(e));
+      }
+      step_buffers_raw_.push_back(p);
+      step_buffers_[b] = static_cast<bf16*>(p);
+    }
+  }
+
+  void read_timing(std::size_t s) {
+    float ms = 0.0f;
+    WS_CUDA_TRY(cudaEventElapsedTime(&ms, t_start_[s].get(), t_end_[s].get()));
+    last_seconds_ = std::max(0.0, double(ms) * 1e-3);
+    float critical_ms = 0.0f;
+    WS_CUDA_TRY(cudaEventElapsedTime(&critical_ms, t_ready_[s].get(), t_end_[s].get()));
+    timing_pending_[s] = false;
+    fresh_cost_ = {last_seconds_, std::max(0.0, double(critical_ms) * 1e-3), slot_tokens_[s], slot_sparse_[s]};
+    fresh_ = true;
+  }
+
+  double completed_gpu_seconds() {
+    for (const int s : {last_slot_ ^ 1, last_slot_}) {  // older first: the newest completed wins
+      const auto i = std::size_t(s);
+      if (timing_pending_[i] && event_done(t_end_[i]) && event_done(t_start_[i]) && event_done(t_ready_[i]))
+        read_timing(i);
+    }
+    return last_seconds_;
+  }
+
+  void copy_debug(debug_partials& d, index_t rows) {
+    cudaStream_t caller = ctx_->caller;
+    WS_CUDA_TRY(cudaStreamSynchronize(caller));
+    const auto n_o = std::size_t(rows * V);
+    const auto n_l = std::size_t(rows);
+    d.streamed_o.resize(n_o);
+    d.streamed_lse.resize(n_l);
+    d.window_o.resize(n_o);
+    d.window_lse.resize(n_l);
+    const std::pair<std::vector<float>*, const device_buffer*> pairs[] = {
+        {&d.streamed_o, &streamed_o_}, {&d.streamed_lse, &streamed_lse_}, {&d.window_o, &window_o_},
+        {&d.window_lse, &window_lse_}};
+    for (const auto& [vec, buf] : pairs)
+      if (!vec->empty())
+        WS_CUDA_TRY(cudaMemcpyAsync(vec->data(), buf->data(), vec->size() * sizeof(float), cudaMemcpyDeviceToHost,
+                                    caller));
+    WS_CUDA_TRY(cudaStreamSynchronize(caller));
+    const auto* co = reinterpret_cast<const float*>(cpu_o_host_.data());
+    const auto* cl = reinterpret_cast<const float*>(cpu_lse_host_.data());
+    d.cpu_o.assign(co, co + n_o);
+    d.cpu_lse.assign(cl, cl + n_l);
+  }
+
+  backend_context<Hooks>* ctx_;
+  Layout layout_;
+  int max_batch_;
+  int hq_;
+  int batch_ = 0;
+  bool launched_ = false;
+  bool last_sparse_ = false;
+  device_buffer streamed_o_, streamed_lse_, window_o_, window_lse_, cpu_o_, cpu_lse_, split_o_, split_lse_;
+  host_allocation q_host_, cpu_o_host_, cpu_lse_host_;
+  unique_stream compute_, qstream_;
+  unique_event launch_ev_, q_done_, compute_done_, cpu_h2d_done_;
+  std::array<unique_event, max_ping_pong_buffers> filled_, consumed_;
+  std::array<unique_event, 2> t_start_, t_ready_, t_end_;
+  std::array<bool, 2> timing_pending_{false, false};
+  int timing_slot_ = 0;
+  int last_slot_ = 0;
+  double last_seconds_ = 0.0;
+  std::array<index_t, 2> slot_tokens_{0, 0};
+  std::array<bool, 2> slot_sparse_{false, false};
+  completed_gpu_cost fresh_cost_{};
+  bool fresh_ = false;
+  std::vector<void*> step_buffers_raw_;  // ablation: per_step_allocation
+  std::array<bf16*, max_ping_pong_buffers> step_buffers_{};
+  gpu::attend_params attend_{};
+  gpu::fold_params fold_{};
+  // The launcher thread (set_launch_thread) and the posted job's copies
+  launch_thread launcher_;
+  stream_plan job_plan_;
+  std::vector<window_ref> job_windows_;
+  std::vector<bf16*> job_ping_pong_;
+  args_type job_args_{};
+  [[no_unique_address]] switches job_dbg_{};
+  [[no_unique_address]] ablation job_abl_{};
+  int job_slot_ = 0;
+};
+
+}  // namespace writescope::cuda_detail
