@@ -44,6 +44,7 @@
 #  error "writescope/cuda/kernels.cuh must be compiled by nvcc; host code includes kernels.hpp"
 #endif
 
+#include <cuda/atomic>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -436,12 +437,16 @@ __global__ void spin_kernel(long long cycles) {
   }
 }
 
+// The counters are written by host threads (std::atomic_ref release stores,
+// sparse_engine.hpp) and read here through the mapping at system scope with
+// acquire loads: what a host thread wrote before publishing is visible to the
+// work ordered after this kernel.
 template <class = void>
 __global__ void wait_host_counters_kernel(const unsigned long long* counters, int n, unsigned long long need) {
   if (threadIdx.x == 0) {
     for (int j = 0; j < n; ++j) {
-      const volatile unsigned long long* c = counters + j;
-      while (*c < need) __nanosleep(200);
+      const cuda::atomic_ref<const unsigned long long, cuda::thread_scope_system> c(counters[j]);
+      while (c.load(cuda::memory_order_acquire) < need) __nanosleep(200);
     }
   }
 }

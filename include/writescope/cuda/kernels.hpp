@@ -205,8 +205,9 @@ void launch_spin(long long cycles, cudaStream_t stream);
 
 /// A stream-ordered gate on host progress (the sparse gather pipeline, paper
 /// §4.4 and Fig. 6; docs/SPARSE.md §4): one thread waits until each of
-/// `counters[0..n)` (page-locked, mapped host memory written by host threads;
-/// a device-accessible pointer) is >= `need`, polling with __nanosleep. Work
+/// `counters[0..n)` (page-locked, mapped host memory that host threads write
+/// with atomic stores; a device-accessible pointer, 8-byte aligned) is >= `need`,
+/// polling with system-scope acquire loads (cuda::atomic_ref) and __nanosleep. Work
 /// enqueued after it on `stream` starts only then. Unlike a host function
 /// (cudaLaunchHostFunc) no driver callback thread takes part, whose wake-up
 /// latency would gate every chunk (docs/DECISIONS.md). The host must eventually raise every counter (on an

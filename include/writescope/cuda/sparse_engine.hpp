@@ -107,7 +107,7 @@ class sparse_pipeline {
       std::memset(hp.data(), 0, std::size_t(n) * sizeof(std::uint64_t));
       void* dev = nullptr;
       WS_CUDA_TRY(cudaHostGetDevicePointer(&dev, hp.data(), 0));
-      g->host_progress = reinterpret_cast<volatile std::uint64_t*>(hp.data());
+      g->host_progress = reinterpret_cast<std::uint64_t*>(hp.data());
       host_progress_ = std::move(hp);
       dev_progress_ = static_cast<const unsigned long long*>(dev);
       gs_ = std::move(g);
@@ -372,7 +372,7 @@ class sparse_pipeline {
     std::uint64_t done_floor = 0;  ///< serials below it are known copied (the copy stream was synchronized)
     const cudaEvent_t* copy_done = nullptr;  ///< ring of events: serial s's copies completed at copy_done[s % ring]
     std::uint64_t ring = 1;
-    volatile std::uint64_t* host_progress = nullptr;  ///< page-locked mirror of progress, read by the wait kernel
+    std::uint64_t* host_progress = nullptr;  ///< page-locked mirror of progress, read by the wait kernel (atomic_ref)
     std::vector<std::uint64_t> progress;  ///< per gather thread: serial + 1 of its last finished chunk
     std::vector<double> t_first, t_last;  ///< per gather thread: its first / last gather memcpy of the job (s)
     std::uint64_t job_id = 0;
@@ -392,17 +392,22 @@ class sparse_pipeline {
 
   // Publishes thread j's progress to the wait kernel: after the fence, every
   // earlier store of this thread (the NT gather stores are fenced already,
-  // stream_copy_fence) is visible before the counter.
+  // stream_copy_fence) is visible before the counter, which is stored whole
+  // (an atomic store; the kernel loads it with acquire at system scope).
+  static void store_progress(gather_shared* g, std::size_t j, std::uint64_t v) noexcept {
+    static_assert(std::atomic_ref<std::uint64_t>::is_always_lock_free);
+    std::atomic_ref<std::uint64_t>(g->host_progress[j]).store(v, std::memory_order_release);
+  }
   static void publish_progress(gather_shared* g, int j, std::uint64_t v) noexcept {
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    if (g->host_progress != nullptr) g->host_progress[j] = v;
+    if (g->host_progress != nullptr) store_progress(g, std::size_t(j), v);
   }
   // Raises every progress mirror to the maximum, so wait kernels already
   // enqueued let their streams go on (an aborted pipeline). Under g->mu.
   static void release_wait_kernels(gather_shared* g) noexcept {
     if (g->host_progress == nullptr) return;
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    for (std::size_t j = 0; j < g->progress.size(); ++j) g->host_progress[j] = ~std::uint64_t{0};
+    for (std::size_t j = 0; j < g->progress.size(); ++j) store_progress(g, j, ~std::uint64_t{0});
   }
 
   // Gather thread j of nt: for each chunk of a job, in order, wait until the
