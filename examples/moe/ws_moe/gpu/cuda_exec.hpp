@@ -221,6 +221,32 @@ class cuda_exec {
                                       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
 
+  /// Throws config_error when this cuBLAS has no grouped GEMM with bf16
+  /// inputs and fp32 outputs (cuBLAS 13.0 answers CUBLAS_STATUS_NOT_SUPPORTED):
+  /// one 1 x 1 x 1 product on scratch memory, at init.
+  void check_grouped_gemm() {
+    void* mem = nullptr;
+    WS_CUDA_TRY(cudaMalloc(&mem, 256));
+    auto* base = static_cast<char*>(mem);
+    WS_CUDA_TRY(cudaMemsetAsync(base, 0, 256, stream_.get()));
+    const void* host_tab[3] = {base + 128, base + 144, base + 160};
+    WS_CUDA_TRY(cudaMemcpyAsync(base, host_tab, sizeof host_tab, cudaMemcpyHostToDevice, stream_.get()));
+    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    const int one_i = 1;
+    const float one = 1.0f, zero = 0.0f;
+    const auto* tab = reinterpret_cast<const void* const*>(base);
+    const cublasStatus_t s = cublasGemmGroupedBatchedEx(
+        blas_, &ta, &tb, &one_i, &one_i, &one_i, &one, tab, CUDA_R_16BF, &one_i, tab + 1, CUDA_R_16BF, &one_i, &zero,
+        const_cast<void* const*>(tab + 2), CUDA_R_32F, &one_i, 1, &one_i, CUBLAS_COMPUTE_32F);
+    const cudaError_t e = cudaStreamSynchronize(stream_.get());
+    (void)cudaFree(mem);
+    WS_CUDA_TRY(e);
+    if (s != CUBLAS_STATUS_SUCCESS)
+      throw writescope::config_error("--prefill-expert-gemm grouped: cuBLAS refuses a grouped GEMM with bf16 inputs and "
+                                     "fp32 outputs (cuBLAS status " + std::to_string(int(s)) +
+                                     "); use --prefill-expert-gemm batched");
+  }
+
   /// One cublasGemmGroupedBatchedEx call (cuBLAS reads the per-group host
   /// arrays during the call; the pointer tables are device memory).
   void gemm_grouped(const gemm_grouped_desc& d, const char* what) {

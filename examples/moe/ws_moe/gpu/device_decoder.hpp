@@ -611,6 +611,7 @@ class device_decoder {
       const index_t np_cap = T * k + (batched_prefill_ ? E * batch_pad + T * k / 8 : 0);
       route_cap_ints_ = np_cap + 2 * T * k + E + 1 + 2 + (batched_prefill_ ? 2 * 9 * E : 0);
       route_dev_ = buffer<int>(route_cap_ints_, "routing: rows, weights, expert offsets, batched GEMM tables");
+      if (batched_prefill_ && d_.grouped_prefill_gemm) x_.check_grouped_gemm();  // refused at init, not mid-prefill
       if (d_.grouped_experts) {
         grouped_rows_cap_ = index_t(B) * k;  // decode steps only
         eg_ = buffer<float>(grouped_rows_cap_ * c_.moe_intermediate_size, "grouped experts: gate-up outputs");
