@@ -27,20 +27,7 @@ import sys
 
 import torch
 
-
-def time_runs(fn, warmup, reps):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1e-3)
-    return out
+from bench_sdpa_peer import time_runs  # CUDA events around each call, same directory
 
 
 def main():
