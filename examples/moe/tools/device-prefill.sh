@@ -145,6 +145,9 @@ python3 - "$OUT/prefill.json" >"$OUT/prefill.txt" <<'PY'
 import json, sys
 runs = json.load(open(sys.argv[1]))
 by = {r["name"]: r for r in runs}
+def sub(s, key):  # a nested object of the summary, {} where the peer writes none (or a string)
+    v = s.get(key)
+    return v if isinstance(v, dict) else {}
 def f(v, fmt):
     return format(v, fmt) if isinstance(v, (int, float)) else "-"
 print(f"{'run':28} {'rc':>4} {'prefill tok/s':>13} {'TTFT s':>7} {'x hf':>6} {'attn s':>7} {'MoE s':>7} {'CPU exp s':>9} "
@@ -162,10 +165,10 @@ for r in runs:
         ps = (peer or {}).get("summary") or {}
         if isinstance(ps.get("prefill_tok_s"), (int, float)) and tok:
             ratio = f"{tok / ps['prefill_tok_s']:.2f}"
-    ph = s.get("prefill_phases_seconds", {})
-    ex = s.get("experts", {})
-    st = s.get("expert_streaming", {})
-    dv = s.get("device", {})
+    ph = sub(s, "prefill_phases_seconds")
+    ex = sub(s, "experts")
+    st = sub(s, "expert_streaming")
+    dv = sub(s, "device")
     gh = f"{ex.get('gpu','-')}/{ex.get('host','-')}" if ex else "-"
     print(f"{r['name']:28} {r['rc']:>4} {f(tok, '.0f'):>13} {f(s.get('prefill_seconds'), '.2f'):>7} {ratio:>6} "
           f"{f(ph.get('attention'), '.2f'):>7} {f(ph.get('moe'), '.2f'):>7} {f(ph.get('cpu_experts'), '.2f'):>9} "
