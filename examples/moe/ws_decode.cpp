@@ -773,7 +773,7 @@ int main(int argc, char** argv) {
       ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
   app.add_option("--prefill-expert-gemm", a.prefill_expert_gemm,
                  "CUDA path, --batched-prefill-experts on: how the batched GEMMs are issued: batched = one "
-                 "cublasGemmBatchedEx per group of equal padded rows and matrix; grouped = one "
+                 "pointer-array batched cuBLASLt GEMM per group of equal padded rows and matrix; grouped = one "
                  "cublasGemmGroupedBatchedEx per matrix (gate, up, down) over every device expert at its exact rows")
       ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"batched", "grouped"}));
   app.add_option("--kv-write-bounce-mib", a.kv_write_bounce_mib,

@@ -16,16 +16,21 @@
 //   dense        three cublasGemmEx of n = sum(rows_e) columns on one expert's
 //                weights: the dense-GEMM rate for the same FLOPs (the ceiling
 //                of the "grouped expert GEMMs >= 0.8 of dense" target)
-//   batched      ws_decode's --prefill-expert-gemm batched: rows padded up the
-//                ladder (gemm.hpp ladder_rows, pad 64), experts of equal padded
-//                rows in power-of-two counts, one cublasGemmBatchedEx per group
-//                and matrix (rate counts the useful rows only)
+//   batched_lt   ws_decode's --prefill-expert-gemm batched: rows padded up the
+//                ladder (gemm.hpp ladder_rows, pad 64), one pointer-array
+//                batched cuBLASLt GEMM per group of equal padded rows and
+//                matrix, the algorithm chosen once per shape class
+//                (lt_batched_gemm.hpp; rate counts the useful rows only)
+//   batched      the same groups in power-of-two counts through
+//                cublasGemmBatchedEx (its heuristic runs for every new shape:
+//                see the first-issue host time)
 //   grouped      ws_decode's --prefill-expert-gemm grouped: one
 //                cublasGemmGroupedBatchedEx per matrix, exact rows
 //   per_expert   three cublasGemmEx per expert with rows
 // For each: median GPU seconds of --reps runs (CUDA events), the median host
 // seconds to issue one run (the calls return before the GPU finishes: when
-// this is near the GPU time, the host cannot keep the GPU fed), TFLOP/s,
+// this is near the GPU time, the host cannot keep the GPU fed), the host
+// seconds of the first issue (shapes not seen before), TFLOP/s,
 // fraction of dense, and a spot check of a few output elements of every
 // matrix against the host in double (|err| relative to the output scale).
 //
@@ -58,6 +63,7 @@
 #include "bench_cuda.hpp"
 #include "ws_moe/gpu/gemm.hpp"
 #include "ws_moe/gpu/kernel_math.hpp"
+#include "ws_moe/gpu/lt_batched_gemm.hpp"
 
 namespace gpu = ws_moe::gpu;
 using gpu::idx;
@@ -193,13 +199,16 @@ struct impl_result {
   bool supported = true;
   std::string refusal;
   double gpu_seconds = 0, host_issue_seconds = 0;
+  double first_issue_seconds = 0;  ///< host seconds of the first (untimed) issue: new shapes' heuristics included
 };
 
 /// Times `issue` (enqueues one run on the handle's stream): GPU seconds with
 /// events, host seconds of the issuing itself.
 impl_result time_impl(const std::function<cublasStatus_t()>& issue, cudaStream_t stream, int warmup, int reps) {
   impl_result r;
+  const auto t_first = std::chrono::steady_clock::now();
   const cublasStatus_t s0 = issue();
+  r.first_issue_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_first).count();
   if (s0 != CUBLAS_STATUS_SUCCESS) {
     r.supported = false;
     r.refusal = "cuBLAS status " + std::to_string(int(s0));
@@ -229,15 +238,15 @@ int main(int argc, char** argv) try {
   std::string json_path;
   std::vector<std::string> model_names = {"qwen3", "mixtral", "dsv2"};
   std::vector<int> token_counts = {32768, 8192, 2048};
-  std::vector<std::string> impl_names = {"dense", "batched", "grouped", "per_expert"};
+  std::vector<std::string> impl_names = {"dense", "batched_lt", "batched", "grouped", "per_expert"};
   app.add_option("--reps", reps, "timed runs per implementation")->check(CLI::Range(1, 1000))->capture_default_str();
   app.add_option("--warmup", warmup, "untimed runs first")->check(CLI::Range(0, 1000))->capture_default_str();
   app.add_option("--zipf", zipf, "expert popularity exponent (0: uniform routing)")->check(CLI::Range(0.0, 4.0))->capture_default_str();
   app.add_option("--models", model_names, "qwen3, mixtral, dsv2")->delimiter(',')
       ->check(CLI::IsMember({"qwen3", "mixtral", "dsv2"}))->capture_default_str();
   app.add_option("--tokens", token_counts, "tokens per wave")->delimiter(',')->check(CLI::Range(1, 1 << 20))->capture_default_str();
-  app.add_option("--impls", impl_names, "dense, batched, grouped, per_expert")->delimiter(',')
-      ->check(CLI::IsMember({"dense", "batched", "grouped", "per_expert"}))->capture_default_str();
+  app.add_option("--impls", impl_names, "dense, batched_lt, batched, grouped, per_expert")->delimiter(',')
+      ->check(CLI::IsMember({"dense", "batched_lt", "batched", "grouped", "per_expert"}))->capture_default_str();
   app.add_option("--json", json_path, "write the results here (rewritten after every row)");
   CLI11_PARSE(app, argc, argv);
   auto wants = [&](const char* n) { return std::find(impl_names.begin(), impl_names.end(), n) != impl_names.end(); };
@@ -308,11 +317,13 @@ int main(int argc, char** argv) try {
           const double spot = p != nullptr ? spot_check(d, rows, *p) : 0.0;
           const bool ok = spot <= 1e-3;
           spot_ok = spot_ok && ok;
-          row.update({{"gpu_seconds", r.gpu_seconds}, {"host_issue_seconds", r.host_issue_seconds}, {"tflops", tflops},
+          row.update({{"gpu_seconds", r.gpu_seconds}, {"host_issue_seconds", r.host_issue_seconds},
+                      {"first_issue_seconds", r.first_issue_seconds}, {"tflops", tflops},
                       {"fraction_of_dense", dense_tflops > 0 ? tflops / dense_tflops : 0.0},
                       {"padded_rows", padded_rows}, {"spot_max_err", spot}, {"spot_ok", ok}});
-          std::snprintf(buf, sizeof buf, "%-8s %6d %-11s %8.3f ms  host %7.3f ms  %6.1f TFLOP/s  %5.2f of dense%s",
-                        m.name.c_str(), T, impl, r.gpu_seconds * 1e3, r.host_issue_seconds * 1e3, tflops,
+          std::snprintf(buf, sizeof buf, "%-8s %6d %-11s %8.3f ms  host %7.3f ms (first %7.2f ms)  %6.1f TFLOP/s  %5.2f of dense%s",
+                        m.name.c_str(), T, impl, r.gpu_seconds * 1e3, r.host_issue_seconds * 1e3,
+                        r.first_issue_seconds * 1e3, tflops,
                         dense_tflops > 0 ? tflops / dense_tflops : 0.0, ok ? "" : "  SPOT CHECK FAILED");
         }
         std::printf("%s\n", buf);
@@ -359,6 +370,53 @@ int main(int argc, char** argv) try {
         WS_CUDA_TRY(cudaMemcpy(dev->p, host.data(), host.size() * sizeof(void*), cudaMemcpyHostToDevice));
         return dev;
       };
+      if (wants("batched_lt")) {
+        const packing p = pack(rows, true);
+        std::vector<int> order;
+        for (int e = 0; e < m.experts; ++e)
+          if (rows[std::size_t(e)] > 0) order.push_back(e);
+        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return p.padded[std::size_t(a)] < p.padded[std::size_t(b)]; });
+        struct group {
+          idx rows;
+          int count;
+          std::size_t first;
+        };
+        std::vector<group> groups;
+        std::vector<const void*> tab;
+        for (std::size_t i = 0; i < order.size();) {
+          std::size_t j = i;
+          while (j < order.size() && p.padded[std::size_t(order[j])] == p.padded[std::size_t(order[i])]) ++j;
+          groups.push_back({p.padded[std::size_t(order[i])], int(j - i), tab.size()});
+          for (int t = 0; t < 9; ++t)
+            for (std::size_t q = i; q < j; ++q) {
+              const int e = order[q];
+              const idx r0 = p.first[std::size_t(e)];
+              const void* ptr[9] = {d.wg(e), d.x.p + r0 * H, d.g.p + r0 * I, d.wu(e), d.x.p + r0 * H,
+                                    d.u.p + r0 * I,  d.wd(e), d.a.p + r0 * I, d.y.p + r0 * H};
+              tab.push_back(ptr[t]);
+            }
+          i = j;
+        }
+        const auto dev = upload_tables(tab);
+        const void* const* T0 = dev->p;
+        gpu::lt_batched_gemm lt;
+        const impl_result r = time_impl(
+            [&] {
+              for (int t : {0, 3, 6}) {
+                const int out = t == 6 ? int(H) : int(I), in = t == 6 ? int(I) : int(H);
+                for (const group& g : groups) {
+                  const void* const* base = T0 + g.first;
+                  lt.run(true, false, out, int(g.rows), in, CUDA_R_16BF, base + std::size_t(t) * g.count, in,
+                         base + std::size_t(t + 1) * g.count, in,
+                         reinterpret_cast<float* const*>(const_cast<void* const*>(base + std::size_t(t + 2) * g.count)), out,
+                         g.count, stream);
+                }
+              }
+              return CUBLAS_STATUS_SUCCESS;
+            },
+            stream, warmup, reps);
+        record("batched_lt", r, &p, p.first.back(), 3 * int(groups.size()));
+      }
       if (wants("batched")) {
         const packing p = pack(rows, true);
         std::vector<int> order;

@@ -28,29 +28,15 @@
 #include <writescope/cuda/cuda_error.hpp>
 #include <writescope/cuda/pinned_allocators.hpp>
 
+#include "cublas_check.hpp"
 #include "cudnn_prefill.hpp"
 #include "flash_prefill.hpp"
 #include "flash_prefill_launch.hpp"
 #include "gemm.hpp"
 #include "kernel_math.hpp"
+#include "lt_batched_gemm.hpp"
 #include "nvml_memory.hpp"
 #include "ops.hpp"
-
-namespace ws_moe::gpu {
-
-/// Throws writescope::cuda_error for a cuBLAS status other than success.
-inline void cublas_check(cublasStatus_t s, const char* call, const char* file, int line) {
-  if (s == CUBLAS_STATUS_SUCCESS) return;
-  throw writescope::cuda_error(std::string(call) + " failed: " + cublasGetStatusName(s) + " (" +
-                                   cublasGetStatusString(s) + ") at " + writescope::cuda_detail::base_name(file) + ":" +
-                                   std::to_string(line),
-                               int(s));
-}
-
-}  // namespace ws_moe::gpu
-
-/// Calls a cuBLAS function; throws writescope::cuda_error unless it returns CUBLAS_STATUS_SUCCESS.
-#define WS_CUBLAS_TRY(call) ::ws_moe::gpu::cublas_check((call), #call, __FILE__, __LINE__)
 
 namespace ws_moe::gpu {
 
@@ -94,6 +80,7 @@ class cuda_exec {
   ~cuda_exec() {
     writescope::cuda_detail::ignore(cudaStreamSynchronize(stream_.get()));
     if (copy_stream_.get() != nullptr) writescope::cuda_detail::ignore(cudaStreamSynchronize(copy_stream_.get()));
+    lt_.reset();
     if (blas_ != nullptr) (void)cublasDestroy(blas_);
     bufs_.clear();
     backend_.reset();
@@ -208,18 +195,36 @@ class cuda_exec {
     }
   }
 
-  /// One cublasGemmBatchedEx over device pointer tables (fp32 output, CUBLAS_COMPUTE_32F).
+  /// One pointer-array batched GEMM over device pointer tables (fp32 output,
+  /// fp32 accumulation) through cuBLASLt, the algorithm chosen once per shape
+  /// class (lt_batched_gemm.hpp: cublasGemmBatchedEx would run its heuristic
+  /// for every new row count). The first call allocates cuBLASLt's 32 MiB
+  /// workspace (inside the budget's reserve for what is allocated after placement).
   void gemm_batched(const gemm_batched_desc& d, const char* what) {
     check_gemm_batched(d, what);
     const gemm_desc& b = d.base;
     if (d.count == 0 || b.m == 0 || b.n == 0) return;
-    const float one = 1.0f, zero = 0.0f;
-    const cudaDataType t = b.a_type == wtype::bf16 ? CUDA_R_16BF : CUDA_R_32F;
-    WS_CUBLAS_TRY(cublasGemmBatchedEx(blas_, b.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, b.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                      int(b.m), int(b.n), int(b.k), &one, d.a, t, int(b.lda), d.b, t, int(b.ldb), &zero,
-                                      reinterpret_cast<void* const*>(d.c), CUDA_R_32F, int(b.ldc), int(d.count),
-                                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    if (!lt_) lt_ = std::make_unique<lt_batched_gemm>();
+    lt_->run(b.trans_a, b.trans_b, int(b.m), int(b.n), int(b.k), b.a_type == wtype::bf16 ? CUDA_R_16BF : CUDA_R_32F, d.a,
+             int(b.lda), d.b, int(b.ldb), d.c, int(b.ldc), int(d.count), stream_.get());
   }
+  /// gemm for products whose n (rows) changes from call to call (a routed
+  /// expert's rows: per-expert and streamed experts): one plain product through
+  /// cuBLASLt with the algorithm chosen once per class of n (cublasGemmEx
+  /// would run its heuristic for every new n); other descriptors go to gemm.
+  void gemm_varying(const gemm_desc& d, const char* what) {
+    check_gemm(d, what);
+    if (d.batch != 1 || d.k == 0 || d.m == 0 || d.n == 0) {
+      gemm(d, what);
+      return;
+    }
+    if (!lt_) lt_ = std::make_unique<lt_batched_gemm>();
+    lt_->run_single(d.trans_a, d.trans_b, int(d.m), int(d.n), int(d.k), d.a_type == wtype::bf16 ? CUDA_R_16BF : CUDA_R_32F,
+                    d.a, int(d.lda), d.b, int(d.ldb), d.c, int(d.ldc), stream_.get());
+  }
+  /// cuBLASLt heuristic queries of gemm_batched and gemm_varying so far, and their host seconds.
+  [[nodiscard]] long gemm_batched_heuristic_queries() const noexcept { return lt_ ? lt_->heuristic_queries() : 0; }
+  [[nodiscard]] double gemm_batched_heuristic_seconds() const noexcept { return lt_ ? lt_->heuristic_seconds() : 0.0; }
 
   /// Throws config_error when this cuBLAS has no grouped GEMM with bf16
   /// inputs and fp32 outputs (cuBLAS 13.0 answers CUBLAS_STATUS_NOT_SUPPORTED):
@@ -386,6 +391,7 @@ class cuda_exec {
   std::optional<backend_type> backend_;
   writescope::cuda_detail::unique_event done_;
   cublasHandle_t blas_ = nullptr;
+  std::unique_ptr<lt_batched_gemm> lt_;  ///< gemm_batched, gemm_varying (created at the first call)
 #ifdef WS_MOE_HAVE_CUDNN
   std::unique_ptr<cudnn_prefill> cudnn_;  ///< created at the first prepare_bf16_prefill_attention
 #endif

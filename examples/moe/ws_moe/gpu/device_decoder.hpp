@@ -122,12 +122,12 @@ struct device_options {
   /// when the build has it and it accepts the waves' shapes; else the flash kernel.
   bool cudnn_prefill = true;
   /// bf16 precision, bf16 experts: a prefill MoE layer's device-resident
-  /// experts run as batched GEMMs (cublasGemmBatchedEx), one per group of
+  /// experts run as pointer-array batched GEMMs (cuBLASLt), one per group of
   /// experts with equal row counts padded to a multiple of 64, instead of
   /// three cuBLAS products per expert.
   bool batched_prefill_experts = true;
   /// How the batched prefill experts' GEMMs are issued: false = one
-  /// cublasGemmBatchedEx per group of equal padded rows and matrix (gate, up,
+  /// pointer-array batched GEMM per group of equal padded rows and matrix (gate, up,
   /// down); true = one cublasGemmGroupedBatchedEx per matrix over every
   /// device expert with rows, each at its exact row count (no padding).
   bool grouped_prefill_gemm = false;
@@ -1150,14 +1150,21 @@ class device_decoder {
 
   /// out[n][W.rows] = in[n][W.cols] · Wᵀ (+ bias), in the configured precision.
   /// `in_bf16`: the bf16 copy of `in` when the caller made one (shared_bf16_input).
-  void linear(const gpu::dlinear& L, const float* in, index_t n, float* out, const void* in_bf16 = nullptr) {
+  /// `rows_vary`: n changes from call to call (a routed expert's rows): the
+  /// product goes through cuda_exec::gemm_varying (one heuristic per class of n).
+  void linear(const gpu::dlinear& L, const float* in, index_t n, float* out, const void* in_bf16 = nullptr,
+              bool rows_vary = false) {
     const gpu::dmat& W = L.w;
     if (n == 0) return;
     if (W.type == wtype::f32) {
       x_.gemm(gpu::linear_desc(W.p, wtype::f32, W.rows, W.cols, in, n, out, W.rows), "linear (fp32)");
     } else if (prec_ == wtype::bf16) {
       const void* xb = in_bf16 ? in_bf16 : act_bf16(in, n * W.cols);
-      x_.gemm(gpu::linear_desc(W.p, wtype::bf16, W.rows, W.cols, xb, n, out, W.rows), "linear (bf16)");
+      const gpu::gemm_desc d = gpu::linear_desc(W.p, wtype::bf16, W.rows, W.cols, xb, n, out, W.rows);
+      if (rows_vary)
+        x_.gemm_varying(d, "linear (bf16, varying rows)");
+      else
+        x_.gemm(d, "linear (bf16)");
     } else {  // fp32 precision, bf16 weights: widen a block of rows at a time
       const index_t chunk = std::max<index_t>(1, wide_cap_ / W.cols);
       for (index_t o0 = 0; o0 < W.rows; o0 += chunk) {
@@ -1174,14 +1181,16 @@ class device_decoder {
   }
 
   /// `in_bf16`: the bf16 copy of `in` when the caller has one (then `in` is not read by bf16 layers).
-  void mlp(const gpu::dmlp& m, const float* in, index_t n, float* out, const void* in_bf16 = nullptr) {
+  /// `rows_vary`: a routed expert (n changes from call to call; see linear).
+  void mlp(const gpu::dmlp& m, const float* in, index_t n, float* out, const void* in_bf16 = nullptr,
+           bool rows_vary = false) {
     if (n == 0) return;
     const index_t I = m.gate.w.rows;
     const void* xb = in_bf16 ? in_bf16 : shared_bf16_input(in, n * m.gate.w.cols, {&m.gate, &m.up});
-    linear(m.gate, in, n, g_, xb);
-    linear(m.up, in, n, u_, xb);
+    linear(m.gate, in, n, g_, xb, rows_vary);
+    linear(m.up, in, n, u_, xb, rows_vary);
     x_.run(gpu::silu_mul_op{g_, u_}, n * I);
-    linear(m.down, g_, n, out);
+    linear(m.down, g_, n, out, nullptr, rows_vary);
   }
 
   void embed(index_t n) {
@@ -1352,7 +1361,7 @@ class device_decoder {
   static index_t table_at(index_t np, index_t nk, int E) { return (np + 2 * nk + E + 1 + 1) / 2 * 2; }
 
   /// rows_/count_ from the per-expert row counts; a batched prefill issued
-  /// through cublasGemmBatchedEx pads every device-resident expert's rows up
+  /// through pointer-array batched GEMMs pads every device-resident expert's rows up
   /// to padded_rows (padding rows gather token 0 and are never combined) so
   /// that experts of equal padded rows run as one batched GEMM; the grouped
   /// issue (grouped_prefill_gemm) keeps the exact rows.
@@ -1365,7 +1374,7 @@ class device_decoder {
     }
   }
 
-  /// A batched prefill expert's rows padded for cublasGemmBatchedEx (gemm.hpp ladder_rows).
+  /// A batched prefill expert's rows padded for the batched GEMMs (gemm.hpp ladder_rows).
   static index_t padded_rows(index_t m) { return gpu::ladder_rows(m, batch_pad); }
 
   /// The prefill grouping of a batched MoE pass on the device (kernel_math.hpp
@@ -1590,7 +1599,7 @@ class device_decoder {
         const index_t m = rows_[std::size_t(e)];
         if (m == 0 || L.on_host[std::size_t(e)]) continue;
         const index_t row = count_[std::size_t(e)];
-        mlp(L.experts[std::size_t(e)], xg_ + row * H, m, yg_ + row * H);
+        mlp(L.experts[std::size_t(e)], xg_ + row * H, m, yg_ + row * H, nullptr, true);
       }
       ++per_expert_passes_;
     }
@@ -1668,11 +1677,6 @@ class device_decoder {
     for (std::size_t i = 0; i < order_.size();) {
       std::size_t j = i;
       while (j < order_.size() && padded(order_[j]) == padded(order_[i])) ++j;
-      // a power-of-two count (the largest that fits): cuBLAS caches its kernel
-      // choice per shape and count, so the calls of later layers find theirs
-      std::size_t c = 1;
-      while (2 * c <= j - i) c *= 2;
-      j = i + c;
       batch_group g;
       g.rows = padded(order_[i]);
       g.count = int(j - i);
@@ -1687,7 +1691,7 @@ class device_decoder {
   /// The device-resident experts of a batched prefill layer: the packed inputs
   /// to bf16 once, the gate and up products, SiLU · up over every packed row,
   /// to bf16, the down products into yg_. Issued per group of equal padded
-  /// rows and matrix (cublasGemmBatchedEx; the padding rows compute garbage
+  /// rows and matrix (cuda_exec::gemm_batched; the padding rows compute garbage
   /// that no token combines), or with grouped_prefill_gemm one grouped call
   /// per matrix over every expert at its exact rows.
   void run_batched_experts(void* const* tables, index_t np) {
@@ -2097,7 +2101,7 @@ class device_decoder {
         const index_t row = count_[std::size_t(it.expert)];
         // bf16 experts read the bf16 packed rows of a batched prefill (x16_), as the device experts do
         const void* in16 = gathered16_ && t == wtype::bf16 ? static_cast<const void*>(x16_ + row * H) : nullptr;
-        mlp(dm, in16 != nullptr ? nullptr : xg_ + row * H, m, yg_ + row * H, in16);
+        mlp(dm, in16 != nullptr ? nullptr : xg_ + row * H, m, yg_ + row * H, in16, true);
       }
       x_.ring_release(slot);
       if (next_copy_ < index_t(stream_items_.size())) enqueue_stream_copy();

@@ -157,6 +157,7 @@ class emulated_exec {
     check_gemm(d, what);
     reference_gemm(d);
   }
+  void gemm_varying(const gemm_desc& d, const char* what) { gemm(d, what); }  ///< cuda_exec's twin: the same product
   void gemm_batched(const gemm_batched_desc& d, const char* what) {
     check_gemm_batched(d, what);
     reference_gemm_batched(d);

@@ -66,7 +66,7 @@ inline void check_gemm(const gemm_desc& d, const char* what) {
 }
 
 /// A batch of products of one shape whose operands are device pointer tables
-/// (cublasGemmBatchedEx): item i computes `base` with a = a[i], b = b[i], c = c[i]
+/// (pointer-array batched: cuBLASLt on the GPU): item i computes `base` with a = a[i], b = b[i], c = c[i]
 /// (base's own pointers and strides unused; batch 1).
 struct gemm_batched_desc {
   gemm_desc base;
