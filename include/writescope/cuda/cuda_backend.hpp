@@ -194,11 +194,11 @@ class basic_cuda_backend {
   /// pageable prefill writes included).
   void synchronize_host_writes() { writes_.synchronize_host_writes(); }
   /// Deferred pageable prefill writes, at most `max_bytes` pending (off by
-  /// default: 0); completed when that much is pending, or by the next
-  /// eviction, complete_host_writes or synchronize call.
+  /// default: 0); completed by the next write, complete_host_writes or
+  /// synchronize call.
   void set_deferred_host_writes(index_t max_bytes) { writes_.set_deferred_host_writes(max_bytes); }
   [[nodiscard]] index_t deferred_host_writes() const noexcept { return writes_.deferred_host_writes(); }
-  /// Finishes the pending deferred pageable writes.
+  /// Finishes the deferred pageable writes of the last write_blocks call.
   void complete_host_writes() { writes_.complete_host_writes(); }
 
   /// Device -> host copy ordered after the caller stream; complete on return.

@@ -85,13 +85,7 @@ class host_writes {
                     std::span<const block_write> writes) {
     if (writes.empty()) return;
     ctx_->join_pending_launches();  // C9: a launched step's H2D reads are enqueued before h2d_done is waited on
-    // Deferred pageable bytes of earlier calls stay pending: this call's go
-    // after them in the prefill bounce buffer (defer_to_pageable completes the
-    // pending ones when it is full), and each call's bytes go to bytes of the
-    // blocks no pending piece writes (a block's rows are written once; a
-    // partial block's later rows are other bytes). Waiting here would make the
-    // host wait for the GPU at every sequence's append.
-    if (deferred_max_bytes_ == 0 || deferred_refused_) complete_host_writes();
+    complete_host_writes();          // the previous call's deferred bytes: the bounce buffer is reused from offset 0
     gpu::scatter_params& sp = scatter_;
     bool vec = kv.stride(fmt.layout) % 8 == 0;
     for (int p = 0; p < 2; ++p) {
@@ -279,14 +273,13 @@ class host_writes {
   /// Deferred pageable prefill writes (off by default): write_blocks then
   /// enqueues the D2H of blocks bound for pageable memory (the unpinned
   /// compute region) into a page-locked prefill bounce buffer and returns
-  /// without waiting; later write_blocks calls add theirs behind the pending
-  /// bytes; host threads copy the pending bytes to their blocks when the
-  /// buffer is full, or at the next eviction, copy_blocks_to_host,
-  /// complete_host_writes, synchronize_host_writes or synchronize call
-  /// (hybrid_attention::step calls complete_host_writes before its CPU engine
-  /// reads). The buffer grows to the pending bytes, at most `max_bytes`
-  /// (more complete in pieces of that size); 0 turns deferral off (after
-  /// completing what is pending). If the buffer cannot be page-locked, writes stay
+  /// without waiting; host threads copy those bytes to their blocks at the
+  /// next write_blocks, copy_blocks_to_host, complete_host_writes,
+  /// synchronize_host_writes or synchronize call (hybrid_attention::step calls
+  /// complete_host_writes before its CPU engine reads). The buffer grows to the
+  /// pageable bytes of one write_blocks call, at most `max_bytes` (larger calls
+  /// complete in pieces of that size); 0 turns deferral off (after completing
+  /// what is pending). If the buffer cannot be page-locked, writes stay
   /// synchronous (through the eviction bounce buffer). Call between steps from
   /// the thread that drives the cache; complete (or synchronize) before
   /// destroying a cache whose blocks have pending writes. The completing calls
@@ -299,7 +292,8 @@ class host_writes {
   }
   [[nodiscard]] index_t deferred_host_writes() const noexcept { return deferred_max_bytes_; }
 
-  /// Finishes the pending deferred pageable writes: waits for their D2H, then copies
+  /// Finishes the deferred pageable writes (of the last write_blocks call):
+  /// waits for their D2H, then copies
   /// the bytes to their blocks (OpenMP threads when large). A no-op when none
   /// is pending.
   void complete_host_writes() {
