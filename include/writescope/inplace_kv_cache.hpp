@@ -346,6 +346,60 @@ class inplace_kv_cache {
     st.window_tokens[std::size_t(layer)] = int(rem);
   }
 
+  /// append_prefill for several sequences of one layer in one backend write:
+  /// seqs[i]'s prompt KV is tokens [first_tokens[i], first_tokens[i] + its
+  /// prompt tokens) of `kv` (one buffer holding the sequences' prompts, e.g. a
+  /// prefill wave's packed KV). The same placement and bytes as one
+  /// append_prefill per sequence, in one write_blocks call: one staging pass,
+  /// and with cuda_backend's deferred pageable writes one completion per call
+  /// instead of one per sequence (each completion waits for the previous
+  /// call's copies). Throws shape_error (layer, sizes of the spans, unknown or
+  /// repeated sequence, a prompt range outside kv, null plane) or state_error
+  /// (layer already written); strong guarantee: nothing is written unless
+  /// every sequence passes.
+  void append_prefill(int layer, std::span<const sequence_id> seqs, std::span<const index_t> first_tokens,
+                      const kv_input& kv) {
+    check_layer(layer, "append_prefill");
+    if (seqs.size() != first_tokens.size())
+      throw shape_error("append_prefill: " + std::to_string(seqs.size()) + " sequences but " +
+                        std::to_string(first_tokens.size()) + " first tokens");
+    check_kv(kv, "append_prefill");
+    seen_.assign(seqs_.size(), 0);
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      const sequence_state& st = live_state(seqs[i], "append_prefill");
+      if (seen_[std::size_t(seqs[i])]++ != 0)
+        throw shape_error("append_prefill: sequence " + std::to_string(seqs[i]) + " appears twice");
+      if (st.layer_ready[std::size_t(layer)])
+        throw state_error("append_prefill: layer " + std::to_string(layer) + " of sequence " + std::to_string(seqs[i]) +
+                          " already holds its prompt (" + std::to_string(st.prompt_tokens) + " tokens)");
+      if (first_tokens[i] < 0 || first_tokens[i] + st.prompt_tokens > kv.num_tokens)
+        throw shape_error("append_prefill: sequence " + std::to_string(seqs[i]) + "'s prompt of " +
+                          std::to_string(st.prompt_tokens) + " tokens from token " + std::to_string(first_tokens[i]) +
+                          " lies outside the " + std::to_string(kv.num_tokens) + " tokens given");
+    }
+    writes_.clear();
+    const int bt = spec_.block_tokens;
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      const sequence_state& st = seqs_[std::size_t(seqs[i])];
+      const index_t t0 = first_tokens[i];
+      for (std::size_t j = 0; j < st.block_table.size(); ++j) {
+        const block_ref& b = st.block_table[j];
+        writes_.push_back({t0 + index_t(j) * bt, bt, 0, block_ptr(layer, b), kind_of(b.region)});
+      }
+      const index_t rem = st.prompt_tokens - st.placed_tokens;
+      bf16* slot = window_slot_ptr(layer, st.window_slot);
+      for (index_t w = 0; w < rem; w += bt)
+        writes_.push_back({t0 + st.placed_tokens + w, int(std::min<index_t>(bt, rem - w)), 0,
+                           slot + (w / bt) * format_.block_elems(), memory_kind::device});
+    }
+    backend_->write_blocks(format_, kv, writes_);
+    for (const sequence_id id : seqs) {
+      sequence_state& st = seqs_[std::size_t(id)];
+      st.layer_ready[std::size_t(layer)] = 1;
+      st.window_tokens[std::size_t(layer)] = int(st.prompt_tokens - st.placed_tokens);
+    }
+  }
+
   /// Stages one decode token per sequence in the D-window of `layer`:
   /// token i of `kv` belongs to seqs[i]. Throws shape_error (sizes, unknown or
   /// repeated sequence) or state_error (prompt not yet written, D-window full:
@@ -820,6 +874,7 @@ class inplace_kv_cache {
   std::uint64_t generations_ = 0;  // sequences begun so far (sequence_state::generation)
 
   std::vector<block_write> writes_;
+  std::vector<char> seen_;  ///< append_prefill (several sequences): which sequences the call names
   std::vector<block_copy> copies_;
   std::vector<block_id> tmp_ids_;
 };
