@@ -1856,23 +1856,32 @@ class device_decoder {
       marks[std::size_t(l)][0] = x_.mark();
       rms_norm(x_buf_, H, L.input_norm, N, int(H), h_, H);
       project(L, N);
-      // The KV write-out waits for the GPU when it is synchronous: the attention
-      // goes first then; deferred, the write-out is only enqueued and goes first
-      // (its D2H then runs beside the attention).
-      const bool deferred = kv_writes_deferred();
-      if (flash && !deferred) flash_prefill_attention(L, w);
+      // The wave's KV goes to its final regions as it is produced: with the
+      // flash attention in one append over the wave's sequences, after the
+      // attention is enqueued (the append waits for the previous layer's
+      // deferred copies, or for its own D2H when writes are synchronous, while
+      // the GPU computes); otherwise per sequence, beside its attention.
+      if (flash) flash_prefill_attention(L, w);
       const auto t_kv = std::chrono::steady_clock::now();
-      for (int i = w.begin; i < w.end; ++i) {
-        const index_t o0 = w.offset[std::size_t(i - w.begin)];
-        const index_t T = w.offset[std::size_t(i - w.begin) + 1] - o0;
+      if (flash) {
         kv_tokens<Layout, space> kv;
-        for (int p = 0; p < Layout::planes; ++p) kv.planes[std::size_t(p)] = kvb_[std::size_t(p)] + o0 * per;
-        kv.num_tokens = T;
-        cache_->append_prefill(l, seqs[std::size_t(i)], kv);  // to its final regions as it is produced
-        if (!flash) prefill_attention(o0, T);
+        for (int p = 0; p < Layout::planes; ++p) kv.planes[std::size_t(p)] = kvb_[std::size_t(p)];
+        kv.num_tokens = N;
+        wave_seqs_.assign(seqs.begin() + w.begin, seqs.begin() + w.end);
+        wave_first_.assign(w.offset.begin(), w.offset.end() - 1);
+        cache_->append_prefill(l, std::span<const sequence_id>(wave_seqs_), std::span<const index_t>(wave_first_), kv);
+      } else {
+        for (int i = w.begin; i < w.end; ++i) {
+          const index_t o0 = w.offset[std::size_t(i - w.begin)];
+          const index_t T = w.offset[std::size_t(i - w.begin) + 1] - o0;
+          kv_tokens<Layout, space> kv;
+          for (int p = 0; p < Layout::planes; ++p) kv.planes[std::size_t(p)] = kvb_[std::size_t(p)] + o0 * per;
+          kv.num_tokens = T;
+          cache_->append_prefill(l, seqs[std::size_t(i)], kv);
+          prefill_attention(o0, T);
+        }
       }
       rep.prefill_kv_write_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t_kv).count();
-      if (flash && deferred) flash_prefill_attention(L, w);
       if (!(flash && mla)) attention_output(L, N);  // the MLA flash path applied o_proj itself
       x_.run(gpu::add_op{x_buf_, y_}, N * H);
       marks[std::size_t(l)][1] = x_.mark();
@@ -2108,13 +2117,6 @@ class device_decoder {
     }
   }
 
-  bool kv_writes_deferred() {
-    if constexpr (requires(backend_type& b) { b.deferred_host_writes(); })
-      return x_.backend().deferred_host_writes() > 0;
-    else
-      return false;
-  }
-
   void complete_kv_writes() {
     if constexpr (requires(backend_type& b) { b.complete_host_writes(); }) x_.backend().complete_host_writes();
   }
@@ -2244,6 +2246,8 @@ class device_decoder {
   index_t peak_process_ = 0;  ///< NVML's figure for this process (sample_used)
   bool process_readable_ = true;
   std::vector<std::array<int, 5>> moe_marks_;
+  std::vector<writescope::sequence_id> wave_seqs_;  ///< prefill_wave: the wave's sequences (one KV append per layer)
+  std::vector<index_t> wave_first_;                   ///< ... and each one's first token in the wave
   // batched prefill experts
   struct batch_group {
     index_t rows = 0;   ///< padded rows of every expert of the group (grouped issue: exact rows)
