@@ -370,22 +370,28 @@ int main(int argc, char** argv) try {
         WS_CUDA_TRY(cudaMemcpy(dev->p, host.data(), host.size() * sizeof(void*), cudaMemcpyHostToDevice));
         return dev;
       };
-      if (wants("batched_lt")) {
-        const packing p = pack(rows, true);
+      // The padded groups of the batched issues: experts of equal padded rows
+      // (all of them, or the largest power-of-two count at a time), and their
+      // pointer tables [9][count] per group (gate W X G, up W X U, down W A Y).
+      struct group {
+        idx rows;
+        int count;
+        std::size_t first;
+      };
+      auto padded_groups = [&](const packing& p, bool pow2_counts, std::vector<const void*>& tab) {
         std::vector<int> order;
         for (int e = 0; e < m.experts; ++e)
           if (rows[std::size_t(e)] > 0) order.push_back(e);
         std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return p.padded[std::size_t(a)] < p.padded[std::size_t(b)]; });
-        struct group {
-          idx rows;
-          int count;
-          std::size_t first;
-        };
         std::vector<group> groups;
-        std::vector<const void*> tab;
         for (std::size_t i = 0; i < order.size();) {
           std::size_t j = i;
           while (j < order.size() && p.padded[std::size_t(order[j])] == p.padded[std::size_t(order[i])]) ++j;
+          if (pow2_counts) {
+            std::size_t c = 1;
+            while (2 * c <= j - i) c *= 2;
+            j = i + c;
+          }
           groups.push_back({p.padded[std::size_t(order[i])], int(j - i), tab.size()});
           for (int t = 0; t < 9; ++t)
             for (std::size_t q = i; q < j; ++q) {
@@ -397,6 +403,12 @@ int main(int argc, char** argv) try {
             }
           i = j;
         }
+        return groups;
+      };
+      if (wants("batched_lt")) {
+        const packing p = pack(rows, true);
+        std::vector<const void*> tab;
+        const std::vector<group> groups = padded_groups(p, false, tab);
         const auto dev = upload_tables(tab);
         const void* const* T0 = dev->p;
         gpu::lt_batched_gemm lt;
@@ -419,34 +431,8 @@ int main(int argc, char** argv) try {
       }
       if (wants("batched")) {
         const packing p = pack(rows, true);
-        std::vector<int> order;
-        for (int e = 0; e < m.experts; ++e)
-          if (rows[std::size_t(e)] > 0) order.push_back(e);
-        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return p.padded[std::size_t(a)] < p.padded[std::size_t(b)]; });
-        struct group {
-          idx rows;
-          int count;
-          std::size_t first;
-        };
-        std::vector<group> groups;
         std::vector<const void*> tab;
-        for (std::size_t i = 0; i < order.size();) {
-          std::size_t j = i;
-          while (j < order.size() && p.padded[std::size_t(order[j])] == p.padded[std::size_t(order[i])]) ++j;
-          std::size_t c = 1;
-          while (2 * c <= j - i) c *= 2;
-          j = i + c;
-          groups.push_back({p.padded[std::size_t(order[i])], int(c), tab.size()});
-          for (int t = 0; t < 9; ++t)
-            for (std::size_t q = i; q < j; ++q) {
-              const int e = order[q];
-              const idx r0 = p.first[std::size_t(e)];
-              const void* ptr[9] = {d.wg(e), d.x.p + r0 * H, d.g.p + r0 * I, d.wu(e), d.x.p + r0 * H,
-                                    d.u.p + r0 * I,  d.wd(e), d.a.p + r0 * I, d.y.p + r0 * H};
-              tab.push_back(ptr[t]);
-            }
-          i = j;
-        }
+        const std::vector<group> groups = padded_groups(p, true, tab);
         const auto dev = upload_tables(tab);
         const void* const* T0 = dev->p;
         const impl_result r = time_impl(
