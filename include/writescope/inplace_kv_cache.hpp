@@ -349,7 +349,9 @@ class inplace_kv_cache {
   /// append_prefill for several sequences of one layer in one backend write:
   /// seqs[i]'s prompt KV is tokens [first_tokens[i], first_tokens[i] + its
   /// prompt tokens) of `kv` (one buffer holding the sequences' prompts, e.g. a
-  /// prefill wave's packed KV). The same placement and bytes as one
+  /// prefill wave's packed KV, in the backend's activation space: host for
+  /// host_backend, device for cuda_backend, ordered on its caller stream).
+  /// The same placement and bytes as one
   /// append_prefill per sequence, in one write_blocks call: one staging pass,
   /// and with cuda_backend's deferred pageable writes one completion per call
   /// instead of one per sequence (each completion waits for the previous

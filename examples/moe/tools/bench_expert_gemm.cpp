@@ -405,34 +405,12 @@ int main(int argc, char** argv) try {
         }
         return groups;
       };
-      if (wants("batched_lt")) {
+      // Times one padded-group issue: `issue(g, out, in, a, b, c)` enqueues group
+      // g's product of one matrix (a, b, c: its pointer tables).
+      auto time_padded = [&](const char* impl, bool pow2_counts, const auto& issue) {
         const packing p = pack(rows, true);
         std::vector<const void*> tab;
-        const std::vector<group> groups = padded_groups(p, false, tab);
-        const auto dev = upload_tables(tab);
-        const void* const* T0 = dev->p;
-        gpu::lt_batched_gemm lt;
-        const impl_result r = time_impl(
-            [&] {
-              for (int t : {0, 3, 6}) {
-                const int out = t == 6 ? int(H) : int(I), in = t == 6 ? int(I) : int(H);
-                for (const group& g : groups) {
-                  const void* const* base = T0 + g.first;
-                  lt.run(true, false, out, int(g.rows), in, CUDA_R_16BF, base + std::size_t(t) * g.count, in,
-                         base + std::size_t(t + 1) * g.count, in,
-                         reinterpret_cast<float* const*>(const_cast<void* const*>(base + std::size_t(t + 2) * g.count)), out,
-                         g.count, stream);
-                }
-              }
-              return CUBLAS_STATUS_SUCCESS;
-            },
-            stream, warmup, reps);
-        record("batched_lt", r, &p, p.first.back(), 3 * int(groups.size()));
-      }
-      if (wants("batched")) {
-        const packing p = pack(rows, true);
-        std::vector<const void*> tab;
-        const std::vector<group> groups = padded_groups(p, true, tab);
+        const std::vector<group> groups = padded_groups(p, pow2_counts, tab);
         const auto dev = upload_tables(tab);
         const void* const* T0 = dev->p;
         const impl_result r = time_impl(
@@ -441,19 +419,33 @@ int main(int argc, char** argv) try {
                 const int out = t == 6 ? int(H) : int(I), in = t == 6 ? int(I) : int(H);
                 for (const group& g : groups) {
                   const void* const* base = T0 + g.first;
-                  const cublasStatus_t s = cublasGemmBatchedEx(
-                      h, CUBLAS_OP_T, CUBLAS_OP_N, out, int(g.rows), in, &one, base + std::size_t(t) * g.count, CUDA_R_16BF,
-                      in, base + std::size_t(t + 1) * g.count, CUDA_R_16BF, in, &zero,
-                      const_cast<void* const*>(base + std::size_t(t + 2) * g.count), CUDA_R_32F, out, g.count,
-                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+                  const cublasStatus_t s = issue(g, out, in, base + std::size_t(t) * g.count,
+                                                 base + std::size_t(t + 1) * g.count,
+                                                 const_cast<void* const*>(base + std::size_t(t + 2) * g.count));
                   if (s != CUBLAS_STATUS_SUCCESS) return s;
                 }
               }
               return CUBLAS_STATUS_SUCCESS;
             },
             stream, warmup, reps);
-        record("batched", r, &p, p.first.back(), 3 * int(groups.size()));
+        record(impl, r, &p, p.first.back(), 3 * int(groups.size()));
+      };
+      if (wants("batched_lt")) {
+        gpu::lt_batched_gemm lt;
+        time_padded("batched_lt", false,
+                    [&](const group& g, int out, int in, const void* const* a, const void* const* b, void* const* c) {
+                      lt.run(true, false, out, int(g.rows), in, CUDA_R_16BF, a, in, b, in,
+                             reinterpret_cast<float* const*>(c), out, g.count, stream);
+                      return CUBLAS_STATUS_SUCCESS;
+                    });
       }
+      if (wants("batched"))
+        time_padded("batched", true,
+                    [&](const group& g, int out, int in, const void* const* a, const void* const* b, void* const* c) {
+                      return cublasGemmBatchedEx(h, CUBLAS_OP_T, CUBLAS_OP_N, out, int(g.rows), in, &one, a, CUDA_R_16BF,
+                                                 in, b, CUDA_R_16BF, in, &zero, c, CUDA_R_32F, out, g.count,
+                                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+                    });
       if (wants("grouped")) {
         const packing p = pack(rows, false);
         std::vector<int> order;
