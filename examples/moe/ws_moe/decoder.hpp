@@ -103,6 +103,28 @@ struct sequence_summary {
   index_t prompt_tokens = 0, placed_tokens = 0, cpu_placed_tokens = 0, window_tokens = 0;
 };
 
+/// Where the thread that drives the GPU spends a prefill (CUDA path; wall
+/// seconds summed over the waves): issuing the layers (every wait inside
+/// included), of which waiting for each MoE layer's routing counts, issuing
+/// the attention, and issuing a MoE layer's work after its counts arrived; at
+/// each wave's end waiting for the GPU to finish it, then the LM head and
+/// sampling of its first tokens; after the last wave the last deferred KV
+/// bytes and the decode's page prefault; the cuBLASLt heuristic queries of
+/// the expert GEMMs (inside the MoE issue). A layer time close to the device
+/// phases means the GPU waited for the host.
+struct prefill_host_seconds {
+  double layers_seconds = 0.0;
+  double router_wait_seconds = 0.0;
+  double attention_issue_seconds = 0.0;
+  double moe_issue_seconds = 0.0;
+  double drain_seconds = 0.0;
+  double head_sampling_seconds = 0.0;
+  double final_seconds = 0.0;
+  /// cuBLASLt heuristic queries of the routed-expert GEMMs during the prefill, and their host seconds.
+  long gemm_heuristic_queries = 0;
+  double gemm_heuristic_seconds = 0.0;
+};
+
 /// What the CUDA path (ws_moe/gpu/device_decoder.hpp) adds to a run's result:
 /// device memory by use, where the experts live, the CPU experts' time.
 struct device_report {
@@ -179,6 +201,8 @@ struct device_report {
   double prefill_moe_device_expert_seconds = 0.0;
   double prefill_moe_streamed_expert_seconds = 0.0;
   double prefill_moe_combine_seconds = 0.0;
+  /// The prefill's host thread (wall time, summed over the waves).
+  prefill_host_seconds prefill_host;
 };
 
 struct generation_result {

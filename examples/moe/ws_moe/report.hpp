@@ -197,6 +197,14 @@ inline void print_device(std::FILE* f, const generation_result& r) {
                   "%.3f s\n",
                d.prefill_moe_route_seconds, d.prefill_moe_device_expert_seconds, d.prefill_moe_streamed_expert_seconds,
                d.prefill_moe_combine_seconds);
+  {
+    const prefill_host_seconds& h = d.prefill_host;
+    std::fprintf(f, "           host thread: layers issued in %.3f s (routing-count waits %.3f s, attention issue %.3f s, "
+                    "MoE issue after the counts %.3f s); wave ends: GPU drain %.3f s, head + sampling %.3f s; after the "
+                    "waves (last KV bytes, decode prefault) %.3f s; expert-GEMM heuristic queries %ld in %.3f s\n",
+                 h.layers_seconds, h.router_wait_seconds, h.attention_issue_seconds, h.moe_issue_seconds, h.drain_seconds,
+                 h.head_sampling_seconds, h.final_seconds, h.gemm_heuristic_queries, h.gemm_heuristic_seconds);
+  }
   if (d.staging_slots > 0)
     std::fprintf(f, "           host experts streamed to the GPU in waves of >= %.0f rows per expert: %lld copies, %s, "
                     "staging ring %d slots (%s)\n",
@@ -480,6 +488,15 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
                                    {"moe_device_experts", d.prefill_moe_device_expert_seconds},
                                    {"moe_streamed_experts", d.prefill_moe_streamed_expert_seconds},
                                    {"moe_combine", d.prefill_moe_combine_seconds}};
+    j["prefill_host_seconds"] = {{"layers", d.prefill_host.layers_seconds},
+                                 {"router_wait", d.prefill_host.router_wait_seconds},
+                                 {"attention_issue", d.prefill_host.attention_issue_seconds},
+                                 {"moe_issue", d.prefill_host.moe_issue_seconds},
+                                 {"drain", d.prefill_host.drain_seconds},
+                                 {"head_sampling", d.prefill_host.head_sampling_seconds},
+                                 {"final", d.prefill_host.final_seconds},
+                                 {"gemm_heuristic", d.prefill_host.gemm_heuristic_seconds},
+                                 {"gemm_heuristic_queries", d.prefill_host.gemm_heuristic_queries}};
     j["expert_streaming"] = {{"staging_slots", d.staging_slots},
                              {"staging_bytes", d.staging_bytes},
                              {"min_rows", d.stream_min_rows},

@@ -327,6 +327,7 @@ class device_decoder {
     // ---- admission + prefill ---------------------------------------------------------
     counting_ = counting::prefill;  // routed rows per expert (placement); the warm-up is not counted
     const auto t_prefill = std::chrono::steady_clock::now();
+    const auto [lt_queries0, lt_seconds0] = lt_heuristics();
     std::vector<sequence_id> seqs(static_cast<std::size_t>(B));
     index_t announced = 0;  // eq. 2's L is the whole admitted batch, not the prompts placed so far
     for (int i = 0; i < B; ++i) announced += index_t(prompts[std::size_t(i)].size());
@@ -347,16 +348,25 @@ class device_decoder {
       const int ns = wv.end - wv.begin;
       std::vector<int> last(static_cast<std::size_t>(ns));
       for (int i = 0; i < ns; ++i) last[std::size_t(i)] = int(wv.offset[std::size_t(i) + 1] - 1);
+      const auto t_end = std::chrono::steady_clock::now();
       x_.h2d(last_rows_, last.data(), index_t(ns) * 4);
       x_.run(gpu::gather_rows_op{x_buf_, c_.hidden_size, last_rows_, c_.hidden_size, y2_}, index_t(ns) * c_.hidden_size);
       logits = head(y2_, ns);
       take_tokens(res, pick, wv.begin, ns, logits, V, cur, o);
+      res.device.prefill_host.head_sampling_seconds += seconds_since(t_end);
     }
+    const auto t_final = std::chrono::steady_clock::now();
     complete_kv_writes();  // the last layer's deferred KV bytes are in their blocks before prefill ends
     counting_ = counting::off;
     res.prefill_tokens = 0;
     for (const auto& p : prompts) res.prefill_tokens += index_t(p.size());
     res.cpu_prefault_bytes = prefault_for_decode(*cache_, B, o.max_new_tokens);
+    res.device.prefill_host.final_seconds = seconds_since(t_final);
+    {
+      const auto [q, sec] = lt_heuristics();
+      res.device.prefill_host.gemm_heuristic_queries = q - lt_queries0;
+      res.device.prefill_host.gemm_heuristic_seconds = sec - lt_seconds0;
+    }
     res.prefill_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_prefill).count();
     res.trajectory.push_back(share_of(*cache_, seqs, 0));
     if (d_.hot_placement) migrate_hot_experts(res.device);
@@ -1354,6 +1364,7 @@ class device_decoder {
     count_rows(L, l);
     if (timed) moe_marks_.back()[1] = x_.mark();  // routed: the rows grouped by expert, the tables on the device
     moe_experts(L, l, n, decode, timed);
+    if (ph_ != nullptr && !decode && batched_prefill_) ph_->moe_issue_seconds += seconds_since(moe_issue_from_);
   }
 
   /// Start of the pointer tables in route_dev_ (8-byte aligned, after
@@ -1392,6 +1403,8 @@ class device_decoder {
     const auto t_route = std::chrono::steady_clock::now();
     x_.d2h(first_host_.data(), expert_first_, (index_t(E) + 1) * 4);  // waits for the GPU up to the bounds
     if (router_wait_) *router_wait_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t_route).count();
+    if (ph_ != nullptr) ph_->router_wait_seconds += seconds_since(t_route);
+    moe_issue_from_ = std::chrono::steady_clock::now();
     if (first_host_[std::size_t(E)] != nk || first_host_[0] != 0)
       throw std::logic_error("router returned an expert outside [0, " + std::to_string(E) + ") (" +
                              std::to_string(nk - first_host_[std::size_t(E)]) + " pairs)");
@@ -1851,6 +1864,8 @@ class device_decoder {
     embed(N);
     const index_t H = c_.hidden_size;
     const index_t per = index_t(layout().kv_heads()) * ROW;
+    ph_ = &rep.prefill_host;
+    const auto t_layers = std::chrono::steady_clock::now();
     for (int l = 0; l < c_.num_layers; ++l) {
       const gpu::dlayer& L = m_.layers[std::size_t(l)];
       marks[std::size_t(l)][0] = x_.mark();
@@ -1861,7 +1876,11 @@ class device_decoder {
       // attention is enqueued (the append waits for the previous layer's
       // deferred copies, or for its own D2H when writes are synchronous, while
       // the GPU computes); otherwise per sequence, beside its attention.
-      if (flash) flash_prefill_attention(L, w);
+      if (flash) {
+        const auto t_att = std::chrono::steady_clock::now();
+        flash_prefill_attention(L, w);
+        rep.prefill_host.attention_issue_seconds += seconds_since(t_att);
+      }
       const auto t_kv = std::chrono::steady_clock::now();
       if (flash) {
         kv_tokens<Layout, space> kv;
@@ -1891,7 +1910,11 @@ class device_decoder {
       marks[std::size_t(l)][2] = x_.mark();
       progress(l);
     }
+    rep.prefill_host.layers_seconds += seconds_since(t_layers);
+    ph_ = nullptr;
+    const auto t_drain = std::chrono::steady_clock::now();
     x_.sync();
+    rep.prefill_host.drain_seconds += seconds_since(t_drain);
     for (int l = 0; l < c_.num_layers; ++l) {
       rep.prefill_attention_seconds += x_.seconds_between(marks[std::size_t(l)][0], marks[std::size_t(l)][1]);
       rep.prefill_moe_seconds += x_.seconds_between(marks[std::size_t(l)][1], marks[std::size_t(l)][2]);
@@ -2214,6 +2237,21 @@ class device_decoder {
   index_t grouped_passes_ = 0, per_expert_passes_ = 0;
   std::vector<host_run> host_runs_;
   double* router_wait_ = nullptr;  ///< decode: the result's router wait, summed while a step runs
+  /// prefill: the host-side times of the wave being issued (null outside prefill_wave's layer loop)
+  prefill_host_seconds* ph_ = nullptr;
+  std::chrono::steady_clock::time_point moe_issue_from_{};  ///< when the routing counts of the MoE pass arrived
+
+  /// cuBLASLt heuristic queries of the routed-expert GEMMs so far and their host seconds (0 when emulated).
+  std::pair<long, double> lt_heuristics() const {
+    if constexpr (requires(const Exec& e) { e.gemm_batched_heuristic_queries(); })
+      return {x_.gemm_batched_heuristic_queries(), x_.gemm_batched_heuristic_seconds()};
+    else
+      return {0L, 0.0};
+  }
+
+  static double seconds_since(std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+  }
   writescope::host_allocation stage_x_mem_, stage_y_mem_;
   float *stage_x_ = nullptr, *stage_y_ = nullptr;
   index_t stage_cap_ = 0;
