@@ -104,19 +104,25 @@ struct sequence_summary {
 };
 
 /// Where the thread that drives the GPU spends a prefill (CUDA path; wall
-/// seconds summed over the waves): issuing the layers (every wait inside
+/// seconds summed over the waves): admitting the prompts, setting each wave
+/// up, issuing the layers (every wait inside
 /// included), of which waiting for each MoE layer's routing counts, issuing
 /// the attention, and issuing a MoE layer's work after its counts arrived; at
 /// each wave's end waiting for the GPU to finish it, then the LM head and
-/// sampling of its first tokens; after the last wave the last deferred KV
+/// sampling of its first tokens, and the device-memory sample; after the last wave the last deferred KV
 /// bytes and the decode's page prefault; the cuBLASLt heuristic queries of
 /// the expert GEMMs (inside the MoE issue). A layer time close to the device
 /// phases means the GPU waited for the host.
 struct prefill_host_seconds {
+  double admission_seconds = 0.0;   ///< begin_sequence of every prompt (block tables, routing)
+  double wave_setup_seconds = 0.0;  ///< token ids and positions uploaded, streaming set up, embedding
+  double memory_sample_seconds = 0.0;  ///< the device-memory samples after each wave (NVML)
   double layers_seconds = 0.0;
   double router_wait_seconds = 0.0;
   double attention_issue_seconds = 0.0;
   double moe_issue_seconds = 0.0;
+  double moe_tables_seconds = 0.0;      ///< of which: the routing tables laid out and uploaded
+  double moe_gemm_issue_seconds = 0.0;  ///< of which: the batched expert GEMMs issued
   double drain_seconds = 0.0;
   double head_sampling_seconds = 0.0;
   double final_seconds = 0.0;
@@ -180,6 +186,9 @@ struct device_report {
   /// before the prefill (setup, not prefill time): bytes and seconds.
   index_t kv_prefault_bytes = 0;
   double kv_prefault_seconds = 0.0;
+  /// The pinned region page-locked at setup for the prompts' blocks (reserve_pinned_blocks).
+  index_t kv_pinned_ahead_bytes = 0;
+  double kv_pinned_ahead_seconds = 0.0;
   index_t peak_used_bytes = 0;       ///< highest device memory in use sampled at phase boundaries and decode steps
   /// The highest device memory NVML attributed to this process at the same
   /// samples (-1: NVML could not say at some sample; process_memory_source says why).

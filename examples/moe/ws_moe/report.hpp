@@ -190,6 +190,9 @@ inline void print_device(std::FILE* f, const generation_result& r) {
     std::fprintf(f, "           before it (setup): the unpinned region's pages for the prompts made resident, %s in "
                     "%.3f s\n",
                  human_bytes(d.kv_prefault_bytes).c_str(), d.kv_prefault_seconds);
+  if (d.kv_pinned_ahead_bytes > 0)
+    std::fprintf(f, "           before it (setup): the pinned region page-locked ahead for them, %s in %.3f s\n",
+                 human_bytes(d.kv_pinned_ahead_bytes).c_str(), d.kv_pinned_ahead_seconds);
   std::fprintf(f, "           phases: attention + projections %.3f s, MoE %.3f s (CPU experts %.3f s), KV write-out "
                   "(host) %.3f s\n",
                d.prefill_attention_seconds, d.prefill_moe_seconds, d.prefill_cpu_expert_seconds, d.prefill_kv_write_seconds);
@@ -199,10 +202,13 @@ inline void print_device(std::FILE* f, const generation_result& r) {
                d.prefill_moe_combine_seconds);
   {
     const prefill_host_seconds& h = d.prefill_host;
+    std::fprintf(f, "           host thread: admission %.3f s, wave set-up %.3f s, memory samples %.3f s\n",
+                 h.admission_seconds, h.wave_setup_seconds, h.memory_sample_seconds);
     std::fprintf(f, "           host thread: layers issued in %.3f s (routing-count waits %.3f s, attention issue %.3f s, "
-                    "MoE issue after the counts %.3f s); wave ends: GPU drain %.3f s, head + sampling %.3f s; after the "
+                    "MoE issue after the counts %.3f s: tables %.3f s, expert GEMMs %.3f s); wave ends: GPU drain %.3f s, head + sampling %.3f s; after the "
                     "waves (last KV bytes, decode prefault) %.3f s; expert-GEMM heuristic queries %ld in %.3f s\n",
-                 h.layers_seconds, h.router_wait_seconds, h.attention_issue_seconds, h.moe_issue_seconds, h.drain_seconds,
+                 h.layers_seconds, h.router_wait_seconds, h.attention_issue_seconds, h.moe_issue_seconds, h.moe_tables_seconds,
+                 h.moe_gemm_issue_seconds, h.drain_seconds,
                  h.head_sampling_seconds, h.final_seconds, h.gemm_heuristic_queries, h.gemm_heuristic_seconds);
   }
   if (d.staging_slots > 0)
@@ -480,6 +486,7 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
                    {"prefill_block_rows", d.prefill_block_rows},
                    {"prefill_attention", d.prefill_attention}};
     j["kv_prefault"] = {{"bytes", d.kv_prefault_bytes}, {"seconds", d.kv_prefault_seconds}};
+    j["kv_pinned_ahead"] = {{"bytes", d.kv_pinned_ahead_bytes}, {"seconds", d.kv_pinned_ahead_seconds}};
     j["prefill_phases_seconds"] = {{"attention", d.prefill_attention_seconds},
                                    {"moe", d.prefill_moe_seconds},
                                    {"cpu_experts", d.prefill_cpu_expert_seconds},
@@ -488,10 +495,15 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
                                    {"moe_device_experts", d.prefill_moe_device_expert_seconds},
                                    {"moe_streamed_experts", d.prefill_moe_streamed_expert_seconds},
                                    {"moe_combine", d.prefill_moe_combine_seconds}};
-    j["prefill_host_seconds"] = {{"layers", d.prefill_host.layers_seconds},
+    j["prefill_host_seconds"] = {{"admission", d.prefill_host.admission_seconds},
+                                 {"wave_setup", d.prefill_host.wave_setup_seconds},
+                                 {"memory_sample", d.prefill_host.memory_sample_seconds},
+                                 {"layers", d.prefill_host.layers_seconds},
                                  {"router_wait", d.prefill_host.router_wait_seconds},
                                  {"attention_issue", d.prefill_host.attention_issue_seconds},
                                  {"moe_issue", d.prefill_host.moe_issue_seconds},
+                                 {"moe_tables", d.prefill_host.moe_tables_seconds},
+                                 {"moe_gemm_issue", d.prefill_host.moe_gemm_issue_seconds},
                                  {"drain", d.prefill_host.drain_seconds},
                                  {"head_sampling", d.prefill_host.head_sampling_seconds},
                                  {"final", d.prefill_host.final_seconds},

@@ -322,6 +322,14 @@ class device_decoder {
       for (const auto& p : prompts) blocks += (index_t(p.size()) + res.spec.block_tokens - 1) / res.spec.block_tokens;
       res.device.kv_prefault_bytes = cache_->prefault_cpu_region(blocks);
       res.device.kv_prefault_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_pf).count();
+      // The pinned region is page-locked ahead for the same blocks (bounded by
+      // its capacity; paper §7.7's pinning ahead), so that no admission pins
+      // on the critical path (cudaHostRegister runs at a few GB/s).
+      const auto t_pin = std::chrono::steady_clock::now();
+      const index_t pinned_before = cache_->usage().pinned_region_bytes;
+      cache_->reserve_pinned_blocks(blocks);
+      res.device.kv_pinned_ahead_bytes = cache_->usage().pinned_region_bytes - pinned_before;
+      res.device.kv_pinned_ahead_seconds = seconds_since(t_pin);
     }
 
     // ---- admission + prefill ---------------------------------------------------------
@@ -332,10 +340,12 @@ class device_decoder {
     index_t announced = 0;  // eq. 2's L is the whole admitted batch, not the prompts placed so far
     for (int i = 0; i < B; ++i) announced += index_t(prompts[std::size_t(i)].size());
     cache_->announce_admission(announced);
+    const auto t_admit = std::chrono::steady_clock::now();
     for (int i = 0; i < B; ++i) {
       seqs[std::size_t(i)] = cache_->begin_sequence(index_t(prompts[std::size_t(i)].size()));
       if (o.progress && ((i + 1) % 1024 == 0 || i + 1 == B)) o.progress(phase::admission, i + 1, B);
     }
+    res.device.prefill_host.admission_seconds = seconds_since(t_admit);
     for (std::size_t w = 0; w < waves_.size(); ++w) {
       const wave& wv = waves_[w];
       prefill_wave(
@@ -1428,6 +1438,7 @@ class device_decoder {
     x_.run(gpu::scatter_rows_op{sort_keys_, sort_pairs_, expert_first_, route_dev_ + off_at, sel_e_, sel_w_, k,
                                 route_dev_, route_dev_ + np, reinterpret_cast<float*>(route_dev_ + np + nk)},
            nk);
+    if (ph_ != nullptr) ph_->moe_tables_seconds += seconds_since(moe_issue_from_);
   }
 
   /// The grouping on the host (decode steps, and prefills that are not batched).
@@ -1605,7 +1616,9 @@ class device_decoder {
       products(L.expert_tables + 2 * E, nullptr, H, I, eg_, yg_);      // down
       ++grouped_passes_;
     } else if (batched) {
+      const auto t_gemms = std::chrono::steady_clock::now();
       run_batched_experts(tables, np);
+      if (ph_ != nullptr) ph_->moe_gemm_issue_seconds += seconds_since(t_gemms);
       ++batched_passes_;
     } else {
       for (int e = 0; e < E; ++e) {
@@ -1839,6 +1852,7 @@ class device_decoder {
   void prefill_wave(const wave& w, const std::vector<std::vector<int>>& prompts,
                     const std::vector<writescope::sequence_id>& seqs, Progress&& progress, device_report& rep) {
     using namespace writescope;
+    const auto t_setup = std::chrono::steady_clock::now();
     const index_t N = w.offset.back();
     ids_host_.resize(std::size_t(N));
     pos_host_.resize(std::size_t(N));
@@ -1866,6 +1880,7 @@ class device_decoder {
     const index_t per = index_t(layout().kv_heads()) * ROW;
     ph_ = &rep.prefill_host;
     const auto t_layers = std::chrono::steady_clock::now();
+    rep.prefill_host.wave_setup_seconds += std::chrono::duration<double>(t_layers - t_setup).count();
     for (int l = 0; l < c_.num_layers; ++l) {
       const gpu::dlayer& L = m_.layers[std::size_t(l)];
       marks[std::size_t(l)][0] = x_.mark();
@@ -1930,7 +1945,9 @@ class device_decoder {
       for (const stream_item& it : stream_items_) rep.streamed_bytes += it.bytes;
     }
     streaming_ = false;
+    const auto t_sample = std::chrono::steady_clock::now();
     sample_used();
+    rep.prefill_host.memory_sample_seconds += seconds_since(t_sample);
   }
 
   // ---------------------------------------------------------------------------
