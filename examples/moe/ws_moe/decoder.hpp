@@ -129,6 +129,7 @@ struct prefill_host_seconds {
   /// cuBLASLt heuristic queries of the routed-expert GEMMs during the prefill, and their host seconds.
   long gemm_heuristic_queries = 0;
   double gemm_heuristic_seconds = 0.0;
+  double gemm_lt_issue_seconds = 0.0;  ///< host seconds inside those GEMMs' cuBLASLt calls, queries included
 };
 
 /// What the CUDA path (ws_moe/gpu/device_decoder.hpp) adds to a run's result:

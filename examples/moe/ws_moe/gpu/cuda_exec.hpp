@@ -225,6 +225,8 @@ class cuda_exec {
   /// cuBLASLt heuristic queries of gemm_batched and gemm_varying so far, and their host seconds.
   [[nodiscard]] long gemm_batched_heuristic_queries() const noexcept { return lt_ ? lt_->heuristic_queries() : 0; }
   [[nodiscard]] double gemm_batched_heuristic_seconds() const noexcept { return lt_ ? lt_->heuristic_seconds() : 0.0; }
+  /// Host seconds inside gemm_batched and gemm_varying's cuBLASLt calls (queries included).
+  [[nodiscard]] double gemm_batched_issue_seconds() const noexcept { return lt_ ? lt_->issue_seconds() : 0.0; }
 
   /// Throws config_error when this cuBLAS has no grouped GEMM with bf16
   /// inputs and fp32 outputs (cuBLAS 13.0 answers CUBLAS_STATUS_NOT_SUPPORTED):
