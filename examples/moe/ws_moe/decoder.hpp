@@ -130,6 +130,7 @@ struct prefill_host_seconds {
   long gemm_heuristic_queries = 0;
   double gemm_heuristic_seconds = 0.0;
   double gemm_lt_issue_seconds = 0.0;  ///< host seconds inside those GEMMs' cuBLASLt calls, queries included
+  long gemm_lt_calls = 0;              ///< and the number of those calls
 };
 
 /// What the CUDA path (ws_moe/gpu/device_decoder.hpp) adds to a run's result:

@@ -206,11 +206,11 @@ inline void print_device(std::FILE* f, const generation_result& r) {
                  h.admission_seconds, h.wave_setup_seconds, h.memory_sample_seconds);
     std::fprintf(f, "           host thread: layers issued in %.3f s (routing-count waits %.3f s, attention issue %.3f s, "
                     "MoE issue after the counts %.3f s: tables %.3f s, expert GEMMs %.3f s); wave ends: GPU drain %.3f s, head + sampling %.3f s; after the "
-                    "waves (last KV bytes, decode prefault) %.3f s; expert-GEMM heuristic queries %ld in %.3f s, cuBLASLt calls %.3f s\n",
+                    "waves (last KV bytes, decode prefault) %.3f s; expert-GEMM heuristic queries %ld in %.3f s, %ld cuBLASLt calls in %.3f s\n",
                  h.layers_seconds, h.router_wait_seconds, h.attention_issue_seconds, h.moe_issue_seconds, h.moe_tables_seconds,
                  h.moe_gemm_issue_seconds, h.drain_seconds,
                  h.head_sampling_seconds, h.final_seconds, h.gemm_heuristic_queries, h.gemm_heuristic_seconds,
-                 h.gemm_lt_issue_seconds);
+                 h.gemm_lt_calls, h.gemm_lt_issue_seconds);
   }
   if (d.staging_slots > 0)
     std::fprintf(f, "           host experts streamed to the GPU in waves of >= %.0f rows per expert: %lld copies, %s, "
@@ -510,7 +510,8 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
                                  {"final", d.prefill_host.final_seconds},
                                  {"gemm_heuristic", d.prefill_host.gemm_heuristic_seconds},
                                  {"gemm_heuristic_queries", d.prefill_host.gemm_heuristic_queries},
-                                 {"gemm_lt_issue", d.prefill_host.gemm_lt_issue_seconds}};
+                                 {"gemm_lt_issue", d.prefill_host.gemm_lt_issue_seconds},
+                                 {"gemm_lt_calls", d.prefill_host.gemm_lt_calls}};
     j["expert_streaming"] = {{"staging_slots", d.staging_slots},
                              {"staging_bytes", d.staging_bytes},
                              {"min_rows", d.stream_min_rows},

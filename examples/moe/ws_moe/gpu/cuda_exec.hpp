@@ -227,6 +227,7 @@ class cuda_exec {
   [[nodiscard]] double gemm_batched_heuristic_seconds() const noexcept { return lt_ ? lt_->heuristic_seconds() : 0.0; }
   /// Host seconds inside gemm_batched and gemm_varying's cuBLASLt calls (queries included).
   [[nodiscard]] double gemm_batched_issue_seconds() const noexcept { return lt_ ? lt_->issue_seconds() : 0.0; }
+  [[nodiscard]] long gemm_batched_calls() const noexcept { return lt_ ? lt_->calls() : 0; }
 
   /// Throws config_error when this cuBLAS has no grouped GEMM with bf16
   /// inputs and fp32 outputs (cuBLAS 13.0 answers CUBLAS_STATUS_NOT_SUPPORTED):

@@ -336,7 +336,7 @@ class device_decoder {
     // ---- admission + prefill ---------------------------------------------------------
     counting_ = counting::prefill;  // routed rows per expert (placement); the warm-up is not counted
     const auto t_prefill = std::chrono::steady_clock::now();
-    const auto [lt_queries0, lt_seconds0, lt_issue0] = lt_heuristics();
+    const auto [lt_queries0, lt_seconds0, lt_issue0, lt_calls0] = lt_heuristics();
     std::vector<sequence_id> seqs(static_cast<std::size_t>(B));
     index_t announced = 0;  // eq. 2's L is the whole admitted batch, not the prompts placed so far
     for (int i = 0; i < B; ++i) announced += index_t(prompts[std::size_t(i)].size());
@@ -374,7 +374,8 @@ class device_decoder {
     res.cpu_prefault_bytes = prefault_for_decode(*cache_, B, o.max_new_tokens);
     res.device.prefill_host.final_seconds = seconds_since(t_final);
     {
-      const auto [q, sec, issue] = lt_heuristics();
+      const auto [q, sec, issue, calls] = lt_heuristics();
+      res.device.prefill_host.gemm_lt_calls = calls - lt_calls0;
       res.device.prefill_host.gemm_heuristic_queries = q - lt_queries0;
       res.device.prefill_host.gemm_heuristic_seconds = sec - lt_seconds0;
       res.device.prefill_host.gemm_lt_issue_seconds = issue - lt_issue0;
@@ -2262,11 +2263,12 @@ class device_decoder {
 
   /// cuBLASLt heuristic queries of the routed-expert GEMMs so far, their host
   /// seconds and the host seconds of all their cuBLASLt calls (0 when emulated).
-  std::tuple<long, double, double> lt_heuristics() const {
+  std::tuple<long, double, double, long> lt_heuristics() const {
     if constexpr (requires(const Exec& e) { e.gemm_batched_heuristic_queries(); })
-      return {x_.gemm_batched_heuristic_queries(), x_.gemm_batched_heuristic_seconds(), x_.gemm_batched_issue_seconds()};
+      return {x_.gemm_batched_heuristic_queries(), x_.gemm_batched_heuristic_seconds(), x_.gemm_batched_issue_seconds(),
+              x_.gemm_batched_calls()};
     else
-      return {0L, 0.0, 0.0};
+      return {0L, 0.0, 0.0, 0L};
   }
 
   static double seconds_since(std::chrono::steady_clock::time_point t) {

@@ -61,6 +61,8 @@ class lt_batched_gemm {
   [[nodiscard]] double heuristic_seconds() const noexcept { return query_seconds_; }
   /// Host seconds spent in run and run_single altogether (queries included).
   [[nodiscard]] double issue_seconds() const noexcept { return issue_seconds_; }
+  /// Calls of run and run_single so far.
+  [[nodiscard]] long calls() const noexcept { return calls_; }
   /// Exact shapes whose layouts are kept now.
   [[nodiscard]] std::size_t cached_layouts() const noexcept { return layouts_.size(); }
   static constexpr std::size_t max_layouts = 4096;
@@ -74,6 +76,7 @@ class lt_batched_gemm {
     const layouts& L = layouts_of(trans_a, trans_b, m, n, k, ab_type, lda, ldb, ldc, count);
     issue(trans_a, trans_b, m, n, k, ab_type, lda, ldb, ldc, count, L, a, b, const_cast<float**>(c), stream);
     issue_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ++calls_;
   }
 
   /// One product C = op(A) op(B) (plain device pointers, no batch): for
@@ -85,6 +88,7 @@ class lt_batched_gemm {
     const layouts& L = layouts_of(trans_a, trans_b, m, n, k, ab_type, lda, ldb, ldc, 0);
     issue(trans_a, trans_b, m, n, k, ab_type, lda, ldb, ldc, 0, L, a, b, c, stream);
     issue_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ++calls_;
   }
 
  private:
@@ -198,6 +202,7 @@ class lt_batched_gemm {
   long queries_ = 0;
   double query_seconds_ = 0.0;
   double issue_seconds_ = 0.0;
+  long calls_ = 0;
 };
 
 }  // namespace ws_moe::gpu
