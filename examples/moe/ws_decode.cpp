@@ -809,8 +809,9 @@ int main(int argc, char** argv) {
                  "generator) into their new places: the same final placement by another route, to test the swap")
       ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"swap", "reload"}));
   app.add_flag("--no-warmup", a.no_warmup,
-               "CUDA path: skip the untimed warm-up decode step on throw-away sequences before prefill (the first "
-               "timed decode step then pays the first-call costs)")
+               "CUDA path: skip the untimed warm-up before prefill (a decode step on throw-away sequences and one "
+               "layer of the first prefill wave's shape on pseudo-random tokens; the timed prefill and first decode "
+               "step then pay the first-call costs)")
       ->group(g_dev);
   app.add_flag("--skip-if-no-device", a.skip_if_no_device,
                "with --device cuda: exit 77 (ctest SKIPPED) instead of failing when there is no CUDA device")

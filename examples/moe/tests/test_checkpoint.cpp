@@ -675,3 +675,28 @@ TEST_CASE("ws_decode --device emulated: the warm-up step before prefill changes 
   CHECK(ja.at("share_trajectory") == jb.at("share_trajectory"));
   CHECK(ja.at("tpot_steady_steps") == 14);
 }
+
+TEST_CASE("ws_decode --device emulated: the prefill warm-up (bf16, batched experts, streamed host experts) changes no "
+          "token") {
+  // bf16 GEMMs with the batched prefill experts and host experts streamed to
+  // the device in the prefill: the warm-up's layer of the first wave's shape
+  // runs the device experts and, on a device expert's weights, the products
+  // the streamed ones will run; it writes scratch only.
+  temp_dir tmp;
+  const fs::path fix = fixtures / "qwen3_moe";
+  const std::string args = fix.string() +
+                           " --device emulated --precision bf16 --batch 3 --prompt-len 12:30 --max-new-tokens 6 "
+                           "--seed 11 --policy fixed:0.5 --max-gpu-experts 3 --stream-min-rows 0 "
+                           "--expert-staging-mib 0.01 --block-tokens 4 --d-window 8 --threads 2 --poison --no-progress -q";
+  const fs::path with = tmp.path / "with.json", without = tmp.path / "without.json";
+  const run_result a = run_ws_decode_args(args + " --json " + with.string());
+  const run_result b = run_ws_decode_args(args + " --no-warmup --json " + without.string());
+  INFO(a.output << b.output);
+  REQUIRE(a.status == 0);
+  REQUIRE(b.status == 0);
+  const json ja = json::parse(std::ifstream(with)), jb = json::parse(std::ifstream(without));
+  CHECK(ja.at("warmup").at("sequences") == 3);
+  CHECK(ja.at("tokens") == jb.at("tokens"));
+  CHECK(ja.at("sequences") == jb.at("sequences"));
+  CHECK(ja.at("expert_streaming").at("copies").get<long long>() > 0);
+}

@@ -308,7 +308,8 @@ inline void print_summary(std::FILE* f, const model_config& c, const generation_
   if (costs) std::fprintf(f, "costs      roofline at init from %s\n", costs->describe().c_str());
   if (const std::string m = roofline_movement(r); !m.empty()) std::fprintf(f, "%s\n", m.c_str());
   if (r.warmup_sequences > 0)
-    std::fprintf(f, "warm-up    one untimed decode step on %d throw-away sequences before prefill: %.3f s "
+    std::fprintf(f, "warm-up    one untimed decode step on %d throw-away sequences and one untimed layer of the first "
+                    "prefill wave's shape (GEMM heuristics, kernel loads, attention plan) before prefill: %.3f s "
                     "(in neither prefill nor TPOT)\n",
                  r.warmup_sequences, r.warmup_seconds);
   std::fprintf(f, "prefill    %lld tokens (%zu sequence%s) in %.3f s = %.1f tok/s\n", static_cast<long long>(r.prefill_tokens),

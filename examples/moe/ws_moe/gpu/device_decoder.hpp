@@ -1144,9 +1144,65 @@ class device_decoder {
     (void)head(x_buf_, n);
     x_.sync();
     for (sequence_id id : seqs) cache_->end_sequence(id);
+    warm_up_prefill();
     cpu_expert_seconds_ = 0.0;
     cpu_expert_rows_ = 0;
     grouped_passes_ = per_expert_passes_ = batched_passes_ = 0;
+  }
+
+  /// One untimed layer of the first prefill wave's shape on pseudo-random
+  /// tokens, outside the cache: its projections, its attention (the cuDNN
+  /// plan of that shape), and the MoE of the first MoE layer with the
+  /// device-resident experts, plus, where host experts would be streamed, their
+  /// products on a device expert's weights at the rows they get. The first
+  /// call of each GEMM shape class (cuBLAS / cuBLASLt heuristics) and each
+  /// kernel's lazy module load happen here instead of in the timed prefill
+  /// (an engine's start-up profile run). Host experts are not run and nothing
+  /// is appended to the cache: the outputs are scratch.
+  void warm_up_prefill() {
+    if (waves_.empty()) return;
+    int lm = -1;
+    for (int l = 0; l < c_.num_layers && lm < 0; ++l)
+      if (m_.layers[std::size_t(l)].is_moe) lm = l;
+    const wave& w = waves_.front();
+    const index_t N = w.offset.back(), H = c_.hidden_size;
+    ids_host_.resize(std::size_t(N));
+    pos_host_.resize(std::size_t(N));
+    for (std::size_t s = 0; s + 1 < w.offset.size(); ++s)
+      for (index_t t = w.offset[s]; t < w.offset[s + 1]; ++t) {
+        ids_host_[std::size_t(t)] = int((std::uint64_t(t) * 2654435761u + 7u) % std::uint64_t(c_.vocab_size));
+        pos_host_[std::size_t(t)] = t - w.offset[s];
+      }
+    x_.h2d(ids_, ids_host_.data(), N * 4);
+    x_.h2d(pos_, pos_host_.data(), N * 8);
+    if (use_flash_) {
+      wave_offsets_host_.assign(w.offset.begin(), w.offset.end());
+      x_.h2d(wave_offsets_, wave_offsets_host_.data(), index_t(wave_offsets_host_.size()) * 4);
+    }
+    x_.reset_marks();
+    moe_marks_.clear();
+    embed(N);
+    const gpu::dlayer& L0 = m_.layers.front();
+    rms_norm(x_buf_, H, L0.input_norm, N, int(H), h_, H);
+    project(L0, N);
+    if (use_flash_) {
+      flash_prefill_attention(L0, w);
+      if (!mla) attention_output(L0, N);
+      x_.run(gpu::add_op{x_buf_, y_}, N * H);
+    }
+    if (lm >= 0) {
+      warming_ = true;
+      try {
+        ffn_residual(lm, N, false);
+      } catch (...) {
+        warming_ = false;
+        throw;
+      }
+      warming_ = false;
+    }
+    x_.sync();
+    x_.reset_marks();
+    moe_marks_.clear();
   }
 
   // ---------------------------------------------------------------------------
@@ -1574,7 +1630,7 @@ class device_decoder {
     // on the CPU: their input rows go to page-locked staging first ...
     index_t host_rows = 0;
     host_runs_.clear();
-    if (any_host_experts_ && !stream)
+    if (any_host_experts_ && !stream && !warming_)
       for (int e = 0; e < E; ++e) {
         const index_t m = rows_[std::size_t(e)];
         if (m > 0 && L.on_host[std::size_t(e)]) {
@@ -1634,6 +1690,7 @@ class device_decoder {
     }
     if (timed) moe_marks_.back()[2] = x_.mark();  // device-resident experts done
     if (stream) run_streamed_experts(l);
+    if (warming_ && staging_slots_ > 0) warm_streamed_shapes(L, np);
     if (timed) moe_marks_.back()[3] = x_.mark();  // streamed experts done
     // shared experts next on the GPU, so that they too overlap the CPU experts
     if (L.has_shared) mlp(L.shared, h_, n, y2_);
@@ -2160,6 +2217,23 @@ class device_decoder {
     }
   }
 
+  /// Warm-up only: the products a streamed host expert would run (cuda_exec::
+  /// gemm_varying at its rows), on the first device-resident expert's weights
+  /// of the layer, into the packed outputs (scratch during the warm-up).
+  void warm_streamed_shapes(const gpu::dlayer& L, index_t np) {
+    const index_t H = c_.hidden_size;
+    int dev = -1;
+    for (int e = 0; e < c_.num_experts && dev < 0; ++e)
+      if (!L.on_host[std::size_t(e)]) dev = e;
+    if (dev < 0 || !gathered16_) return;
+    for (int e = 0; e < c_.num_experts; ++e) {
+      const index_t m = rows_[std::size_t(e)];
+      if (m == 0 || !L.on_host[std::size_t(e)]) continue;
+      const index_t row = std::min(index_t(count_[std::size_t(e)]), std::max<index_t>(0, np - m));
+      mlp(L.experts[std::size_t(dev)], nullptr, m, yg_ + row * H, x16_ + row * H, true);
+    }
+  }
+
   void complete_kv_writes() {
     if constexpr (requires(backend_type& b) { b.complete_host_writes(); }) x_.backend().complete_host_writes();
   }
@@ -2259,6 +2333,7 @@ class device_decoder {
   double* router_wait_ = nullptr;  ///< decode: the result's router wait, summed while a step runs
   /// prefill: the host-side times of the wave being issued (null outside prefill_wave's layer loop)
   prefill_host_seconds* ph_ = nullptr;
+  bool warming_ = false;  ///< warm_up_prefill's MoE pass: host experts neither run nor streamed
   std::chrono::steady_clock::time_point moe_issue_from_{};  ///< when the routing counts of the MoE pass arrived
 
   /// cuBLASLt heuristic queries of the routed-expert GEMMs so far, their host
