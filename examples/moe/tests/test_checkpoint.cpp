@@ -648,25 +648,29 @@ TEST_CASE("ws_decode --calibration: the entry of the model's attention geometry,
   }
 }
 
-TEST_CASE("ws_decode --device emulated: the warm-up step before prefill changes no token and no eviction") {
-  // Sampled decoding over a mixed CPU/GPU cache (fixed:0.5: placement is
-  // deterministic) with experts on both sides: any state the warm-up left
-  // behind (a slot row, a placed block, the policy, the sampler) would show in
-  // the tokens, the evictions or the share trajectory.
+/// The --json summaries of one ws_decode run with and one without the warm-up (both must succeed).
+static std::pair<json, json> with_and_without_warmup(const std::string& args) {
   temp_dir tmp;
-  const fs::path fix = fixtures / "deepseek_v2_qlora";
-  const std::string args = fix.string() +
-                           " --device emulated --precision fp32 --batch 3 --prompt-len 5:20 --max-new-tokens 16 "
-                           "--temperature 0.8 --top-p 0.9 --seed 7 --policy fixed:0.5 --max-gpu-experts 3 "
-                           "--block-tokens 4 --d-window 8 --ping-pong-blocks 4 --gpu-split-blocks 2 --cpu-task-blocks 2 "
-                           "--threads 2 --poison --no-progress -q";
   const fs::path with = tmp.path / "with.json", without = tmp.path / "without.json";
   const run_result a = run_ws_decode_args(args + " --json " + with.string());
   const run_result b = run_ws_decode_args(args + " --no-warmup --json " + without.string());
   INFO(a.output << b.output);
   REQUIRE(a.status == 0);
   REQUIRE(b.status == 0);
-  const json ja = json::parse(std::ifstream(with)), jb = json::parse(std::ifstream(without));
+  return {json::parse(std::ifstream(with)), json::parse(std::ifstream(without))};
+}
+
+TEST_CASE("ws_decode --device emulated: the warm-up step before prefill changes no token and no eviction") {
+  // Sampled decoding over a mixed CPU/GPU cache (fixed:0.5: placement is
+  // deterministic) with experts on both sides: any state the warm-up left
+  // behind (a slot row, a placed block, the policy, the sampler) would show in
+  // the tokens, the evictions or the share trajectory.
+  const auto [ja, jb] = with_and_without_warmup(
+      (fixtures / "deepseek_v2_qlora").string() +
+      " --device emulated --precision fp32 --batch 3 --prompt-len 5:20 --max-new-tokens 16 "
+      "--temperature 0.8 --top-p 0.9 --seed 7 --policy fixed:0.5 --max-gpu-experts 3 "
+      "--block-tokens 4 --d-window 8 --ping-pong-blocks 4 --gpu-split-blocks 2 --cpu-task-blocks 2 "
+      "--threads 2 --poison --no-progress -q");
   CHECK(ja.at("warmup").at("sequences") == 3);
   CHECK(jb.at("warmup").at("sequences") == 0);
   CHECK(ja.at("tokens") == jb.at("tokens"));
@@ -682,19 +686,11 @@ TEST_CASE("ws_decode --device emulated: the prefill warm-up (bf16, batched exper
   // the device in the prefill: the warm-up's layer of the first wave's shape
   // runs the device experts and, on a device expert's weights, the products
   // the streamed ones will run; it writes scratch only.
-  temp_dir tmp;
-  const fs::path fix = fixtures / "qwen3_moe";
-  const std::string args = fix.string() +
-                           " --device emulated --precision bf16 --batch 3 --prompt-len 12:30 --max-new-tokens 6 "
-                           "--seed 11 --policy fixed:0.5 --max-gpu-experts 3 --stream-min-rows 0 "
-                           "--expert-staging-mib 0.01 --block-tokens 4 --d-window 8 --threads 2 --poison --no-progress -q";
-  const fs::path with = tmp.path / "with.json", without = tmp.path / "without.json";
-  const run_result a = run_ws_decode_args(args + " --json " + with.string());
-  const run_result b = run_ws_decode_args(args + " --no-warmup --json " + without.string());
-  INFO(a.output << b.output);
-  REQUIRE(a.status == 0);
-  REQUIRE(b.status == 0);
-  const json ja = json::parse(std::ifstream(with)), jb = json::parse(std::ifstream(without));
+  const auto [ja, jb] = with_and_without_warmup(
+      (fixtures / "qwen3_moe").string() +
+      " --device emulated --precision bf16 --batch 3 --prompt-len 12:30 --max-new-tokens 6 "
+      "--seed 11 --policy fixed:0.5 --max-gpu-experts 3 --stream-min-rows 0 "
+      "--expert-staging-mib 0.01 --block-tokens 4 --d-window 8 --threads 2 --poison --no-progress -q");
   CHECK(ja.at("warmup").at("sequences") == 3);
   CHECK(ja.at("tokens") == jb.at("tokens"));
   CHECK(ja.at("sequences") == jb.at("sequences"));

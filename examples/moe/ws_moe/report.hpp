@@ -21,6 +21,7 @@
 
 #include "decoder.hpp"
 #include "model_config.hpp"
+#include "prefill_work.hpp"
 #include "roofline_init.hpp"
 
 namespace ws_moe {
@@ -114,6 +115,14 @@ inline summary_numbers summarize(const generation_result& r) {
   }
   s.cpu_share = placed > 0 ? double(cpu) / double(placed) : 0.0;
   return s;
+}
+
+/// The prompts' lengths, in sequence order (the per-sequence summaries).
+inline std::vector<index_t> prompt_lengths(const generation_result& r) {
+  std::vector<index_t> v;
+  v.reserve(r.sequences.size());
+  for (const sequence_summary& q : r.sequences) v.push_back(q.prompt_tokens);
+  return v;
 }
 
 inline std::string mib(index_t bytes) {
@@ -314,6 +323,14 @@ inline void print_summary(std::FILE* f, const model_config& c, const generation_
                  r.warmup_sequences, r.warmup_seconds);
   std::fprintf(f, "prefill    %lld tokens (%zu sequence%s) in %.3f s = %.1f tok/s\n", static_cast<long long>(r.prefill_tokens),
                r.tokens.size(), r.tokens.size() == 1 ? "" : "s", r.prefill_seconds, s.prefill_tok_s);
+  {
+    const prefill_work w = prefill_work_of(c, prompt_lengths(r));
+    std::fprintf(f, "           work %.3g TFLOP: attention %.3g, projections %.3g, routed experts %.3g (%lld rows), "
+                    "router %.3g, shared + dense MLP %.3g, LM head %.3g\n",
+                 w.total_flops() / 1e12, w.attention_flops / 1e12, w.projection_flops / 1e12,
+                 w.routed_expert_flops / 1e12, static_cast<long long>(w.routed_rows), w.router_flops / 1e12,
+                 w.shared_dense_flops / 1e12, w.lm_head_flops / 1e12);
+  }
   if (r.eos_stopped_sequences == 0)
     std::fprintf(f, "decode     %zu steps x %zu sequences: TPOT P50 %.3f ms, P99 %.3f ms (P99/P50 %.2f), %.1f tok/s\n",
                  r.step_seconds.size(), r.tokens.size(), s.tpot_p50_ms, s.tpot_p99_ms, s.p99_over_p50(), s.decode_tok_s);
@@ -408,6 +425,14 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
   j["load_seconds"] = load_seconds;
   j["prefill_tokens"] = r.prefill_tokens;
   j["prefill_seconds"] = r.prefill_seconds;
+  {
+    const prefill_work w = prefill_work_of(c, prompt_lengths(r));
+    j["prefill_work"] = {{"attention_flops", w.attention_flops},   {"projection_flops", w.projection_flops},
+                         {"router_flops", w.router_flops},         {"routed_expert_flops", w.routed_expert_flops},
+                         {"shared_dense_flops", w.shared_dense_flops}, {"lm_head_flops", w.lm_head_flops},
+                         {"total_flops", w.total_flops()},         {"routed_rows", w.routed_rows},
+                         {"token_bytes_per_layer", r.token_bytes}};
+  }
   j["cpu_prefault_bytes"] = r.cpu_prefault_bytes;
   j["prefill_tok_s"] = s.prefill_tok_s;
   j["tpot_p50_ms"] = s.tpot_p50_ms;
