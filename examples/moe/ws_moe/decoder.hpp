@@ -105,14 +105,14 @@ struct sequence_summary {
 
 /// Where the thread that drives the GPU spends a prefill (CUDA path; wall
 /// seconds summed over the waves): admitting the prompts, setting each wave
-/// up, issuing the layers (every wait inside
-/// included), of which waiting for each MoE layer's routing counts, issuing
-/// the attention, and issuing a MoE layer's work after its counts arrived; at
-/// each wave's end waiting for the GPU to finish it, then the LM head and
-/// sampling of its first tokens, and the device-memory sample; after the last wave the last deferred KV
-/// bytes and the decode's page prefault; the cuBLASLt heuristic queries of
-/// the expert GEMMs (inside the MoE issue). A layer time close to the device
-/// phases means the GPU waited for the host.
+/// up, issuing the layers (every wait inside included), of which waiting for
+/// each MoE layer's routing counts, issuing the attention, and issuing a MoE
+/// layer's work after its counts arrived; at each wave's end waiting for the
+/// GPU to finish it, the LM head and sampling of its first tokens, and the
+/// device-memory sample; after the last wave the last deferred KV bytes and
+/// the decode's page prefault; the expert GEMMs' cuBLASLt calls and heuristic
+/// queries (inside the MoE issue). A layer time close to the device phases
+/// means the GPU waited for the host. Zero on the host path.
 struct prefill_host_seconds {
   double admission_seconds = 0.0;   ///< begin_sequence of every prompt (block tables, routing)
   double wave_setup_seconds = 0.0;  ///< token ids and positions uploaded, streaming set up, embedding

@@ -12,10 +12,7 @@
 // algorithm with its own exact n and count in the layouts. An algorithm that
 // cuBLASLt rejects for a call's exact shape is replaced by one chosen for that
 // exact shape (cached under it). run_single does the same for plain products
-// (one matrix each) whose n changes from call to call. The matrix layouts of
-// each exact shape are created once and kept (up to max_layouts shapes, then
-// all dropped and created anew): cuBLASLt's per-call host work is smaller on
-// layouts it has seen.
+// (one matrix each) whose n changes from call to call.
 //
 // The product: for each i < count, C_i [m x n] = op(A_i) op(B_i), column-major
 // as in cuBLAS; A, B bf16 (or fp32), C fp32, fp32 accumulation; A, B, C are
@@ -30,7 +27,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <map>
-#include <memory>
 #include <tuple>
 
 #include <writescope/cuda/cuda_error.hpp>
@@ -63,9 +59,6 @@ class lt_batched_gemm {
   [[nodiscard]] double issue_seconds() const noexcept { return issue_seconds_; }
   /// Calls of run and run_single so far.
   [[nodiscard]] long calls() const noexcept { return calls_; }
-  /// Exact shapes whose layouts are kept now.
-  [[nodiscard]] std::size_t cached_layouts() const noexcept { return layouts_.size(); }
-  static constexpr std::size_t max_layouts = 4096;
 
   /// C_i = op(A_i) op(B_i) for i < count (see the file comment). ab_type:
   /// CUDA_R_16BF or CUDA_R_32F; lda/ldb/ldc in elements.
@@ -73,7 +66,7 @@ class lt_batched_gemm {
            const void* const* b, int ldb, float* const* c, int ldc, int count, cudaStream_t stream) {
     if (count <= 0 || m <= 0 || n <= 0) return;
     const auto t0 = std::chrono::steady_clock::now();
-    const layouts& L = layouts_of(trans_a, trans_b, m, n, k, ab_type, lda, ldb, ldc, count);
+    layouts L(trans_a, trans_b, m, n, k, ab_type, lda, ldb, ldc, count);
     issue(trans_a, trans_b, m, n, k, ab_type, lda, ldb, ldc, count, L, a, b, const_cast<float**>(c), stream);
     issue_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     ++calls_;
@@ -85,7 +78,7 @@ class lt_batched_gemm {
                   const void* b, int ldb, float* c, int ldc, cudaStream_t stream) {
     if (m <= 0 || n <= 0) return;
     const auto t0 = std::chrono::steady_clock::now();
-    const layouts& L = layouts_of(trans_a, trans_b, m, n, k, ab_type, lda, ldb, ldc, 0);
+    layouts L(trans_a, trans_b, m, n, k, ab_type, lda, ldb, ldc, 0);
     issue(trans_a, trans_b, m, n, k, ab_type, lda, ldb, ldc, 0, L, a, b, c, stream);
     issue_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     ++calls_;
@@ -123,16 +116,6 @@ class lt_batched_gemm {
              std::tie(o.exact, o.ta, o.tb, o.type, o.m, o.k, o.n, o.lda, o.ldb, o.ldc, o.count);
     }
   };
-
-  /// The layouts of one exact shape, created at its first call and kept.
-  const layouts& layouts_of(bool ta, bool tb, int m, int n, int k, cudaDataType t, int lda, int ldb, int ldc, int count) {
-    const key exact{true, ta, tb, int(t), m, k, n, lda, ldb, ldc, count};
-    auto it = layouts_.find(exact);
-    if (it != layouts_.end()) return *it->second;
-    if (layouts_.size() >= max_layouts) layouts_.clear();  // every call using them has been issued
-    auto made = std::make_unique<layouts>(ta, tb, m, n, k, t, lda, ldb, ldc, count);
-    return *layouts_.emplace(exact, std::move(made)).first->second;
-  }
 
   /// The class of a call: its transposes, types, m, k and leading dimensions,
   /// n and count rounded up to powers of two (count 0: a plain product). The
@@ -198,7 +181,6 @@ class lt_batched_gemm {
   std::size_t ws_bytes_ = 0;
   std::map<int, cublasLtMatmulDesc_t> descs_;
   std::map<key, cublasLtMatmulAlgo_t> algos_;
-  std::map<key, std::unique_ptr<layouts>> layouts_;  ///< by exact shape
   long queries_ = 0;
   double query_seconds_ = 0.0;
   double issue_seconds_ = 0.0;
