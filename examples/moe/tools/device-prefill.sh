@@ -17,7 +17,7 @@
 #            routed experts are in host memory), b298 (--vram-budget 29.8 GiB: the
 #            paper's 32 GB), cpu (the same with --stream-experts off: host experts on
 #            the CPU), grouped (--prefill-expert-gemm grouped; half_grouped,
-#            b298_grouped), noflash... see the table below
+#            b298_grouped), noflash, nowarm (--no-warmup)... see the table below
 # Every ws_decode run generates NEW_TOKENS (default 2) tokens: prefill (the first
 # token) and one decode step; prefill_tok_s and prefill_seconds (TTFT) come from
 # its --json summary, with the prefill phases.
@@ -82,6 +82,7 @@ variant_args() {  # model variant -> extra ws_decode arguments
     b298_cpu) echo "--vram-budget 29.8 --stream-experts off" ;;
     b16) echo "--vram-budget 16" ;;
     noflash) echo "--flash-prefill off" ;;
+    nowarm) echo "--no-warmup" ;;
     grouped) echo "--prefill-expert-gemm grouped" ;;
     half_grouped) echo "$(variant_args "$1" half) --prefill-expert-gemm grouped" ;;
     b298_grouped) echo "--vram-budget 29.8 --prefill-expert-gemm grouped" ;;
