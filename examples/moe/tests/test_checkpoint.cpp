@@ -685,10 +685,12 @@ TEST_CASE("ws_decode --device emulated: the prefill warm-up (bf16, batched exper
   // bf16 GEMMs with the batched prefill experts and host experts streamed to
   // the device in the prefill: the warm-up's layer of the first wave's shape
   // runs the device experts and, on a device expert's weights, the products
-  // the streamed ones will run; it writes scratch only.
+  // the streamed ones will run; it writes scratch only. The wave routes more
+  // rows than the fp32 expert inputs hold (sized for a CPU-expert wave): the
+  // warm-up must not gather them as if its host experts ran on the CPU.
   const auto [ja, jb] = with_and_without_warmup(
       (fixtures / "qwen3_moe").string() +
-      " --device emulated --precision bf16 --batch 3 --prompt-len 12:30 --max-new-tokens 6 "
+      " --device emulated --precision bf16 --batch 3 --prompt-len 120:180 --max-new-tokens 6 "
       "--seed 11 --policy fixed:0.5 --max-gpu-experts 3 --stream-min-rows 0 "
       "--expert-staging-mib 0.01 --block-tokens 4 --d-window 8 --threads 2 --poison --no-progress -q");
   CHECK(ja.at("warmup").at("sequences") == 3);

@@ -26,7 +26,11 @@ cannot stop a sequence early. A stopping criterion that never stops records
 torch.cuda.synchronize()d timestamps after every generated token: the first
 closes prefill (prompt forward + first token, as ws_decode's prefill figure),
 each later one a decode step. An untimed warm-up generate() (same batch, 16
-prompt tokens, 2 new tokens, same cache) runs first. Figures use ws_decode's
+prompt tokens, 2 new tokens, same cache) picks the cache variant; a second one
+at --warmup-len prompt tokens (default: the timed prompt length, so that the
+timed prefill's kernels, GEMM heuristics and allocator pool are in place, as
+ws_decode's warm-up layer of the first prefill wave's shape does; 0: none)
+follows. Figures use ws_decode's
 --json names: prefill_tok_s, tpot_p50_ms / tpot_p99_ms (all decode steps),
 tpot_first_step_ms, tpot_steady_* (steps 2..N), decode_tok_s (batch x steps /
 their time), step_seconds.
@@ -179,6 +183,8 @@ def main():
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke tests: --cache dynamic)")
     ap.add_argument("--attn-implementation", default="sdpa")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--warmup-len", type=int, default=-1,
+                    help="prompt tokens of the second untimed warm-up generate() (-1: --prompt-len; 0: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="")
     a = ap.parse_args()
@@ -221,6 +227,8 @@ def main():
 def run(a, doc, out, t0):
     if a.new_tokens < 2:
         raise ValueError("--new-tokens must be >= 2 (one prefill token, then decode steps)")
+    if a.warmup_len < -1:
+        raise ValueError("--warmup-len %d: must be -1 (the prompt length), 0 (none) or a token count" % a.warmup_len)
     import torch
     import transformers
     doc["torch"] = torch.__version__
@@ -296,6 +304,15 @@ def run(a, doc, out, t0):
             raise RuntimeError("no %s cache works with transformers %s: %s" % (a.cache, transformers.__version__, " | ".join(tried)))
         doc["cache"] = {"requested": a.cache, "api": api, "failed_variants": tried}
         make = dict(variants)[api]
+        n_full = a.prompt_len if a.warmup_len < 0 else min(a.warmup_len, a.prompt_len)
+        if n_full > 16:
+            tw = time.time()
+            w = model.generate(input_ids=ids[:, :n_full], attention_mask=mask[:, :n_full],
+                               **dict(base, min_new_tokens=2, max_new_tokens=2), **make())
+            sync()
+            del w
+            doc["warmup_full_seconds"] = time.time() - tw
+        doc["warmup_prompt_tokens"] = max(n_full, min(16, a.prompt_len))
         log(t0, "cache: %s; generating %d x (%d prompt + %d new) tokens" % (api, a.batch, a.prompt_len, a.new_tokens))
         if cuda:
             torch.cuda.reset_peak_memory_stats()

@@ -1615,7 +1615,8 @@ class device_decoder {
     const bool stream = streaming_ && !decode;
     const bool x4 = gpu::fits_x4(H, h_);
     const bool gathered16 = batched && x4;
-    bool need_f32 = !gathered16 || (any_host_experts_ && !stream);
+    // (the warm-up's pass neither runs nor streams host experts: no fp32 rows for them)
+    bool need_f32 = !gathered16 || (any_host_experts_ && !stream && !warming_);
     if (!need_f32 && stream && any_host_experts_)
       for (int e = 0; e < E && !need_f32; ++e)
         need_f32 = L.on_host[std::size_t(e)] && !L.host_experts[std::size_t(e)].is_bf16();
