@@ -80,6 +80,7 @@ struct cli {
   double stream_min_rows = 32.0, expert_staging_mib = 0.0, kv_write_bounce_mib = 512.0;
   std::string batched_prefill_experts = "on";
   std::string prefill_expert_gemm = "batched";
+  std::string prefill_expert_groups = "fitted";
   std::string calibration, calibration_preset;
   int threads = 0;
   std::string json_out, expect, logits_out;
@@ -452,7 +453,7 @@ int run(cli& a) {
         "--prefill-chunk-tokens", "--prefill-attn-mib",    "--stream-experts",            "--stream-min-rows",
         "--expert-staging-mib", "--flash-prefill",         "--batched-prefill-experts",   "--kv-write-bounce-mib",
         "--cudnn-prefill",    "--no-warmup",               "--router-zipf",               "--expert-placement",
-        "--migrate-max-experts", "--migration",          "--prefill-expert-gemm"};
+        "--migrate-max-experts", "--migration",          "--prefill-expert-gemm",       "--prefill-expert-groups"};
     for (const char* opt : cuda_only)
       if (a.gave(opt))
         refuse(opt, "acts on the CUDA path only (--device cuda or emulated)",
@@ -464,10 +465,15 @@ int run(cli& a) {
     for (const char* opt : {"--launch-thread", "--eviction-bounce-mib", "--kv-write-bounce-mib"})
       if (a.gave(opt)) refuse(opt, "acts with --device cuda only (a setting of cuda_backend)", "--device emulated");
   if (a.precision == "fp32")  // the fp32 precision materialises the prefill scores and runs experts per expert
-    for (const char* opt : {"--flash-prefill", "--batched-prefill-experts", "--cudnn-prefill", "--prefill-expert-gemm"})
+    for (const char* opt : {"--flash-prefill", "--batched-prefill-experts", "--cudnn-prefill", "--prefill-expert-gemm",
+                            "--prefill-expert-groups"})
       if (a.gave(opt)) refuse(opt, "acts with --precision bf16 only", "--precision fp32");
-  if (a.batched_prefill_experts == "off" && a.gave("--prefill-expert-gemm"))
-    refuse("--prefill-expert-gemm", "acts with --batched-prefill-experts on only", "--batched-prefill-experts off");
+  if (a.batched_prefill_experts == "off")
+    for (const char* opt : {"--prefill-expert-gemm", "--prefill-expert-groups"})
+      if (a.gave(opt)) refuse(opt, "acts with --batched-prefill-experts on only", "--batched-prefill-experts off");
+  if (a.prefill_expert_gemm == "grouped" && a.gave("--prefill-expert-groups"))
+    refuse("--prefill-expert-groups", "acts with --prefill-expert-gemm batched only (grouped runs exact rows, no groups)",
+           "--prefill-expert-gemm grouped");
   if (a.flash_prefill == "off" && a.gave("--cudnn-prefill"))
     refuse("--cudnn-prefill", "acts with --flash-prefill on only (cuDNN replaces the flash kernel)", "--flash-prefill off");
   if (a.stream_experts == "off")
@@ -636,6 +642,7 @@ int run(cli& a) {
   dopt.cudnn_prefill = a.cudnn_prefill == "on";
   dopt.batched_prefill_experts = a.batched_prefill_experts == "on";
   dopt.grouped_prefill_gemm = a.prefill_expert_gemm == "grouped";
+  dopt.fitted_expert_groups = a.prefill_expert_groups == "fitted";
   dopt.deferred_kv_write_bytes = writescope::index_t(a.kv_write_bounce_mib * double(1 << 20));
   dopt.router_zipf = a.router_zipf;
   dopt.router_zipf_seed = std::uint64_t(a.seed);
@@ -755,8 +762,9 @@ int main(int argc, char** argv) {
                  "prefill wave streams its host experts")
       ->group(g_dev)->capture_default_str()->check(at_least(0, false));
   app.add_option("--expert-staging-mib", a.expert_staging_mib,
-                 "CUDA path: device MiB of the expert staging ring, inside --vram-budget (0 = one layer's host experts, "
-                 "at most an eighth of the budget, at least 2 experts)")
+                 "CUDA path: device MiB of the expert staging ring, inside --vram-budget (0 = two layers' host experts "
+                 "where they take at most an eighth of the budget: a layer's streamed experts then run inside its "
+                 "batched GEMMs; else one layer's, at most an eighth of the budget, at least 2 experts)")
       ->group(g_dev)->capture_default_str()->check(at_least(0, false));
   app.add_option("--flash-prefill", a.flash_prefill,
                  "CUDA path, --precision bf16: on = prefill attention by the flash kernel (causal, online softmax, no "
@@ -776,6 +784,11 @@ int main(int argc, char** argv) {
                  "pointer-array batched cuBLASLt GEMM per group of equal padded rows and matrix; grouped = one "
                  "cublasGemmGroupedBatchedEx per matrix (gate, up, down) over every device expert at its exact rows")
       ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"batched", "grouped"}));
+  app.add_option("--prefill-expert-groups", a.prefill_expert_groups,
+                 "CUDA path, --prefill-expert-gemm batched: which device experts share a batched GEMM: ladder = those "
+                 "whose rows round up to the same size of a geometric ladder (8 sizes per octave); fitted = groups "
+                 "fitted to the layer's loads, trading padded rows against the host issue of more calls")
+      ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"ladder", "fitted"}));
   app.add_option("--kv-write-bounce-mib", a.kv_write_bounce_mib,
                  "CUDA path: prefill KV bound for the unpinned region leaves through a page-locked bounce buffer of at "
                  "most this many MiB without the host waiting, copied to its blocks during the next layer (0 = "

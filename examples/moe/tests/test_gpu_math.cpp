@@ -8,6 +8,7 @@
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -396,4 +397,58 @@ TEST_CASE("four-wide MoE passes (gather to bf16, SiLU product to bf16, combine) 
     }
   CHECK_FALSE(gpu::fits_x4(10, src.data()));
   CHECK_FALSE(gpu::fits_x4(H, src.data() + 1));
+}
+
+TEST_CASE("fitted_group_rows: the least-cost partition of sorted loads, against every partition") {
+  using writescope::index_t;
+  std::mt19937 rng(5);
+  const index_t pad = 64;
+  // the cost of a partition given as the first expert of each group after the first
+  auto cost = [&](const std::vector<index_t>& rows, unsigned cuts, double row_cost, double group_cost) {
+    double c = 0;
+    std::size_t start = 0;
+    for (std::size_t i = 0; i < rows.size(); ++i)
+      if (i + 1 == rows.size() || (cuts >> i & 1u)) {  // a group ends at i
+        c += group_cost + double(i + 1 - start) * double(gpu::ladder_rows(rows[i], pad)) * row_cost;
+        start = i + 1;
+      }
+    return c;
+  };
+  for (int trial = 0; trial < 300; ++trial) {
+    const std::size_t n = 1 + rng() % 10;
+    std::vector<index_t> rows(n);
+    const index_t spread = trial % 3 == 0 ? 100 : trial % 3 == 1 ? 3000 : 40000;
+    for (auto& r : rows) r = 1 + index_t(rng() % std::uint32_t(spread));
+    std::sort(rows.begin(), rows.end());
+    const double row_cost = 1.0, group_cost = double(rng() % 20000);
+    const std::vector<index_t> got = gpu::fitted_group_rows(rows, pad, row_cost, group_cost);
+    REQUIRE(got.size() == n);
+    // the result is a partition into runs of equal padded size, each the ladder size of its largest load
+    double got_cost = 0;
+    for (std::size_t i = 0; i < n;) {
+      std::size_t j = i;
+      while (j < n && got[j] == got[i]) ++j;
+      CHECK(got[i] == gpu::ladder_rows(rows[j - 1], pad));
+      if (j < n) CHECK(got[j] > got[i]);
+      got_cost += group_cost + double(j - i) * double(got[i]) * row_cost;
+      i = j;
+    }
+    double best = -1;
+    for (unsigned cuts = 0; cuts < (1u << (n - 1)); ++cuts) {
+      const double c = cost(rows, cuts, row_cost, group_cost);
+      if (best < 0 || c < best) best = c;
+    }
+    INFO("trial " << trial << " n " << n << " group cost " << group_cost);
+    CHECK(got_cost == doctest::Approx(best).epsilon(1e-12));
+  }
+  // no group cost: every expert at its own ladder size; a huge one: a single group
+  const std::vector<index_t> loads = {1, 70, 130, 700, 2100, 2200, 9000};
+  const auto alone = gpu::fitted_group_rows(loads, pad, 1.0, 0.0);
+  for (std::size_t i = 0; i < loads.size(); ++i) CHECK(alone[i] == gpu::ladder_rows(loads[i], pad));
+  for (const index_t r : gpu::fitted_group_rows(loads, pad, 1.0, 1e12)) CHECK(r == gpu::ladder_rows(9000, pad));
+  CHECK(gpu::fitted_group_rows({}, pad, 1.0, 1.0).empty());
+  CHECK_THROWS_AS(gpu::fitted_group_rows({5, 3}, pad, 1.0, 1.0), std::invalid_argument);
+  CHECK_THROWS_AS(gpu::fitted_group_rows({0, 3}, pad, 1.0, 1.0), std::invalid_argument);
+  CHECK_THROWS_AS(gpu::fitted_group_rows({3}, 0, 1.0, 1.0), std::invalid_argument);
+  CHECK_THROWS_AS(gpu::fitted_group_rows({3}, pad, -1.0, 1.0), std::invalid_argument);
 }

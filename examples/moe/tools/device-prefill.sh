@@ -17,7 +17,8 @@
 #            routed experts are in host memory), b298 (--vram-budget 29.8 GiB: the
 #            paper's 32 GB), cpu (the same with --stream-experts off: host experts on
 #            the CPU), grouped (--prefill-expert-gemm grouped; half_grouped,
-#            b298_grouped), noflash, nowarm (--no-warmup)... see the table below
+#            b298_grouped), noflash, nowarm (--no-warmup), ladder (--prefill-expert-groups
+#            ladder), half_ring1 (Qwen3: half with a one-layer staging ring)... see the table below
 # Every ws_decode run generates NEW_TOKENS (default 2) tokens: prefill (the first
 # token) and one decode step; prefill_tok_s and prefill_seconds (TTFT) come from
 # its --json summary, with the prefill phases.
@@ -83,6 +84,13 @@ variant_args() {  # model variant -> extra ws_decode arguments
     b16) echo "--vram-budget 16" ;;
     noflash) echo "--flash-prefill off" ;;
     nowarm) echo "--no-warmup" ;;
+    ladder) echo "--prefill-expert-groups ladder" ;;
+    # half with a staging ring of one layer's host experts (Qwen3 8 L: 64 x 9 MiB):
+    # the streamed experts then run one at a time instead of in the batched GEMMs
+    half_ring1) case $1 in
+                  qwen3) echo "--max-gpu-experts 512 --expert-staging-mib 576" ;;
+                  *) return 1 ;;
+                esac ;;
     grouped) echo "--prefill-expert-gemm grouped" ;;
     half_grouped) echo "$(variant_args "$1" half) --prefill-expert-gemm grouped" ;;
     b298_grouped) echo "--vram-budget 29.8 --prefill-expert-gemm grouped" ;;

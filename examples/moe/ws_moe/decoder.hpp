@@ -158,6 +158,8 @@ struct device_report {
   index_t per_expert_moe_passes = 0; ///< MoE layer passes with one cuBLAS product per expert
   index_t batched_moe_passes = 0;    ///< prefill MoE layer passes through the batched GEMMs
   std::string prefill_expert_gemm;   ///< how those GEMMs were issued: "batched" or "grouped"
+  std::string prefill_expert_groups; ///< "batched": the groups by "ladder" size or "fitted" to the loads
+  index_t batched_groups = 0;        ///< groups of experts over those passes (three GEMMs each when batched)
   int prefill_waves = 0;             ///< groups of sequences prefilled together
   index_t prefill_block_rows = 0;    ///< query rows per prefill attention block (materialised-score path)
   std::string prefill_attention;     ///< which prefill attention ran: "flash" or "materialised scores"
@@ -169,6 +171,7 @@ struct device_report {
   double stream_min_rows = 0.0;
   index_t streamed_experts = 0;
   index_t streamed_bytes = 0;
+  index_t streamed_batched_passes = 0;  ///< prefill MoE passes whose streamed experts ran in the batched GEMMs
   /// Expert placement (--expert-placement): "id" (by expert id) or "hot"
   /// (migrated after the prefill by its routed rows); the experts swapped
   /// (pairs), pairs skipped (dtypes or sizes differ), the bytes each way, the

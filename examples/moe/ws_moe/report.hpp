@@ -172,10 +172,14 @@ inline void print_device(std::FILE* f, const generation_result& r) {
   std::fprintf(f, "experts    %d routed experts: %d on the GPU, %d in host memory (%s), CPU expert time %.3f s for %lld rows\n",
                d.experts_total, d.experts_gpu, d.experts_host, human_bytes(d.experts_host_bytes).c_str(), d.cpu_expert_seconds,
                static_cast<long long>(d.cpu_expert_rows));
-  std::fprintf(f, "           device experts: %s; MoE layer passes %lld grouped, %lld per expert, %lld batched (prefill%s%s)\n",
+  std::string groups;
+  if (d.batched_moe_passes > 0 && d.prefill_expert_gemm == "batched")
+    groups = ", " + d.prefill_expert_groups + " groups: " + std::to_string(d.batched_groups);
+  std::fprintf(f, "           device experts: %s; MoE layer passes %lld grouped, %lld per expert, %lld batched (prefill%s%s%s)\n",
                d.expert_kernels.c_str(), static_cast<long long>(d.grouped_moe_passes),
                static_cast<long long>(d.per_expert_moe_passes), static_cast<long long>(d.batched_moe_passes),
-               d.batched_moe_passes > 0 ? ", GEMMs issued " : "", d.batched_moe_passes > 0 ? d.prefill_expert_gemm.c_str() : "");
+               d.batched_moe_passes > 0 ? ", GEMMs issued " : "", d.batched_moe_passes > 0 ? d.prefill_expert_gemm.c_str() : "",
+               groups.c_str());
   if (d.experts_host > 0) {  // layers with the same host set, grouped
     for (std::size_t l = 0; l < d.host_experts.size();) {
       std::size_t m = l;
@@ -223,9 +227,9 @@ inline void print_device(std::FILE* f, const generation_result& r) {
   }
   if (d.staging_slots > 0)
     std::fprintf(f, "           host experts streamed to the GPU in waves of >= %.0f rows per expert: %lld copies, %s, "
-                    "staging ring %d slots (%s)\n",
+                    "staging ring %d slots (%s); %lld MoE passes ran them inside the batched GEMMs\n",
                  d.stream_min_rows, static_cast<long long>(d.streamed_experts), human_bytes(d.streamed_bytes).c_str(),
-                 d.staging_slots, human_bytes(d.staging_bytes).c_str());
+                 d.staging_slots, human_bytes(d.staging_bytes).c_str(), static_cast<long long>(d.streamed_batched_passes));
   auto share = [](index_t part, index_t all) { return all > 0 ? 100.0 * double(part) / double(all) : 0.0; };
   if (d.placement == "hot")
     std::fprintf(f, "placement  hot: %lld experts migrated after the prefill (at most %d per layer, %lld pairs skipped), "
@@ -542,7 +546,8 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
                              {"staging_bytes", d.staging_bytes},
                              {"min_rows", d.stream_min_rows},
                              {"copies", d.streamed_experts},
-                             {"bytes", d.streamed_bytes}};
+                             {"bytes", d.streamed_bytes},
+                             {"batched_passes", d.streamed_batched_passes}};
     j["placement"] = {{"mode", d.placement},
                       {"migrations", d.migrations},
                       {"migrations_skipped", d.migrations_skipped},
@@ -565,6 +570,8 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
                     {"kernels", d.expert_kernels},
                     {"batched_prefill_passes", d.batched_moe_passes},
                     {"prefill_expert_gemm", d.prefill_expert_gemm},
+                    {"prefill_expert_groups", d.prefill_expert_groups},
+                    {"batched_groups", d.batched_groups},
                     {"grouped_passes", d.grouped_moe_passes},
                     {"per_expert_passes", d.per_expert_moe_passes}};
   }

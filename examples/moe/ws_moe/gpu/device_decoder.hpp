@@ -113,8 +113,11 @@ struct device_options {
   /// them on the CPU (cpu_experts.hpp).
   bool stream_experts = true;
   double stream_min_rows = 32.0;
-  /// Device bytes of the staging ring (inside vram_budget_bytes); 0: one
-  /// layer's host experts, at most an eighth of the budget, at least 2 experts.
+  /// Device bytes of the staging ring (inside vram_budget_bytes); 0: two
+  /// layers' host experts where they take at most an eighth of the budget
+  /// (then a layer's streamed experts join its batched GEMMs while the next
+  /// layer's copies land), else one layer's, at most an eighth of the budget,
+  /// at least 2 experts.
   index_t expert_staging_bytes = 0;
   /// bf16 precision: the flash prefill attention (flash_prefill.hpp) instead of
   /// materialised score blocks (the fp32 precision always materialises).
@@ -132,6 +135,14 @@ struct device_options {
   /// down); true = one cublasGemmGroupedBatchedEx per matrix over every
   /// device expert with rows, each at its exact row count (no padding).
   bool grouped_prefill_gemm = false;
+  /// The batched GEMMs' groups (not grouped_prefill_gemm): false = experts of
+  /// equal ladder size (gemm.hpp ladder_rows) form a group; true = groups
+  /// fitted to the layer's loads (gemm.hpp fitted_group_rows), trading padded
+  /// rows (their FLOPs at fitted_groups_flops_per_second) against the host
+  /// issue of one more group's three calls (3 x fitted_groups_call_seconds).
+  bool fitted_expert_groups = true;
+  double fitted_groups_flops_per_second = 6e14;
+  double fitted_groups_call_seconds = 25e-6;
   /// cuda_backend: prefill KV bound for the unpinned region leaves through a
   /// page-locked bounce buffer of at most this many bytes without the host
   /// waiting; host threads copy it to its blocks during the next layer
@@ -439,8 +450,11 @@ class device_decoder {
     res.device.cpu_expert_rows = cpu_expert_rows_;
     res.device.grouped_moe_passes = grouped_passes_;
     res.device.prefill_expert_gemm = d_.grouped_prefill_gemm ? "grouped" : "batched";
+    res.device.prefill_expert_groups = d_.fitted_expert_groups ? "fitted" : "ladder";
     res.device.per_expert_moe_passes = per_expert_passes_;
     res.device.batched_moe_passes = batched_passes_;
+    res.device.batched_groups = batched_groups_;
+    res.device.streamed_batched_passes = stream_batched_passes_;
     res.device.placement = d_.hot_placement ? "hot" : "id";
     res.device.router_zipf = d_.router_zipf;
     res.device.prefill_routed_rows = prefill_rows_total_;
@@ -632,6 +646,7 @@ class device_decoder {
                          gpu::expert_bytes(c_, *src_, first_moe_layer()) == 6 * H * c_.moe_intermediate_size;
       // packed rows: a batched prefill adds at most batch_pad - 1 per expert and 1/8 of the rest (padded_rows)
       const index_t np_cap = T * k + (batched_prefill_ ? E * batch_pad + T * k / 8 : 0);
+      padded_rows_cap_ = np_cap;
       route_cap_ints_ = np_cap + 2 * T * k + E + 1 + 2 + (batched_prefill_ ? 2 * 9 * E : 0);
       route_dev_ = buffer<int>(route_cap_ints_, "routing: rows, weights, expert offsets, batched GEMM tables");
       if (batched_prefill_ && d_.grouped_prefill_gemm) x_.check_grouped_gemm();  // refused at init, not mid-prefill
@@ -792,10 +807,11 @@ class device_decoder {
     if (d_.stream_experts && fit < total) {
       for (int pass = 0; pass < 4; ++pass) {
         const index_t host_per_layer = (total - fit + nl - 1) / nl;
-        index_t want = d_.expert_staging_bytes > 0
-                           ? d_.expert_staging_bytes / eslab
+        index_t want = d_.expert_staging_bytes > 0 ? d_.expert_staging_bytes / eslab
+                       : 2 * host_per_layer * eslab <= budget / 8
+                           ? 2 * host_per_layer
                            : std::min(host_per_layer, std::max<index_t>(2, budget / 8 / eslab));
-        want = std::clamp<index_t>(want, 2, std::max<index_t>(2, host_per_layer));
+        want = std::clamp<index_t>(want, 2, std::max<index_t>(2, 2 * host_per_layer));
         slots = int(want);
         if (index_t(slots) * eslab > avail)
           throw writescope::config_error(
@@ -1147,7 +1163,7 @@ class device_decoder {
     warm_up_prefill();
     cpu_expert_seconds_ = 0.0;
     cpu_expert_rows_ = 0;
-    grouped_passes_ = per_expert_passes_ = batched_passes_ = 0;
+    grouped_passes_ = per_expert_passes_ = batched_passes_ = batched_groups_ = stream_batched_passes_ = 0;
   }
 
   /// One untimed layer of the first prefill wave's shape on pseudo-random
@@ -1426,6 +1442,12 @@ class device_decoder {
     x_.run(r, n);
     // Group the (token, slot) pairs by expert: on the device for a batched
     // prefill, else on the host.
+    stream_batched_ = !decode && batched_prefill_ && streams_batched(L);
+    if (stream_batched_) {  // each streamed expert's slot: its place in the wave's copy order
+      streamed_slot_.assign(std::size_t(E), -1);
+      for (index_t i = layer_first_item_[std::size_t(l)]; i < layer_first_item_[std::size_t(l) + 1]; ++i)
+        streamed_slot_[std::size_t(stream_items_[std::size_t(i)].expert)] = int(i % staging_slots_);
+    }
     if (!decode && batched_prefill_)
       group_on_device(L, n);
     else
@@ -1447,10 +1469,75 @@ class device_decoder {
   /// issue (grouped_prefill_gemm) keeps the exact rows.
   void lay_out_rows(const gpu::dlayer& L, bool batched) {
     const int E = c_.num_experts;
+    const bool pad = batched && !d_.grouped_prefill_gemm;
+    padded_of_.assign(std::size_t(E), 0);
     for (int e = 0; e < E; ++e) {
-      index_t m = rows_[std::size_t(e)];
-      if (batched && !d_.grouped_prefill_gemm && m > 0 && !L.on_host[std::size_t(e)]) m = padded_rows(m);
-      count_[std::size_t(e) + 1] = count_[std::size_t(e)] + int(m);
+      const index_t m = rows_[std::size_t(e)];
+      padded_of_[std::size_t(e)] = pad && m > 0 && in_batch(L, e) ? padded_rows(m) : m;
+    }
+    if (pad && d_.fitted_expert_groups) fit_groups(L);
+    for (int e = 0; e < E; ++e) count_[std::size_t(e) + 1] = count_[std::size_t(e)] + int(padded_of_[std::size_t(e)]);
+  }
+
+  /// Whether layer L's streamed host experts run inside its batched GEMMs
+  /// (their weights read from their staging slots) rather than one expert at a
+  /// time: a streaming prefill wave, pointer-array batched GEMMs on bf16 rows,
+  /// bf16 host experts, and a ring that holds two such layers (this layer's
+  /// slots are all taken at once; the next layer's copies land meanwhile).
+  bool streams_batched(const gpu::dlayer& L) const {
+    if (!streaming_ || warming_ || d_.grouped_prefill_gemm || !gpu::fits_x4(c_.hidden_size, h_)) return false;
+    index_t host = 0;
+    for (int e = 0; e < c_.num_experts; ++e)
+      if (L.on_host[std::size_t(e)]) {
+        if (!L.host_experts[std::size_t(e)].is_bf16()) return false;
+        ++host;
+      }
+    return host > 0 && 2 * host <= index_t(staging_slots_);
+  }
+
+  /// Whether expert e runs in this MoE pass's batched GEMMs (device experts;
+  /// streamed host experts too when stream_batched_).
+  bool in_batch(const gpu::dlayer& L, int e) const { return !L.on_host[std::size_t(e)] || stream_batched_; }
+
+  /// Whether a MoE pass needs its packed rows in fp32 (xg_) too: a pass not
+  /// gathered to bf16, one whose host experts run on the CPU (the warm-up's
+  /// pass neither runs nor streams them), or a streamed one with fp32 host experts.
+  bool pass_needs_f32(const gpu::dlayer& L, bool batched, bool decode) const {
+    const bool stream = streaming_ && !decode;
+    if (!(batched && gpu::fits_x4(c_.hidden_size, h_))) return true;
+    if (any_host_experts_ && !stream && !warming_) return true;
+    if (stream && any_host_experts_)
+      for (int e = 0; e < c_.num_experts; ++e)
+        if (L.on_host[std::size_t(e)] && !L.host_experts[std::size_t(e)].is_bf16()) return true;
+    return false;
+  }
+
+  /// padded_of_ of the batched experts from gemm.hpp fitted_group_rows (their
+  /// loads in ascending order), inside the packed rows' room.
+  void fit_groups(const gpu::dlayer& L) {
+    const int E = c_.num_experts;
+    fit_order_.clear();
+    for (int e = 0; e < E; ++e)
+      if (rows_[std::size_t(e)] > 0 && in_batch(L, e)) fit_order_.push_back(e);
+    std::stable_sort(fit_order_.begin(), fit_order_.end(),
+                     [&](int a, int b) { return rows_[std::size_t(a)] < rows_[std::size_t(b)]; });
+    fit_rows_.resize(fit_order_.size());
+    for (std::size_t i = 0; i < fit_order_.size(); ++i) fit_rows_[i] = rows_[std::size_t(fit_order_[i])];
+    const double row_flops = 6.0 * double(c_.hidden_size) * double(c_.moe_intermediate_size);
+    index_t room = padded_rows_cap_, unpadded = 0;
+    if (pass_needs_f32(L, true, false)) room = std::min(room, xg_rows_);
+    for (int e = 0; e < E; ++e) unpadded += rows_[std::size_t(e)];
+    // Past the room, a group's calls are made cheaper (halved) until the
+    // partition fits; with no group cost it is the ladder's, which always fits.
+    double group_cost = 3.0 * d_.fitted_groups_call_seconds;
+    for (int tries = 0; tries < 40; ++tries, group_cost *= 0.5) {
+      const std::vector<index_t> sized =
+          gpu::fitted_group_rows(fit_rows_, batch_pad, row_flops / d_.fitted_groups_flops_per_second, tries < 39 ? group_cost : 0.0);
+      index_t total = unpadded;
+      for (std::size_t i = 0; i < sized.size(); ++i) total += sized[i] - fit_rows_[i];
+      if (total > room) continue;
+      for (std::size_t i = 0; i < sized.size(); ++i) padded_of_[std::size_t(fit_order_[i])] = sized[i];
+      return;
     }
   }
 
@@ -1615,11 +1702,7 @@ class device_decoder {
     const bool stream = streaming_ && !decode;
     const bool x4 = gpu::fits_x4(H, h_);
     const bool gathered16 = batched && x4;
-    // (the warm-up's pass neither runs nor streams host experts: no fp32 rows for them)
-    bool need_f32 = !gathered16 || (any_host_experts_ && !stream && !warming_);
-    if (!need_f32 && stream && any_host_experts_)
-      for (int e = 0; e < E && !need_f32; ++e)
-        need_f32 = L.on_host[std::size_t(e)] && !L.host_experts[std::size_t(e)].is_bf16();
+    const bool need_f32 = pass_needs_f32(L, batched, decode);
     if (gathered16) x_.run(gpu::gather_rows_bf16x4_op{h_, H, src_rows, int(H / 4), x16_}, np * H / 4);
     if (need_f32 && np > xg_rows_)
       throw std::logic_error("device_decoder: " + std::to_string(np) + " fp32 expert input rows, room for " +
@@ -1677,7 +1760,16 @@ class device_decoder {
       ++grouped_passes_;
     } else if (batched) {
       const auto t_gemms = std::chrono::steady_clock::now();
+      const index_t s0 = stream_batched_ ? layer_first_item_[std::size_t(l)] : 0;
+      const index_t s1 = stream_batched_ ? layer_first_item_[std::size_t(l) + 1] : 0;
+      for (index_t i = s0; i < s1; ++i) x_.ring_acquire(int(i % staging_slots_));  // the layer's copies landed
       run_batched_experts(tables, np);
+      for (index_t i = s0; i < s1; ++i) {  // its slots free: the next copies go into them
+        x_.ring_release(int(i % staging_slots_));
+        if (next_copy_ < index_t(stream_items_.size())) enqueue_stream_copy();
+      }
+      batched_groups_ += index_t(batch_groups_.size());
+      if (stream_batched_) ++stream_batched_passes_;
       if (ph_ != nullptr) ph_->moe_gemm_issue_seconds += seconds_since(t_gemms);
       ++batched_passes_;
     } else {
@@ -1690,7 +1782,7 @@ class device_decoder {
       ++per_expert_passes_;
     }
     if (timed) moe_marks_.back()[2] = x_.mark();  // device-resident experts done
-    if (stream) run_streamed_experts(l);
+    if (stream && !stream_batched_) run_streamed_experts(l);
     if (warming_ && staging_slots_ > 0) warm_streamed_shapes(L, np);
     if (timed) moe_marks_.back()[3] = x_.mark();  // streamed experts done
     // shared experts next on the GPU, so that they too overlap the CPU experts
@@ -1732,20 +1824,26 @@ class device_decoder {
     batch_groups_.clear();
     order_.clear();
     for (int e = 0; e < E; ++e)
-      if (rows_[std::size_t(e)] > 0 && !L.on_host[std::size_t(e)]) order_.push_back(e);
+      if (rows_[std::size_t(e)] > 0 && in_batch(L, e)) order_.push_back(e);
     auto padded = [&](int e) { return index_t(count_[std::size_t(e) + 1] - count_[std::size_t(e)]); };
     std::stable_sort(order_.begin(), order_.end(), [&](int a, int b) { return padded(a) < padded(b); });
+    // a streamed expert's weights: its staging slot (gate, up, down contiguous, bf16)
+    auto slot_weight = [&](int e, int which) -> const void* {
+      const std::byte* base = staging_ + index_t(streamed_slot_[std::size_t(e)]) * staging_slot_bytes_;
+      return base + index_t(which) * c_.moe_intermediate_size * H * 2;
+    };
     auto operand = [&](int t, int e) -> const void* {
       const gpu::dmlp& m = L.experts[std::size_t(e)];
       const index_t r0 = count_[std::size_t(e)];
+      const bool slot = L.on_host[std::size_t(e)];
       switch (t) {
-        case 0: return m.gate.w.p;
+        case 0: return slot ? slot_weight(e, 0) : m.gate.w.p;
         case 1: return x16_ + r0 * H;
         case 2: return g_batch_ + r0 * I;
-        case 3: return m.up.w.p;
+        case 3: return slot ? slot_weight(e, 1) : m.up.w.p;
         case 4: return x16_ + r0 * H;
         case 5: return u_batch_ + r0 * I;
-        case 6: return m.down.w.p;
+        case 6: return slot ? slot_weight(e, 2) : m.down.w.p;
         case 7: return a16_ + r0 * I;
         default: return yg_ + r0 * H;
       }
@@ -2397,6 +2495,14 @@ class device_decoder {
   int bad_expert_ = -1;
   std::vector<const void*> batch_ptrs_;
   std::vector<batch_group> batch_groups_;
+  std::vector<index_t> padded_of_;  ///< lay_out_rows: each expert's packed rows (padding included)
+  std::vector<int> fit_order_;      ///< fit_groups: the batched experts by load
+  std::vector<index_t> fit_rows_;   ///< fit_groups: their loads, ascending
+  index_t padded_rows_cap_ = 0;     ///< room for packed rows (padding included) in one MoE pass
+  index_t batched_groups_ = 0;      ///< batch_groups_ summed over the timed batched passes
+  bool stream_batched_ = false;     ///< this MoE pass's streamed experts run in its batched GEMMs (streams_batched)
+  std::vector<int> streamed_slot_;  ///< with stream_batched_: each host expert's staging slot
+  index_t stream_batched_passes_ = 0;  ///< prefill MoE passes with stream_batched_
   std::uint16_t *x16_ = nullptr, *a16_ = nullptr;
   unsigned* sort_keys_ = nullptr;  ///< prefill grouping on the device (group_on_device)
   int* sort_pairs_ = nullptr;

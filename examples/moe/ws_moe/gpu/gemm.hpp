@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -145,6 +146,52 @@ inline idx ladder_rows(idx m, idx pad) {
     step = std::max<idx>(pad, idx(1) << (j - 3));
   }
   return (m + step - 1) / step * step;
+}
+
+/// Batched-GEMM groups fitted to a layer's loads: `rows` are the row counts of
+/// the experts that run batched, in ascending order (each >= 1). A group of
+/// consecutive experts runs as one batched GEMM per matrix at the ladder size
+/// of its largest expert (ladder_rows(max, pad)); a group costs `group_cost`
+/// (the host issue of its calls, in any unit) and every padded row `row_cost`
+/// (its GEMM work, same unit). Returns each expert's padded rows (same order),
+/// the partition of least total cost (dynamic programming over the sorted
+/// loads, O(n^2)). With group_cost > 0 consecutive groups get distinct sizes
+/// (two of one size cost less as one), so grouping the experts by equal padded
+/// rows gives back the partition; with group_cost 0 every expert keeps its own
+/// ladder size (ladder_rows). Throws std::invalid_argument for rows not
+/// ascending or < 1, pad < 1, or a negative cost.
+inline std::vector<idx> fitted_group_rows(const std::vector<idx>& rows, idx pad, double row_cost, double group_cost) {
+  if (pad < 1) throw std::invalid_argument("fitted_group_rows: pad " + std::to_string(pad) + " must be >= 1");
+  if (!(row_cost >= 0) || !(group_cost >= 0))
+    throw std::invalid_argument("fitted_group_rows: costs must be >= 0 (row " + std::to_string(row_cost) + ", group " +
+                                std::to_string(group_cost) + ")");
+  const std::size_t n = rows.size();
+  for (std::size_t i = 0; i < n; ++i)
+    if (rows[i] < 1 || (i > 0 && rows[i] < rows[i - 1]))
+      throw std::invalid_argument("fitted_group_rows: rows[" + std::to_string(i) + "] = " + std::to_string(rows[i]) +
+                                  " (rows must be >= 1 and ascending)");
+  // best[j]: least cost of the first j experts; cut[j]: where its last group starts
+  std::vector<double> best(n + 1, 0.0);
+  std::vector<std::size_t> cut(n + 1, 0);
+  for (std::size_t j = 1; j <= n; ++j) {
+    const double size = double(ladder_rows(rows[j - 1], pad));
+    best[j] = -1;
+    for (std::size_t i = j; i-- > 0;) {  // the last group is experts i .. j-1
+      const double c = best[i] + group_cost + double(j - i) * size * row_cost;
+      if (best[j] < 0 || c < best[j]) {
+        best[j] = c;
+        cut[j] = i;
+      }
+    }
+  }
+  std::vector<idx> out(n);
+  for (std::size_t j = n; j > 0;) {
+    const std::size_t i = cut[j];
+    const idx size = ladder_rows(rows[j - 1], pad);
+    for (std::size_t q = i; q < j; ++q) out[q] = size;
+    j = i;
+  }
+  return out;
 }
 
 /// The descriptor's product on the host (double accumulation), for the
