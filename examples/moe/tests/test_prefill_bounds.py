@@ -44,6 +44,18 @@ check("streamed bound = max(3 GB at 1 GB/s, 1 TFLOP at 1)", rows["streamed exper
 check("kv bound: 150000 tokens x 2 layers x 1000 B at 1 GB/s", rows["KV write-out (host, overlapped)"][1], 0.3)
 check("whole bound = max(2 + 4 + 1, 3)", rows["whole prefill"][1], 7.0)
 
+# the streamed experts inside the batched GEMMs: their 1 TFLOP joins the MoE row,
+# whose measured time is the whole MoE phase; the streamed row is the H2D alone
+inside = dict(summary, expert_streaming={"bytes": 3e9, "batched_passes": 2})
+rows_in = {p: (m, b) for p, m, b, _ in prefill_bounds.bounds(inside, 1.0, 2.0, 1.0, 1.0)}
+check("moe bound with the streamed experts inside", rows_in["MoE on the device"][1], 4.0 + 1.0)
+check("moe measured: the whole phase", rows_in["MoE on the device"][0], 5.0)
+check("streamed bound: 3 GB at 1 GB/s", rows_in["streamed experts"][1], 3.0)
+if rows_in["streamed experts"][0] is not None:
+    print("FAIL streamed measured: %r, want None (inside the MoE row)" % (rows_in["streamed experts"][0],))
+    ok = False
+check("whole bound unchanged", rows_in["whole prefill"][1], 7.0)
+
 with tempfile.TemporaryDirectory() as d:
     path = os.path.join(d, "s.json")
     out_json = os.path.join(d, "out.json")

@@ -11,7 +11,10 @@ per run, each phase's measured time beside its lower bound:
   MoE on the device        (router + shared/dense MLP + the routed expert FLOPs of
                            the rows the device-resident experts got) / --gemm-tflops
   streamed experts         max(streamed bytes / --h2d-gbps,
-                               the host experts' routed FLOPs / --gemm-tflops)
+                               the host experts' routed FLOPs / --gemm-tflops);
+                           where they run inside the batched GEMMs
+                           (expert_streaming.batched_passes > 0) their FLOPs
+                           join the MoE row and this row is the H2D alone
   KV write-out             KV bytes placed in host memory / --d2h-gbps (it overlaps
                            the compute: the bound of a phase off the critical path)
   whole prefill            max(the compute bounds above summed, streamed bytes / H2D)
@@ -83,16 +86,26 @@ def bounds(s, gemm_tflops, attention_tflops, h2d_gbps, d2h_gbps):
                   streamed_bytes / (h2d_gbps * 1e9))
     moe_measured = ph.get("moe")
     streamed_measured = ph.get("moe_streamed_experts")
-    if moe_measured is not None and streamed_measured is not None:
+    # streamed experts run inside the layers' batched GEMMs: their products are
+    # in the MoE row (its bound gets their FLOPs), the streamed row is the H2D
+    inside = streamed_bytes > 0 and s.get("expert_streaming", {}).get("batched_passes", 0) > 0
+    moe_flops = w["router_flops"] + w["shared_dense_flops"] + device_share * w["routed_expert_flops"]
+    if inside:
+        moe_flops += host_flops
+        moe_dev_b += host_flops / gemm
+        streamed_b = streamed_bytes / (h2d_gbps * 1e9)
+        streamed_measured = None
+    elif moe_measured is not None and streamed_measured is not None:
         moe_measured -= streamed_measured
     return [
         ("attention + projections", ph.get("attention"), attention_b,
          "%.3g + %.3g TFLOP" % (w["attention_flops"] / 1e12, w["projection_flops"] / 1e12)),
         ("MoE on the device", moe_measured, moe_dev_b,
-         "%.3g TFLOP (%.0f%% of the routed rows)" % (
-             (w["router_flops"] + w["shared_dense_flops"] + device_share * w["routed_expert_flops"]) / 1e12,
-             100 * device_share)),
+         "%.3g TFLOP (%.0f%% of the routed rows%s)" % (
+             moe_flops / 1e12, 100 * (1.0 if inside else device_share),
+             ": the streamed experts' in the batched GEMMs" if inside else "")),
         ("streamed experts", streamed_measured, streamed_b,
+         ("%.3g GB H2D (overlapped; their GEMMs in the MoE row)" % (streamed_bytes / 1e9)) if inside else
          "%.3g GB H2D, %.3g TFLOP" % (streamed_bytes / 1e9, host_flops / 1e12)),
         ("KV write-out (host, overlapped)", ph.get("kv_write_host"), kv_b, "%.3g GB D2H" % (kv_host_bytes / 1e9)),
         ("whole prefill", s.get("prefill_seconds"), total_b, "%.3g TFLOP" % (w["total_flops"] / 1e12)),
