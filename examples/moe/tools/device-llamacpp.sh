@@ -236,7 +236,8 @@ else
   ( s=$(date +%s)
     timeout --kill-after=10 "$BUILD_CAP" bash -c '
       set -o pipefail
-      cmake -S . -B "$0" "${@}" -DCMAKE_PREFIX_PATH="$PWD/.deps/usr" -DWRITESCOPE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+      cudnn=$(python3 -c "import nvidia.cudnn as m; print(m.__path__[0])" 2>/dev/null)  # cuDNN prefill attention
+      cmake -S . -B "$0" "${@}" -DCMAKE_PREFIX_PATH="$PWD/.deps/usr${cudnn:+;$cudnn}" -DWRITESCOPE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
         -DCMAKE_BUILD_TYPE=Release -DWRITESCOPE_BUILD_BENCH=OFF &&
       cmake --build "$0" -j'"$JOBS"' --target ws_decode' "$BUILD_DIR" "${gen[@]}"
     rc=$?; echo "rc $rc $(( $(date +%s) - s ))" > "$OUT/llamacpp_logs/build_ws.rc"; exit $rc
