@@ -18,7 +18,8 @@
 #            paper's 32 GB), cpu (the same with --stream-experts off: host experts on
 #            the CPU), grouped (--prefill-expert-gemm grouped; half_grouped,
 #            b298_grouped), noflash, nowarm (--no-warmup), ladder (--prefill-expert-groups
-#            ladder), half_ring1 (Qwen3: half with a one-layer staging ring)... see the table below
+#            ladder), half_ring1 (Qwen3: half with a one-layer staging ring), third
+#            (DeepSeek-V2-Lite: 64 of 192 on the host)... see the table below
 # Every ws_decode run generates NEW_TOKENS (default 2) tokens: prefill (the first
 # token) and one decode step; prefill_tok_s and prefill_seconds (TTFT) come from
 # its --json summary, with the prefill phases.
@@ -69,15 +70,19 @@ shape_of() {  # model shape -> "batch prompt_len"
 variant_args() {  # model variant -> extra ws_decode arguments
   case $2 in
     "") echo "" ;;
-    # at least half of the routed experts in host memory (the 8/4-layer cuts):
-    # Qwen3 8 L: 9.7 GB of experts; DeepSeek-V2-Lite 4 L: 3.7 GB (of 26 layers' 16 GB);
-    # Mixtral 4 L: 11.3 GB
+    # half of the routed experts in host memory (the 8/4-layer cuts): Qwen3 8 L 512 of
+    # 1,024 (9.7 GB of experts); DeepSeek-V2-Lite 4 L (3 MoE layers) 96 of 192;
+    # Mixtral 4 L 16 of 32 (11.3 GB). third: DeepSeek-V2-Lite with 64 of 192 on the host
     half) case $1 in
             qwen3) echo "--max-gpu-experts 512" ;;
-            dsv2lite) echo "--max-gpu-experts 128" ;;
+            dsv2lite) echo "--max-gpu-experts 96" ;;
             mixtral) echo "--max-gpu-experts 16" ;;
             *) echo "--vram-budget 16" ;;
           esac ;;
+    third) case $1 in
+             dsv2lite) echo "--max-gpu-experts 128" ;;
+             *) return 1 ;;
+           esac ;;
     half_cpu) echo "$(variant_args "$1" half) --stream-experts off" ;;
     b298) echo "--vram-budget 29.8" ;;
     b298_cpu) echo "--vram-budget 29.8 --stream-experts off" ;;
