@@ -647,6 +647,7 @@ int run(cli& a) {
   dopt.router_zipf = a.router_zipf;
   dopt.router_zipf_seed = std::uint64_t(a.seed);
   dopt.hot_placement = a.expert_placement == "hot";
+  dopt.layer_major_placement = a.expert_placement == "layers";
   dopt.migrate_max_experts = a.migrate_max_experts;
   dopt.migrate_reload = a.migration == "reload";
   const generation_result r = kind == device_kind::host
@@ -811,8 +812,10 @@ int main(int argc, char** argv) {
                  "CUDA path: id = routed experts on the GPU by id while the budget lasts; hot = the same at load, then "
                  "after the prefill each MoE layer's hottest host experts (routed rows counted in the prefill) swap "
                  "places with its coldest GPU experts where the host one got more rows, at most "
-                 "--migrate-max-experts pairs per layer (no migration during decode)")
-      ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"id", "hot"}));
+                 "--migrate-max-experts pairs per layer (no migration during decode); layers = whole MoE layers' "
+                 "routed experts on the GPU, first layers first, while the budget lasts (the later layers' experts all "
+                 "in host memory, as llama.cpp's per-layer -ot overrides put them; no migration)")
+      ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"id", "hot", "layers"}));
   app.add_option("--migrate-max-experts", a.migrate_max_experts,
                  "CUDA path, --expert-placement hot: most expert swaps per MoE layer after the prefill")
       ->group(g_dev)->capture_default_str()->check(CLI::Range(0, 1 << 20));

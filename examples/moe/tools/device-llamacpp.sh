@@ -218,7 +218,7 @@ if [ -z "$LLAMA_BIN" ]; then
       timeout --kill-after=10 "$BUILD_CAP" bash -c '
         set -o pipefail
         cmake -S "$0" -B "$1" "${@:2}" -DGGML_CUDA='"$LLAMA_CUDA"' -DCMAKE_CUDA_ARCHITECTURES=90 \
-          -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF &&
+          -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF &&
         cmake --build "$1" -j'"$JOBS"' --target llama-bench llama-batched-bench' "$SRC" "$PEERS/build" "${gen[@]}"
       rc=$?; echo "rc $rc $(( $(date +%s) - s ))" > "$OUT/llamacpp_logs/build_llama.rc"; exit $rc
     ) > "$OUT/llamacpp_logs/build_llama.log" 2>&1 &

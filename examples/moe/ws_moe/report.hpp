@@ -236,6 +236,8 @@ inline void print_device(std::FILE* f, const generation_result& r) {
                     "%s H2D + %s D2H in %.3f s\n",
                  static_cast<long long>(d.migrations), d.migrate_max_experts, static_cast<long long>(d.migrations_skipped),
                  human_bytes(d.migrate_h2d_bytes).c_str(), human_bytes(d.migrate_d2h_bytes).c_str(), d.migrate_seconds);
+  else if (d.placement == "layers")
+    std::fprintf(f, "placement  layers (whole MoE layers' experts on the GPU, first layers first, no migration)\n");
   else
     std::fprintf(f, "placement  id (experts on the GPU by id, no migration)\n");
   std::fprintf(f, "           device share of routed rows: prefill %.1f%% of %lld; decode %.1f%% before migration -> "

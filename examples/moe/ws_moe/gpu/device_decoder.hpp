@@ -162,6 +162,12 @@ struct device_options {
   /// coldest device experts, at most migrate_max_experts pairs per layer and
   /// only where the host expert got more rows (migrate_hot_experts).
   bool hot_placement = false;
+  /// Layer-major placement (--expert-placement layers): the device takes whole
+  /// MoE layers' routed experts, first layers first, while the budget lasts
+  /// (at most one layer is split), so the layers after it have every routed
+  /// expert in host memory, as llama.cpp's per-tensor `-ot` overrides place
+  /// them. Default (false): expert-major, every layer's lowest ids first.
+  bool layer_major_placement = false;
   int migrate_max_experts = 8;
   /// Migration by re-reading the two experts from the weight source into
   /// their new places instead of swapping the loaded bytes: the same final
@@ -455,7 +461,7 @@ class device_decoder {
     res.device.batched_moe_passes = batched_passes_;
     res.device.batched_groups = batched_groups_;
     res.device.streamed_batched_passes = stream_batched_passes_;
-    res.device.placement = d_.hot_placement ? "hot" : "id";
+    res.device.placement = d_.hot_placement ? "hot" : d_.layer_major_placement ? "layers" : "id";
     res.device.router_zipf = d_.router_zipf;
     res.device.prefill_routed_rows = prefill_rows_total_;
     res.device.prefill_device_rows = prefill_rows_device_;
@@ -806,7 +812,9 @@ class device_decoder {
     int slots = 0;
     if (d_.stream_experts && fit < total) {
       for (int pass = 0; pass < 4; ++pass) {
-        const index_t host_per_layer = (total - fit + nl - 1) / nl;
+        // the most host experts one layer has under the placement order
+        const index_t host_per_layer =
+            d_.layer_major_placement ? std::min(E, total - fit) : (total - fit + nl - 1) / nl;
         index_t want = d_.expert_staging_bytes > 0 ? d_.expert_staging_bytes / eslab
                        : 2 * host_per_layer * eslab <= budget / 8
                            ? 2 * host_per_layer
@@ -829,24 +837,34 @@ class device_decoder {
     gpu::device_loader<Exec> ld(x_, *src_);
     index_t host_bytes = 0;
     std::vector<index_t> host_off(std::size_t(total), -1);  // [layer idx][expert]
+    // placement order: (MoE layer index, expert) pairs, the first `fit` on the
+    // device. Expert-major (default): expert 0 of every layer, then expert 1, ...
+    // Layer-major (--expert-placement layers): layer 0's experts, then layer 1's.
+    std::vector<std::pair<index_t, int>> order;
+    order.reserve(std::size_t(total));
+    if (d_.layer_major_placement)
+      for (index_t li = 0; li < nl; ++li)
+        for (index_t e = 0; e < E; ++e) order.emplace_back(li, int(e));
+    else
+      for (index_t e = 0; e < E; ++e)
+        for (index_t li = 0; li < nl; ++li) order.emplace_back(li, int(e));
     {
       index_t placed = 0;
-      for (index_t e = 0; e < E; ++e)
-        for (index_t li = 0; li < nl; ++li) {
-          if (placed < fit) {
-            ++placed;
-            continue;
-          }
-          host_off[std::size_t(li * E + e)] = host_bytes;
-          const index_t b = ld.host_expert_bytes(gpu::names_of_expert(c_, moe_layers[std::size_t(li)], int(e)), H, I);
-          if (slots > 0 && b > eslab)  // a staging slot holds one expert of the first expert's dtype
-            throw writescope::config_error("expert " + std::to_string(e) + " of layer " +
-                                           std::to_string(moe_layers[std::size_t(li)]) + " takes " +
-                                           writescope::format_bytes(b) + " in host memory, more than a staging slot (" +
-                                           writescope::format_bytes(eslab) +
-                                           "): the experts mix dtypes; use --stream-experts off");
-          host_bytes += b;
+      for (const auto& [li, e] : order) {
+        if (placed < fit) {
+          ++placed;
+          continue;
         }
+        host_off[std::size_t(li * E + e)] = host_bytes;
+        const index_t b = ld.host_expert_bytes(gpu::names_of_expert(c_, moe_layers[std::size_t(li)], int(e)), H, I);
+        if (slots > 0 && b > eslab)  // a staging slot holds one expert of the first expert's dtype
+          throw writescope::config_error("expert " + std::to_string(e) + " of layer " +
+                                         std::to_string(moe_layers[std::size_t(li)]) + " takes " +
+                                         writescope::format_bytes(b) + " in host memory, more than a staging slot (" +
+                                         writescope::format_bytes(eslab) +
+                                         "): the experts mix dtypes; use --stream-experts off");
+        host_bytes += b;
+      }
     }
     const double limit_gib = d_.max_host_expert_gib > 0 ? d_.max_host_expert_gib : 0.8 * d_.physical_memory_gib;
     if (limit_gib > 0 && double(host_bytes) > limit_gib * double(index_t{1} << 30))
@@ -860,21 +878,20 @@ class device_decoder {
       host_arena_pinned_ = slots > 0;
     }
     index_t placed = 0;
-    for (int e = 0; e < c_.num_experts; ++e)  // expert-major: every layer gets its first experts on the GPU
-      for (index_t li = 0; li < nl; ++li) {
-        const int l = moe_layers[std::size_t(li)];
-        gpu::dlayer& L = m_.layers[std::size_t(l)];
-        const gpu::expert_names n = gpu::names_of_expert(c_, l, e);
-        if (placed < fit) {
-          L.experts[std::size_t(e)] = ld.mlp(n, H, I);
-          ++placed;
-        } else {
-          L.on_host[std::size_t(e)] = 1;
-          L.host_experts[std::size_t(e)] = ld.host_mlp(n, H, I, host_arena_.data() + host_off[std::size_t(li * E + e)]);
-          rep.experts_host_bytes += L.host_experts[std::size_t(e)].bytes();
-          rep.host_experts[std::size_t(l)].push_back(e);
-        }
+    for (const auto& [li, e] : order) {
+      const int l = moe_layers[std::size_t(li)];
+      gpu::dlayer& L = m_.layers[std::size_t(l)];
+      const gpu::expert_names n = gpu::names_of_expert(c_, l, e);
+      if (placed < fit) {
+        L.experts[std::size_t(e)] = ld.mlp(n, H, I);
+        ++placed;
+      } else {
+        L.on_host[std::size_t(e)] = 1;
+        L.host_experts[std::size_t(e)] = ld.host_mlp(n, H, I, host_arena_.data() + host_off[std::size_t(li * E + e)]);
+        rep.experts_host_bytes += L.host_experts[std::size_t(e)].bytes();
+        rep.host_experts[std::size_t(l)].push_back(e);
       }
+    }
     rep.experts_total = int(total);
     rep.experts_gpu = int(placed);
     rep.experts_host = int(host_count);
