@@ -20,12 +20,11 @@
 #              ws_decode --max-gpu-experts 0;
 #        half: llama.cpp -ot 'blk\.(a|b|..)\.ffn_.*_exps\.=CPU' = the expert tensors of the
 #              last floor(M/2) of the M MoE layers; ws_decode --max-gpu-experts
-#              (M - floor(M/2)) x E. ws_decode places experts by id, layer by layer
-#              (device_decoder.hpp place_and_load_experts: expert 0 of every MoE layer,
-#              then expert 1, ...), so it CANNOT put the same layers' experts on the host:
-#              it keeps the same NUMBER of experts there (equal bytes: every routed expert
-#              of a model has the same shape), spread over all layers (the upper ids of
-#              each). With an odd M (DeepSeek-V2-Lite at 8 layers: 7 MoE layers, layer 0
+#              (M - floor(M/2)) x E with WS_HALF_PLACEMENT (default layers:
+#              --expert-placement layers, whole MoE layers' experts on the GPU, first
+#              layers first, so the same layers' experts are on the host on both sides;
+#              id: the same NUMBER of experts on the host, the upper ids of every layer).
+#              With an odd M (DeepSeek-V2-Lite at 8 layers: 7 MoE layers, layer 0
 #              dense) "half" is 3 of 7 layers' experts on both sides;
 #   4. the checkpoint and GGUF of a model are deleted before the next (64 GiB disk).
 # llama-bench's pp figure is pp2048 at depth 0 and its tg figure tg32 at depth 2048 (-d),
@@ -59,7 +58,8 @@
 # LLAMA_BIN (prebuilt llama.cpp bin folder: no llama.cpp build); WS_DECODE (default
 # BUILD_DIR/examples/moe/ws_decode; built when missing); BUILD_DIR (build-device); JOBS
 # (nproc); PYTHON (python3); EXTRA_WS, EXTRA_LLAMA (more arguments for every run of each);
-# SEED (0); KEEP=1 keeps the last model's checkpoint and GGUF.
+# SEED (0); WS_HALF_PLACEMENT (layers or id: ws_decode's --expert-placement in the half
+# placement); KEEP=1 keeps the last model's checkpoint and GGUF.
 # Output ($OUT): llamacpp.json (one array: every step and run with name, rc, seconds,
 # command and the parsed figures), llamacpp.txt (the table), llamacpp.log (the steps),
 # llamacpp_logs/NAME.log (each step's output), llamacpp_env.txt.
@@ -107,6 +107,7 @@ PYTHON=${PYTHON:-python3}
 EXTRA_WS=${EXTRA_WS:-}
 EXTRA_LLAMA=${EXTRA_LLAMA:-}
 SEED=${SEED:-0}
+WS_HALF_PLACEMENT=${WS_HALF_PLACEMENT:-layers}
 TGZ=${TGZ:-$root/.peers/llama.cpp-src.tgz}
 PEERS=${PEERS:-$root/build-peers}
 SRC=$PEERS/llama.cpp
@@ -299,7 +300,8 @@ EOF
       ot='exps=CPU'; gpu_arg=(--max-gpu-experts 0)
     else
       (( hl > 0 )) || { say "$m: $n MoE layers, no half placement"; continue; }
-      ot="blk\\.(${host_layers})\\.ffn_.*_exps\\.=CPU"; gpu_arg=(--max-gpu-experts "$gpu_half")
+      ot="blk\\.(${host_layers})\\.ffn_.*_exps\\.=CPU"
+      gpu_arg=(--max-gpu-experts "$gpu_half" --expert-placement "$WS_HALF_PLACEMENT")
     fi
     [ "$DEVICE" = host ] && gpu_arg=()
     say "$m.$pl: llama.cpp -ot '$ot'; ws_decode ${gpu_arg[*]:-(host path)} ($n MoE layers x $E experts)"
