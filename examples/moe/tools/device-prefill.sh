@@ -107,37 +107,40 @@ tmp=$(mktemp -d)
 t0=$(date +%s)
 : >"$OUT/prefill.log"
 results=()
+idx=0
 for name in $RUNS; do
+  idx=$((idx + 1))
+  key=$idx.$name  # the files of this run: a name given twice runs twice, each with its own summary
   kind=ws
   n=$name
   if [[ $n == hf.* ]]; then kind=hf; n=${n#hf.}; fi
   IFS=. read -r model shape variant <<<"$n"
   if ! cm=$(config_of "$model") || ! bs=$(shape_of "$model" "$shape") || ! va=$(variant_args "$model" "${variant:-}"); then
     echo "device-prefill: unknown run $name" >&2
-    results+=("$name|bad|0|unknown run name")
+    results+=("$name|bad|0|unknown run name|$key")
     continue
   fi
   read -r config layers <<<"$cm"
   read -r batch plen <<<"$bs"
   left=$(( BUDGET - ($(date +%s) - t0) ))
   if (( left < 20 )); then
-    results+=("$name|skipped|0|budget")
+    results+=("$name|skipped|0|budget|$key")
     continue
   fi
   if [ $kind = hf ]; then
     cap=$(( left < HF_CAP ? left : HF_CAP ))
-    cmd="$PYTHON $root/examples/moe/tools/hf_peer.py --config $cfg/$config --layers $layers --batch $batch --prompt-len $plen --new-tokens 2 --cache dynamic --json $tmp/$name.json"
+    cmd="$PYTHON $root/examples/moe/tools/hf_peer.py --config $cfg/$config --layers $layers --batch $batch --prompt-len $plen --new-tokens 2 --cache dynamic --json $tmp/$key.json"
   else
     cap=$(( left < RUN_CAP ? left : RUN_CAP ))
-    cmd="$WS_DECODE --device cuda --random-weights --config $cfg/$config --layers $layers --batch $batch --prompt-len $plen --max-new-tokens $NEW_TOKENS --policy roofline --no-progress $va $EXTRA --json $tmp/$name.json"
+    cmd="$WS_DECODE --device cuda --random-weights --config $cfg/$config --layers $layers --batch $batch --prompt-len $plen --max-new-tokens $NEW_TOKENS --policy roofline --no-progress $va $EXTRA --json $tmp/$key.json"
   fi
   s=$(date +%s)
   # shellcheck disable=SC2086  # the command string is a word list
-  timeout --kill-after=5 "$cap" $cmd >"$tmp/$name.out" 2>&1
+  timeout --kill-after=5 "$cap" $cmd >"$tmp/$key.out" 2>&1
   rc=$?
   e=$(( $(date +%s) - s ))
-  { echo "===== $name (rc $rc, ${e} s): $cmd"; cat "$tmp/$name.out"; } >>"$OUT/prefill.log"
-  results+=("$name|$rc|$e|")
+  { echo "===== $name (rc $rc, ${e} s): $cmd"; cat "$tmp/$key.out"; } >>"$OUT/prefill.log"
+  results+=("$name|$rc|$e||$key")
   echo "device-prefill: $name rc=$rc ${e}s"
 done
 
@@ -145,11 +148,11 @@ done
   echo "["
   first=1
   for r in "${results[@]}"; do
-    IFS='|' read -r name rc e why <<<"$r"
+    IFS='|' read -r name rc e why key <<<"$r"
     [ $first -eq 1 ] || echo ","
     first=0
     printf '{"name": "%s", "rc": "%s", "seconds": %s, "note": "%s", "summary": ' "$name" "$rc" "$e" "$why"
-    if { [ "$rc" = "0" ] || [[ "$name" == hf.* ]]; } && [ -s "$tmp/$name.json" ]; then cat "$tmp/$name.json"; else echo "null"; fi
+    if { [ "$rc" = "0" ] || [[ "$name" == hf.* ]]; } && [ -s "$tmp/$key.json" ]; then cat "$tmp/$key.json"; else echo "null"; fi
     echo "}"
   done
   echo "]"
