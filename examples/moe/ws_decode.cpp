@@ -94,6 +94,7 @@ struct cli {
   bool allow_long_context = false;
   double router_zipf = 0.0;
   std::string expert_placement = "id", migration = "swap";
+  std::string decode_routing = "host";
   int migrate_max_experts = 8;
   /// The options the user gave, by long name, with their values as typed
   /// (several uses joined by ','): an option acts or is refused (run()).
@@ -453,7 +454,8 @@ int run(cli& a) {
         "--prefill-chunk-tokens", "--prefill-attn-mib",    "--stream-experts",            "--stream-min-rows",
         "--expert-staging-mib", "--flash-prefill",         "--batched-prefill-experts",   "--kv-write-bounce-mib",
         "--cudnn-prefill",    "--no-warmup",               "--router-zipf",               "--expert-placement",
-        "--migrate-max-experts", "--migration",          "--prefill-expert-gemm",       "--prefill-expert-groups"};
+        "--migrate-max-experts", "--migration",          "--prefill-expert-gemm",       "--prefill-expert-groups",
+        "--decode-routing"};
     for (const char* opt : cuda_only)
       if (a.gave(opt))
         refuse(opt, "acts on the CUDA path only (--device cuda or emulated)",
@@ -486,6 +488,11 @@ int run(cli& a) {
       refuse("--router-zipf", "acts with --random-weights only (a synthetic bias of random routers)",
              a.given["--router-zipf"] + " with the checkpoint's routers");
   }
+  if (a.decode_routing == "device" && a.expert_placement == "hot")
+    refuse("--decode-routing", "device acts without --expert-placement hot (its counters need the rows on the host)",
+           "--expert-placement hot");
+  if (a.decode_routing == "device" && a.grouped_experts == "off")
+    refuse("--decode-routing", "device runs the grouped expert kernels", "--grouped-experts off");
   if (a.expert_placement != "hot")
     for (const char* opt : {"--migrate-max-experts", "--migration"})
       if (a.gave(opt)) refuse(opt, "acts with --expert-placement hot only", "--expert-placement " + a.expert_placement);
@@ -635,6 +642,7 @@ int run(cli& a) {
   dopt.grouped_experts = a.grouped_experts == "on";
   dopt.grouped_expert_max_rows = a.grouped_expert_max_rows;
   dopt.grouped_expert_min_active = a.grouped_expert_min_active;
+  dopt.decode_routing_on_device = a.decode_routing == "device";
   dopt.stream_experts = a.stream_experts == "on";
   dopt.stream_min_rows = a.stream_min_rows;
   dopt.expert_staging_bytes = writescope::index_t(a.expert_staging_mib * double(1 << 20));
@@ -753,6 +761,12 @@ int main(int argc, char** argv) {
                  "CUDA path: fewest device experts with rows for the grouped launches (below: per expert; Mixtral's 8 "
                  "wide experts run faster through cuBLAS)")
       ->group(g_dev)->capture_default_str()->check(CLI::Range(0, 4096));
+  app.add_option("--decode-routing", a.decode_routing,
+                 "CUDA path: host = each decode MoE layer downloads its routing and the host groups the rows; device = a "
+                 "decode layer with no host expert groups them on the device and runs the grouped launches from there "
+                 "(no routing download, no wait for the router) when the step has at most --grouped-expert-max-rows "
+                 "sequences and the experts are bf16; other layers and steps as host")
+      ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"host", "device"}));
   app.add_option("--stream-experts", a.stream_experts,
                  "CUDA path: on = prefill waves with at least --stream-min-rows routed rows per host expert run the host "
                  "experts on the GPU, their weights streamed from page-locked host memory through a staging ring inside "

@@ -155,6 +155,7 @@ struct device_report {
   /// down per MoE layer when few rows per expert) or why they run per expert.
   std::string expert_kernels;
   index_t grouped_moe_passes = 0;    ///< MoE layer passes through the grouped kernels
+  index_t device_routed_moe_passes = 0;  ///< decode MoE passes grouped on the device (--decode-routing device)
   index_t per_expert_moe_passes = 0; ///< MoE layer passes with one cuBLAS product per expert
   index_t batched_moe_passes = 0;    ///< prefill MoE layer passes through the batched GEMMs
   std::string prefill_expert_gemm;   ///< how those GEMMs were issued: "batched" or "grouped"

@@ -175,11 +175,12 @@ inline void print_device(std::FILE* f, const generation_result& r) {
   std::string groups;
   if (d.batched_moe_passes > 0 && d.prefill_expert_gemm == "batched")
     groups = ", " + d.prefill_expert_groups + " groups: " + std::to_string(d.batched_groups);
-  std::fprintf(f, "           device experts: %s; MoE layer passes %lld grouped, %lld per expert, %lld batched (prefill%s%s%s)\n",
+  std::fprintf(f, "           device experts: %s; MoE layer passes %lld grouped, %lld per expert, %lld batched (prefill%s%s%s)"
+                  "; %lld decode passes routed on the device\n",
                d.expert_kernels.c_str(), static_cast<long long>(d.grouped_moe_passes),
                static_cast<long long>(d.per_expert_moe_passes), static_cast<long long>(d.batched_moe_passes),
                d.batched_moe_passes > 0 ? ", GEMMs issued " : "", d.batched_moe_passes > 0 ? d.prefill_expert_gemm.c_str() : "",
-               groups.c_str());
+               groups.c_str(), static_cast<long long>(d.device_routed_moe_passes));
   if (d.experts_host > 0) {  // layers with the same host set, grouped
     for (std::size_t l = 0; l < d.host_experts.size();) {
       std::size_t m = l;
@@ -575,6 +576,7 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
                     {"prefill_expert_groups", d.prefill_expert_groups},
                     {"batched_groups", d.batched_groups},
                     {"grouped_passes", d.grouped_moe_passes},
+                    {"device_routed_passes", d.device_routed_moe_passes},
                     {"per_expert_passes", d.per_expert_moe_passes}};
   }
   j["tokens"] = r.tokens;

@@ -106,6 +106,15 @@ struct device_options {
   bool grouped_experts = true;
   int grouped_expert_max_rows = 32;
   int grouped_expert_min_active = 16;
+  /// Decode MoE layers without host experts group their routed rows on the
+  /// device (the prefill's sort, bounds and scatter kernels) and run the
+  /// grouped kernels from those device-side offsets: no routing download, no
+  /// host grouping, no wait for the router before the layer's expert work is
+  /// enqueued. Applies to a step of at most grouped_expert_max_rows sequences
+  /// with bf16 grouped tables and the device grouping's buffers (a batched
+  /// prefill), and not with hot placement (whose counters need the rows on
+  /// the host); elsewhere the host groups as before. Off by default.
+  bool decode_routing_on_device = false;
   /// Prefill waves whose routed rows per host expert average at least
   /// stream_min_rows run the host experts on the device: their bf16 weights
   /// (page-locked host arena) stream H2D through a ring of staging slots on a
@@ -455,6 +464,7 @@ class device_decoder {
     res.device.cpu_expert_seconds = cpu_expert_seconds_;
     res.device.cpu_expert_rows = cpu_expert_rows_;
     res.device.grouped_moe_passes = grouped_passes_;
+    res.device.device_routed_moe_passes = device_routed_passes_;
     res.device.prefill_expert_gemm = d_.grouped_prefill_gemm ? "grouped" : "batched";
     res.device.prefill_expert_groups = d_.fitted_expert_groups ? "fitted" : "ladder";
     res.device.per_expert_moe_passes = per_expert_passes_;
@@ -1181,6 +1191,7 @@ class device_decoder {
     cpu_expert_seconds_ = 0.0;
     cpu_expert_rows_ = 0;
     grouped_passes_ = per_expert_passes_ = batched_passes_ = batched_groups_ = stream_batched_passes_ = 0;
+    device_routed_passes_ = 0;
   }
 
   /// One untimed layer of the first prefill wave's shape on pseudo-random
@@ -1465,11 +1476,22 @@ class device_decoder {
       for (index_t i = layer_first_item_[std::size_t(l)]; i < layer_first_item_[std::size_t(l) + 1]; ++i)
         streamed_slot_[std::size_t(stream_items_[std::size_t(i)].expert)] = int(i % staging_slots_);
     }
-    if (!decode && batched_prefill_)
-      group_on_device(L, n);
-    else
-      group_on_host(L, n, decode);
-    count_rows(L, l);
+    device_routed_ = decode && device_routes_decode(L, n);
+    if (device_routed_) {
+      group_decode_on_device(n);
+      if (counting_ == counting::decode) {  // every routed row is a device row, under the placement at load too
+        decode_rows_total_ += n * k;
+        decode_rows_device_ += n * k;
+        decode_rows_device_initial_ += n * k;
+      }
+      ++device_routed_passes_;
+    } else {
+      if (!decode && batched_prefill_)
+        group_on_device(L, n);
+      else
+        group_on_host(L, n, decode);
+      count_rows(L, l);
+    }
     if (timed) moe_marks_.back()[1] = x_.mark();  // routed: the rows grouped by expert, the tables on the device
     moe_experts(L, l, n, decode, timed);
     if (ph_ != nullptr && !decode && batched_prefill_) ph_->moe_issue_seconds += seconds_since(moe_issue_from_);
@@ -1604,6 +1626,35 @@ class device_decoder {
     if (ph_ != nullptr) ph_->moe_tables_seconds += seconds_since(moe_issue_from_);
   }
 
+  /// Whether decode layer L groups its n sequences' routed rows on the device
+  /// (device_options::decode_routing_on_device): every routed expert of L on
+  /// the device, at most grouped_expert_max_rows rows per expert (n of them:
+  /// a token picks an expert once), the grouped tables and the device
+  /// grouping's buffers present.
+  [[nodiscard]] bool device_routes_decode(const gpu::dlayer& L, index_t n) const {
+    if (!d_.decode_routing_on_device || d_.hot_placement || !grouped_ok_ || sort_temp_ == nullptr) return false;
+    if (n > d_.grouped_expert_max_rows || n * c_.experts_per_tok > grouped_rows_cap_) return false;
+    for (const char h : L.on_host)
+      if (h) return false;
+    return true;
+  }
+
+  /// A decode step's grouping on the device: the (token, slot) pairs sorted by
+  /// expert (stable: tokens ascending inside an expert), the experts' row
+  /// bounds, and the gather and combine tables, with no padding (packed row p
+  /// is sorted pair p), so the bounds are the grouped kernels' row offsets.
+  /// Nothing is read back.
+  void group_decode_on_device(index_t n) {
+    const int E = c_.num_experts, k = c_.experts_per_tok;
+    const index_t nk = n * k;
+    x_.sort_pairs(reinterpret_cast<const unsigned*>(sel_e_), sort_keys_, pair_ids_, sort_pairs_, nk, sort_temp_,
+                  std::size_t(sort_temp_bytes_));
+    x_.run(gpu::expert_bounds_op{sort_keys_, nk, E, expert_first_}, nk + 1);
+    x_.run(gpu::scatter_rows_op{sort_keys_, sort_pairs_, expert_first_, expert_first_, sel_e_, sel_w_, k, route_dev_,
+                                route_dev_ + nk, reinterpret_cast<float*>(route_dev_ + 2 * nk)},
+           nk);
+  }
+
   /// The grouping on the host (decode steps, and prefills that are not batched).
   void group_on_host(const gpu::dlayer& L, index_t n, bool decode) {
     const int E = c_.num_experts, k = c_.experts_per_tok;
@@ -1707,11 +1758,11 @@ class device_decoder {
     const index_t H = c_.hidden_size;
     const index_t nk = n * k;
     const bool batched = !decode && batched_prefill_;
-    const index_t np = count_[std::size_t(E)];
+    const index_t np = device_routed_ ? nk : count_[std::size_t(E)];  // device-routed: unpadded
     const int* src_rows = route_dev_;
     const int* comb_rows = route_dev_ + np;
     const float* comb_w = reinterpret_cast<const float*>(route_dev_ + np + nk);
-    const int* offsets = route_dev_ + np + 2 * nk;
+    const int* offsets = device_routed_ ? expert_first_ : route_dev_ + np + 2 * nk;
     void* const* tables = reinterpret_cast<void* const*>(route_dev_ + table_at(np, nk, E));
     // A batched prefill gathers the packed rows straight to bf16 (x16_), the
     // GEMMs' input; the fp32 rows (xg_) only where a reader needs them: the
@@ -1731,7 +1782,7 @@ class device_decoder {
     // on the CPU: their input rows go to page-locked staging first ...
     index_t host_rows = 0;
     host_runs_.clear();
-    if (any_host_experts_ && !stream && !warming_)
+    if (any_host_experts_ && !stream && !warming_ && !device_routed_)
       for (int e = 0; e < E; ++e) {
         const index_t m = rows_[std::size_t(e)];
         if (m > 0 && L.on_host[std::size_t(e)]) {
@@ -1747,14 +1798,15 @@ class device_decoder {
     }
     // ... while the GPU runs its experts ...
     index_t most = 0;
-    int active = 0;  // device experts with rows
-    for (int e = 0; e < E; ++e) {
-      const index_t m = rows_[std::size_t(e)];
-      most = std::max(most, m);
-      active += m > 0 && !L.on_host[std::size_t(e)] ? 1 : 0;
-    }
-    if (decode && grouped_ok_ && nk <= grouped_rows_cap_ && most <= d_.grouped_expert_max_rows &&
-        active >= d_.grouped_expert_min_active) {
+    int active = 0;  // device experts with rows (host-grouped passes)
+    if (!device_routed_)
+      for (int e = 0; e < E; ++e) {
+        const index_t m = rows_[std::size_t(e)];
+        most = std::max(most, m);
+        active += m > 0 && !L.on_host[std::size_t(e)] ? 1 : 0;
+      }
+    if (device_routed_ || (decode && grouped_ok_ && nk <= grouped_rows_cap_ && most <= d_.grouped_expert_max_rows &&
+                           active >= d_.grouped_expert_min_active)) {
       // y [rows][out] = x [rows][in] · W_eᵀ per expert (with `up`: silu(x·W_eᵀ) * (x·U_eᵀ))
       auto products = [&](const void* const* w, const void* const* up, index_t out, index_t in, const float* x, float* y) {
         gpu::expert_gemv_params gp;
@@ -2445,6 +2497,8 @@ class device_decoder {
   std::vector<float> hw_, cw_;
   std::vector<int> route_host_;
   index_t grouped_passes_ = 0, per_expert_passes_ = 0;
+  index_t device_routed_passes_ = 0;  ///< decode MoE passes grouped on the device (decode_routing_on_device)
+  bool device_routed_ = false;        ///< the current MoE pass was grouped on the device
   std::vector<host_run> host_runs_;
   double* router_wait_ = nullptr;  ///< decode: the result's router wait, summed while a step runs
   /// prefill: the host-side times of the wave being issued (null outside prefill_wave's layer loop)
