@@ -302,6 +302,7 @@ class device_decoder {
 
     // ---- routed experts: device while the budget lasts, then host memory ----------
     place_and_load_experts(res.device);
+    check_decode_routing(B, res.device.expert_kernels);
     x_.sync();
     if (on_loaded) on_loaded();
     res.block_bytes = cache_->format().block_bytes();
@@ -1476,7 +1477,7 @@ class device_decoder {
       for (index_t i = layer_first_item_[std::size_t(l)]; i < layer_first_item_[std::size_t(l) + 1]; ++i)
         streamed_slot_[std::size_t(stream_items_[std::size_t(i)].expert)] = int(i % staging_slots_);
     }
-    device_routed_ = decode && device_routes_decode(L, n);
+    device_routed_ = decode && device_routes_decode(l, n);
     if (device_routed_) {
       group_decode_on_device(n);
       if (counting_ == counting::decode) {  // every routed row is a device row, under the placement at load too
@@ -1626,17 +1627,41 @@ class device_decoder {
     if (ph_ != nullptr) ph_->moe_tables_seconds += seconds_since(moe_issue_from_);
   }
 
-  /// Whether decode layer L groups its n sequences' routed rows on the device
-  /// (device_options::decode_routing_on_device): every routed expert of L on
-  /// the device, at most grouped_expert_max_rows rows per expert (n of them:
-  /// a token picks an expert once), the grouped tables and the device
-  /// grouping's buffers present.
-  [[nodiscard]] bool device_routes_decode(const gpu::dlayer& L, index_t n) const {
-    if (!d_.decode_routing_on_device || d_.hot_placement || !grouped_ok_ || sort_temp_ == nullptr) return false;
-    if (n > d_.grouped_expert_max_rows || n * c_.experts_per_tok > grouped_rows_cap_) return false;
-    for (const char h : L.on_host)
-      if (h) return false;
-    return true;
+  /// device_options::decode_routing_on_device at setup, after the placement:
+  /// it must be able to act, else config_error naming the reason (no hot
+  /// placement, at most grouped_expert_max_rows sequences, the grouped
+  /// kernels' tables built, the device grouping's buffers of a batched
+  /// prefill, and at least one MoE layer with every routed expert on the
+  /// device). Marks the layers it applies to (device_only_layer_).
+  void check_decode_routing(int batch, const std::string& expert_kernels) {
+    device_only_layer_.assign(std::size_t(c_.num_layers), 0);
+    if (!d_.decode_routing_on_device) return;
+    auto refuse = [](const std::string& why) {
+      throw writescope::config_error("decode routing on the device: " + why);
+    };
+    if (d_.hot_placement) refuse("not with hot placement (its counters need the routed rows on the host)");
+    if (batch > d_.grouped_expert_max_rows)
+      refuse("a batch of " + std::to_string(batch) + " sequences, more than the grouped kernels' " +
+             std::to_string(d_.grouped_expert_max_rows) + " rows per expert");
+    bool any = false;
+    for (int l = 0; l < c_.num_layers; ++l) {
+      const gpu::dlayer& L = m_.layers[std::size_t(l)];
+      if (!L.is_moe) continue;
+      const bool all_on_device = std::none_of(L.on_host.begin(), L.on_host.end(), [](char h) { return h != 0; });
+      device_only_layer_[std::size_t(l)] = all_on_device ? 1 : 0;
+      any = any || all_on_device;
+    }
+    if (!any) refuse("every MoE layer has routed experts in host memory");
+    if (sort_temp_ == nullptr) refuse("no batched prefill grouping (bf16 precision and bf16 experts needed)");
+    if (!grouped_ok_) refuse("the grouped expert kernels do not apply: " + expert_kernels);
+  }
+
+  /// Whether decode layer l groups its n sequences' routed rows on the device:
+  /// decode_routing_on_device passed check_decode_routing, every routed expert
+  /// of l is on the device, and n sequences fit the grouped kernels (a step
+  /// never has more than the batch that check_decode_routing accepted).
+  [[nodiscard]] bool device_routes_decode(int l, index_t n) const {
+    return device_only_layer_[std::size_t(l)] != 0 && n * c_.experts_per_tok <= grouped_rows_cap_;
   }
 
   /// A decode step's grouping on the device: the (token, slot) pairs sorted by
@@ -2499,6 +2524,7 @@ class device_decoder {
   index_t grouped_passes_ = 0, per_expert_passes_ = 0;
   index_t device_routed_passes_ = 0;  ///< decode MoE passes grouped on the device (decode_routing_on_device)
   bool device_routed_ = false;        ///< the current MoE pass was grouped on the device
+  std::vector<char> device_only_layer_;  ///< [layer] decode routing on the device applies (check_decode_routing)
   std::vector<host_run> host_runs_;
   double* router_wait_ = nullptr;  ///< decode: the result's router wait, summed while a step runs
   /// prefill: the host-side times of the wave being issued (null outside prefill_wave's layer loop)
