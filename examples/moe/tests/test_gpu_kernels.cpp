@@ -11,6 +11,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -142,4 +143,81 @@ TEST_CASE("launch_expert_gemv refuses an input width it cannot load in 16-byte p
   p.in = 16;
   p.x_stride = 18;  // rows not 16-byte aligned
   CHECK_THROWS_AS(gpu::launch_expert_gemv(p, nullptr), writescope::config_error);
+}
+
+// launch_route (one warp per row) against route_op run serially on the host
+// (which test_gpu_math pins to the host decoder's route_tokens): the same
+// experts in the same order, ties included (quantised logits), and weights
+// within 1e-7 (only the order of the double sum of exponentials differs).
+// Outputs start poisoned, so an unwritten slot fails.
+TEST_CASE("launch_route equals route_op for the three routers, 1 to 300 rows, ties included") {
+  struct shape {
+    const char* name;
+    int E, k, group_limited, n_group, topk_group, renorm, apply_scale;
+    float scale;
+  };
+  const shape shapes[] = {
+      {"Qwen3 128 top-8, renormalised", 128, 8, 0, 1, 1, 1, 0, 1.0f},
+      {"512 experts top-8 (the most route_op takes)", 512, 8, 0, 1, 1, 0, 0, 1.0f},
+      {"Mixtral 8 top-2", 8, 2, 0, 1, 1, 1, 0, 1.0f},
+      {"DeepSeek-V2-Lite 64 top-6, scaled", 64, 6, 0, 1, 1, 0, 1, 2.5f},
+      {"group-limited 160 in 8 groups, top-3 groups, top-6", 160, 6, 1, 8, 3, 0, 1, 16.0f},
+      {"33 experts top-5 (not a multiple of the warp)", 33, 5, 0, 1, 1, 1, 0, 1.0f},
+      {"top-k = all experts", 12, 12, 0, 1, 1, 1, 0, 1.0f},
+  };
+  for (const shape& s : shapes)
+    for (const int n : {1, 37, 300}) {
+      CAPTURE(s.name);
+      CAPTURE(n);
+      std::mt19937_64 rng(std::uint64_t(s.E * 1000 + n));
+      std::normal_distribution<float> d(0.0f, 1.5f);
+      std::vector<float> logits(std::size_t(n) * s.E);
+      for (float& v : logits) v = std::round(d(rng) * 4.0f) / 4.0f;  // many exact ties
+      for (int e = 0; e < s.E; e += 3) logits[std::size_t(e)] = logits[1];  // and a wide one in row 0
+      gpu::route_op r{};
+      r.E = s.E;
+      r.k = s.k;
+      r.group_limited = s.group_limited;
+      r.n_group = s.n_group;
+      r.topk_group = s.topk_group;
+      r.renorm = s.renorm;
+      r.apply_scale = s.apply_scale;
+      r.scale = s.scale;
+      std::vector<int> ref_e(std::size_t(n) * s.k, -3);
+      std::vector<float> ref_w(std::size_t(n) * s.k, -3.0f);
+      r.logits = logits.data();
+      r.experts = ref_e.data();
+      r.weights = ref_w.data();
+      for (idx t = 0; t < n; ++t) r(t);
+
+      device_array<float> dl(logits);
+      device_array<int> de(std::vector<int>(std::size_t(n) * s.k, -7));
+      device_array<float> dw(std::vector<float>(std::size_t(n) * s.k, std::nanf("")));
+      r.logits = dl.p;
+      r.experts = de.p;
+      r.weights = dw.p;
+      gpu::launch_route(r, n, nullptr);
+      WS_CUDA_TRY(cudaDeviceSynchronize());
+      CHECK(de.get() == ref_e);
+      const std::vector<float> w = dw.get();
+      double worst = 0.0;
+      for (std::size_t i = 0; i < w.size(); ++i) worst = std::max(worst, double(std::fabs(w[i] - ref_w[i])));
+      CHECK(worst <= 1e-7);  // NaN (an unwritten weight) fails too
+      CHECK(std::none_of(w.begin(), w.end(), [](float x) { return std::isnan(x); }));
+    }
+}
+
+TEST_CASE("launch_route refuses shapes the warp kernel cannot hold") {
+  gpu::route_op r{};
+  r.E = gpu::route_op::max_experts + 1;
+  r.k = 2;
+  CHECK_THROWS_AS(gpu::launch_route(r, 1, nullptr), writescope::config_error);
+  r.E = 16;
+  r.k = 17;  // more than the experts
+  CHECK_THROWS_AS(gpu::launch_route(r, 1, nullptr), writescope::config_error);
+  r.k = 2;
+  r.group_limited = 1;
+  r.n_group = 3;  // does not divide 16
+  r.topk_group = 1;
+  CHECK_THROWS_AS(gpu::launch_route(r, 1, nullptr), writescope::config_error);
 }

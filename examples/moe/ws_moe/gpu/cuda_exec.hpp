@@ -105,6 +105,7 @@ class cuda_exec {
     launch_elementwise(op, n, stream_.get());
   }
   void rms_norm(const rms_norm_params& p) { launch_rms_norm(p, stream_.get()); }
+  void route(const route_op& p, idx n) { launch_route(p, n, stream_.get()); }
   void causal_softmax(const softmax_params& p) { launch_causal_softmax(p, stream_.get()); }
   void expert_gemv(const expert_gemv_params& p) { launch_expert_gemv(p, stream_.get()); }
   /// Whether this build has the bf16-output prefill attention (cuDNN's fused

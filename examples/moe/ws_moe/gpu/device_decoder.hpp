@@ -1468,7 +1468,7 @@ class device_decoder {
     r.scale = float(c_.routed_scaling_factor);
     r.experts = sel_e_;
     r.weights = sel_w_;
-    x_.run(r, n);
+    x_.route(r, n);
     // Group the (token, slot) pairs by expert: on the device for a batched
     // prefill, else on the host.
     stream_batched_ = !decode && batched_prefill_ && streams_batched(L);

@@ -61,6 +61,8 @@ class emulated_exec {
     for (idx i = 0; i < n; ++i) op(i);
   }
 
+  void route(const route_op& p, idx n) { run(p, n); }
+
   void rms_norm(const rms_norm_params& p) {
 #pragma omp parallel for schedule(static)
     for (idx r = 0; r < p.rows; ++r) {

@@ -174,6 +174,103 @@ __global__ void __launch_bounds__(threads) expert_gemv_kernel(const expert_gemv_
   }
 }
 
+
+// The router's softmax + top-k (route_op's semantics), one warp per token row:
+// lane j holds experts j, j + 32, ... (at most route_op::max_experts / 32 each).
+// Max and the double sum of exponentials are warp reductions; every probability
+// is route_op::prob's formula; the k rounds each take the warp's largest
+// untaken probability, ties to the lower expert index, as route_op does. Only
+// the order of the double sum differs from the serial functor.
+constexpr int route_per_lane = route_op::max_experts / 32;
+
+__global__ void __launch_bounds__(threads) route_warp_kernel(const route_op p, idx n) {
+  __shared__ float gmax_shared[threads / 32][route_op::max_groups];
+  const int warp = int(threadIdx.x / 32);
+  const idx t = idx(blockIdx.x) * (threads / 32) + warp;
+  if (t >= n) return;
+  const int lane = int(threadIdx.x % 32);
+  const float* lg = p.logits + t * p.E;
+  float v[route_per_lane];
+  float m = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < route_per_lane; ++j) {
+    const int e = lane + 32 * j;
+    v[j] = e < p.E ? lg[e] : -INFINITY;
+    m = fmaxf(m, v[j]);
+  }
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  double sum = 0.0;
+#pragma unroll
+  for (int j = 0; j < route_per_lane; ++j)
+    if (lane + 32 * j < p.E) sum += exp(double(v[j]) - double(m));
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+#pragma unroll
+  for (int j = 0; j < route_per_lane; ++j)
+    if (lane + 32 * j < p.E) v[j] = float(exp(double(v[j]) - double(m)) / sum);  // route_op::prob
+  const int per = p.group_limited ? p.E / p.n_group : p.E;
+  unsigned long long kept_groups = ~0ull;
+  if (p.group_limited) {
+    for (int g = 0; g < p.n_group; ++g) {
+      float best = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < route_per_lane; ++j) {
+        const int e = lane + 32 * j;
+        if (e < p.E && e / per == g) best = fmaxf(best, v[j]);
+      }
+      for (int o = 16; o > 0; o >>= 1) best = fmaxf(best, __shfl_xor_sync(0xffffffffu, best, o));
+      if (lane == 0) gmax_shared[warp][g] = best;
+    }
+    __syncwarp();
+    if (lane == 0) {  // route_op's selection: stable descending, ties to the lower group
+      const float* gmax = gmax_shared[warp];
+      kept_groups = 0;
+      for (int r = 0; r < p.topk_group; ++r) {
+        int bg = -1;
+        for (int g = 0; g < p.n_group; ++g)
+          if (!((kept_groups >> g) & 1ull) && (bg < 0 || gmax[g] > gmax[bg])) bg = g;
+        kept_groups |= 1ull << bg;
+      }
+    }
+    kept_groups = __shfl_sync(0xffffffffu, kept_groups, 0);
+  }
+  unsigned taken = 0;  // bit j: expert lane + 32 j taken
+  float wsum = 0.0f;
+  for (int r = 0; r < p.k; ++r) {
+    float bv = -INFINITY;
+    int be = 0x7fffffff;
+#pragma unroll
+    for (int j = 0; j < route_per_lane; ++j) {
+      const int e = lane + 32 * j;
+      if (e >= p.E || ((taken >> j) & 1u)) continue;
+      const float x = ((kept_groups >> (e / per)) & 1ull) ? v[j] : 0.0f;
+      if (x > bv) {  // j ascending = e ascending within the lane: ties keep the lower index
+        bv = x;
+        be = e;
+      }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+      if (ov > bv || (ov == bv && oe < be)) {
+        bv = ov;
+        be = oe;
+      }
+    }
+    if ((be & 31) == lane) taken |= 1u << (be / 32);
+    if (lane == 0) {
+      p.experts[t * p.k + r] = be;
+      p.weights[t * p.k + r] = bv;
+    }
+    wsum += bv;
+  }
+  if (lane == 0)
+    for (int r = 0; r < p.k; ++r) {
+      float w = p.weights[t * p.k + r];
+      if (p.renorm) w /= wsum;
+      if (p.apply_scale) w *= p.scale;
+      p.weights[t * p.k + r] = w;
+    }
+}
 }  // namespace
 
 template <class Op>
@@ -217,6 +314,23 @@ void launch_expert_gemv(const expert_gemv_params& p, cudaStream_t stream) {
   WS_CUDA_CHECK_LAST();
 }
 
+void launch_route(const route_op& p, idx n, cudaStream_t stream) {
+  if (n <= 0) return;
+  if (p.E < 1 || p.E > route_op::max_experts || p.k < 1 || p.k > p.E)
+    throw writescope::config_error("route: " + std::to_string(p.E) + " experts, top-" + std::to_string(p.k) +
+                                   " (needs 1 <= k <= experts <= " + std::to_string(route_op::max_experts) + ")");
+  if (p.group_limited && (p.n_group < 1 || p.n_group > route_op::max_groups || p.E % p.n_group != 0 ||
+                          p.topk_group < 1 || p.topk_group > p.n_group))
+    throw writescope::config_error("route: group-limited routing over " + std::to_string(p.n_group) + " groups, top-" +
+                                   std::to_string(p.topk_group) + " groups, " + std::to_string(p.E) +
+                                   " experts (needs groups dividing the experts, at most " +
+                                   std::to_string(route_op::max_groups) + ")");
+  if (n > idx(0x7fffffff)) throw writescope::config_error("route: more than 2^31-1 rows in one launch");
+  const idx rows_per_cta = threads / 32;
+  route_warp_kernel<<<unsigned((n + rows_per_cta - 1) / rows_per_cta), threads, 0, stream>>>(p, n);
+  WS_CUDA_CHECK_LAST();
+}
+
 std::size_t sort_pairs_temp_bytes(idx n) {
   if (n > idx(0x7fffffff)) throw writescope::config_error("sort_pairs: more than 2^31-1 items");
   std::size_t bytes = 0;
@@ -254,7 +368,6 @@ template void launch_elementwise<gather_rows_bf16x4_op>(const gather_rows_bf16x4
 template void launch_elementwise<silu_mul_bf16x4_op>(const silu_mul_bf16x4_op&, idx, cudaStream_t);
 template void launch_elementwise<fill_op>(const fill_op&, idx, cudaStream_t);
 template void launch_elementwise<random_op>(const random_op&, idx, cudaStream_t);
-template void launch_elementwise<route_op>(const route_op&, idx, cudaStream_t);
 template void launch_elementwise<pack_q_op>(const pack_q_op&, idx, cudaStream_t);
 template void launch_elementwise<unpack_o_op>(const unpack_o_op&, idx, cudaStream_t);
 template void launch_elementwise<mla_prefill_kv_op>(const mla_prefill_kv_op&, idx, cudaStream_t);

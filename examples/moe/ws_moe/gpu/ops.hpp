@@ -24,6 +24,13 @@ void launch_elementwise(const Op& op, idx n, cudaStream_t stream);
 /// RMSNorm (double sum of squares): one warp per row up to 512 elements, one CTA per row above.
 void launch_rms_norm(const rms_norm_params& p, cudaStream_t stream);
 
+/// The router's softmax + top-k of n token rows (route_op's semantics; one warp
+/// per row; only the order of the double sum of exponentials differs from the
+/// serial functor). Throws config_error for more than route_op::max_experts
+/// experts, k outside [1, experts], or group-limited routing whose groups do not
+/// divide the experts or exceed route_op::max_groups.
+void launch_route(const route_op& p, idx n, cudaStream_t stream);
+
 /// Causal softmax of a prefill score block, one CTA per row.
 void launch_causal_softmax(const softmax_params& p, cudaStream_t stream);
 
