@@ -313,7 +313,7 @@ TEST_CASE("views: zero-copy block pointers agree with the format and with what w
         blk = b.region == placement::cpu_compute ? v.cpu_block(b.id) : v.pinned_block(b.id);
         r = int(t % 16);
       } else {
-        blk = v.window_slot(st.window_slot) + ((t - st.placed_tokens) / 16) * v.format.block_elems();
+        blk = v.window_region(st.window_slot).block((t - st.placed_tokens) / 16).data();
         r = int((t - st.placed_tokens) % 16);
       }
       for (int p = 0; p < 2; ++p)
@@ -322,8 +322,9 @@ TEST_CASE("views: zero-copy block pointers agree with the format and with what w
     }
   }
   // Layers live in different arenas.
-  CHECK(cache.views(0).cpu_arena.data() != cache.views(1).cpu_arena.data());
-  CHECK(cache.views(0).window_base != cache.views(1).window_base);
+  CHECK(cache.views(0).cpu.block(0).data() != cache.views(1).cpu.block(0).data());
+  CHECK(cache.views(0).window.block(0).data() != cache.views(1).window.block(0).data());
+  CHECK(cache.views(0).pinned.block(0).data() != cache.views(1).pinned.block(0).data());
   CHECK(cache.views(0).ping_pong.size() == 2);
   CHECK(cache.views(0).ping_pong_blocks == 6);
 }

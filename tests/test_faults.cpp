@@ -317,7 +317,7 @@ TEST_CASE("C7: byte offsets past 2^31 and 2^32 in the unpinned and pinned region
     const layer_views<G> v = cache->views(0);
     auto offset_bytes = [&](sequence_id id, std::size_t k) {
       const block_ref& br = cache->sequence(id).block_table[k];
-      const bf16* base = where == placement::cpu_compute ? v.cpu_arena.data() : v.pinned_slabs[0];
+      const bf16* base = where == placement::cpu_compute ? v.cpu_block(0) : v.pinned_block(0);
       const bf16* p = where == placement::cpu_compute ? v.cpu_block(br.id) : v.pinned_block(br.id);
       return index_t(p - base) * index_t(sizeof(bf16));
     };

@@ -169,7 +169,7 @@ void pull_matches_gather(const Layout& L, Policy pol, double scale, const Select
   // as left there by the other.
   auto poison_ping_pong = [&] {
     const layer_views<Layout> v = cache.views(0);
-    be.fill_device(reinterpret_cast<std::byte*>(v.ping_pong[0]),
+    be.fill_device(reinterpret_cast<std::byte*>(v.ping_pong.buffer(0).data()),
                    index_t(v.ping_pong.size()) * v.ping_pong_blocks * block_bytes, 0xffff);
   };
   index_t pulled = 0;
@@ -406,7 +406,7 @@ TEST_CASE("K4/C7: selections of blocks past 2^32 bytes in the unpinned and pinne
     const sequence_id b = d.add(6 * 256 + 5);            // past 4 GiB
     const std::vector<sequence_id> batch{a, b};
     const layer_views<G> v = cache->views(0);
-    const bf16* base = where == placement::cpu_compute ? v.cpu_arena.data() : v.pinned_slabs[0];
+    const bf16* base = where == placement::cpu_compute ? v.cpu_block(0) : v.pinned_block(0);
     step_runner<host_cache<G, scripted_policy>> r(d);
     top_k_selector sel = top_k_selector::ratio(0.4);
     for (int st = 0; st < 3; ++st) {
@@ -636,7 +636,7 @@ TEST_CASE("summaries: computed once per placed block (prefill, eviction), recomp
 TEST_CASE("stream_plan::build_sparse: all-ones masks give the dense plan; lists, order, chunking, gather flags") {
   constexpr index_t be = 8;  // fake block elements
   std::vector<bf16> arena(std::size_t(200) * be);
-  auto ptr = [&](block_id id) { return static_cast<const bf16*>(arena.data() + index_t(id) * be); };
+  auto ptr = [&](block_id id) { return pinned_span<const bf16>(arena.data() + index_t(id) * be, be); };
   std::mt19937 rng(5);
   std::vector<std::vector<block_id>> ids(5);
   block_id next = 0;
@@ -664,7 +664,7 @@ TEST_CASE("stream_plan::build_sparse: all-ones masks give the dense plan; lists,
     REQUIRE(sp.runs.size() == dense.runs.size());
     REQUIRE(sp.splits.size() == dense.splits.size());
     for (std::size_t k = 0; k < sp.runs.size(); ++k) {
-      CHECK(sp.runs[k].src == dense.runs[k].src);
+      CHECK(sp.runs[k].src.data() == dense.runs[k].src.data());
       CHECK(sp.runs[k].dst_block == dense.runs[k].dst_block);
       CHECK(sp.runs[k].num_blocks == dense.runs[k].num_blocks);
     }
@@ -690,7 +690,7 @@ TEST_CASE("stream_plan::build_sparse: all-ones masks give the dense plan; lists,
         for (index_t r = c.run_begin; r < c.run_end; ++r) {
           const stream_run& run = sp.runs[std::size_t(r)];
           shortest = std::min(shortest, run.num_blocks);
-          for (index_t k = 0; k < run.num_blocks; ++k) buf[std::size_t(run.dst_block + k)] = run.src + k * be;
+          for (index_t k = 0; k < run.num_blocks; ++k) buf[std::size_t(run.dst_block + k)] = run.src.data() + k * be;
         }
         CHECK(c.gathered == (shortest < direct));
         CHECK(c.list_end - c.list_begin <= 2 * hkv * 7);
@@ -716,7 +716,7 @@ TEST_CASE("stream_plan::build_sparse: all-ones masks give the dense plan; lists,
       for (std::size_t i = 0; i < ids.size(); ++i) {
         REQUIRE(seen[i].size() == part[i].size());
         for (std::size_t k = 0; k < part[i].size(); ++k) {
-          CHECK(seen[i][k].first == ptr(part[i][k].id));
+          CHECK(seen[i][k].first == ptr(part[i][k].id).data());
           CHECK(seen[i][k].second == part[i][k].kv_head_mask);
         }
       }

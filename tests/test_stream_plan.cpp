@@ -20,8 +20,8 @@ constexpr index_t block_elems = 8;  // small fake blocks in a fake pinned arena
 struct arena {
   std::vector<bf16> mem;
   explicit arena(int blocks) : mem(std::size_t(blocks) * block_elems) {}
-  const bf16* ptr(block_id id) const { return mem.data() + index_t(id) * block_elems; }
-  block_id id_of(const bf16* p) const { return block_id((p - mem.data()) / block_elems); }
+  pinned_span<const bf16> ptr(block_id id) const { return pinned_span<const bf16>(mem.data() + index_t(id) * block_elems, block_elems); }
+  block_id id_of(pinned_span<const bf16> p) const { return block_id((p.data() - mem.data()) / block_elems); }
 };
 
 stream_plan build(const arena& a, const std::vector<std::vector<block_id>>& seqs, index_t chunk_blocks, int split_blocks,
@@ -67,7 +67,8 @@ std::vector<std::vector<int>> check_plan(const arena& a, const stream_plan& p,
       // Maximal coalescing: two consecutive runs in a chunk are not mergeable.
       if (r > ch.run_begin) {
         const stream_run& prev = p.runs[std::size_t(r - 1)];
-        REQUIRE_FALSE((prev.src + prev.num_blocks * block_elems == run.src &&
+        REQUIRE(run.src.size() == run.num_blocks * block_elems);
+        REQUIRE_FALSE((prev.src.data() + prev.num_blocks * block_elems == run.src.data() &&
                        prev.dst_block + prev.num_blocks == run.dst_block));
       }
     }

@@ -22,6 +22,7 @@
 #include "layout.hpp"
 #include "memory_space.hpp"
 #include "partial_state.hpp"
+#include "region.hpp"
 #include "sparse_pipeline.hpp"
 #include "stream_plan.hpp"
 
@@ -30,9 +31,16 @@ namespace writescope {
 /// Opt-in tag: `using backend_concept = backend_tag;`.
 struct backend_tag {};
 
-/// Runtime tag of a copy/write destination. Regions are typed (memory_space);
-/// this tag only travels with lists of heterogeneous copies.
+/// Runtime tag of a copy/write destination. Regions are typed (region.hpp);
+/// this tag only travels with lists of heterogeneous copies, and is derived
+/// from the destination's space type (kind_of_space), never written by hand.
 enum class memory_kind : std::uint8_t { pageable_host, pinned_host, device };
+
+/// The memory_kind of memory space S.
+template <memory_space S>
+inline constexpr memory_kind kind_of_space = std::same_as<S, pageable_host_space> ? memory_kind::pageable_host
+                                             : std::same_as<S, pinned_host_space> ? memory_kind::pinned_host
+                                                                                  : memory_kind::device;
 
 /// KV of `num_tokens` tokens in token-major order, as a model produces it, in
 /// memory space Space (the backend's activation space).
@@ -51,27 +59,45 @@ struct kv_tokens {
 };
 
 /// Write input tokens [src_token, src_token + num_tokens) into rows
-/// [dst_token, dst_token + num_tokens) of the block at `dst`.
+/// [dst_token, dst_token + num_tokens) of the block at `dst` (in the space
+/// `dst_kind` names). Made by into(), from a block of a typed region.
 struct block_write {
   index_t src_token = 0;
   int num_tokens = 0;
   int dst_token = 0;
   bf16* dst = nullptr;
   memory_kind dst_kind = memory_kind::device;
+
+  /// A write into `block` (one block of a region in space S).
+  template <memory_space S>
+  [[nodiscard]] static constexpr block_write into(const mem_span<bf16, S>& block, index_t src_token, int num_tokens,
+                                                  int dst_token) noexcept {
+    return {src_token, num_tokens, dst_token, block.data(), kind_of_space<S>};
+  }
 };
 
-/// One eviction copy: `bytes` from device memory at `src` to host memory at `dst`.
+/// One eviction copy: `bytes` from device memory at `src` to host memory at
+/// `dst` (in the space `dst_kind` names). Made by evict(), device to host only.
 struct block_copy {
   const bf16* src = nullptr;
   bf16* dst = nullptr;
   index_t bytes = 0;
   memory_kind dst_kind = memory_kind::pageable_host;
+
+  /// Copies all of `src` (device) to the start of `dst` (a host region's blocks).
+  template <class T, memory_space S>
+    requires host_accessible_space<S>
+  [[nodiscard]] static constexpr block_copy evict(const mem_span<T, device_space>& src,
+                                                  const mem_span<bf16, S>& dst) noexcept {
+    return {src.data(), dst.data(), src.size() * index_t(sizeof(bf16)), kind_of_space<S>};
+  }
 };
 
-/// The D-window of one sequence of the batch: `slot` (device) holds
+/// The D-window of one sequence of the batch: `blocks` (device) are its slot's
 /// window_blocks blocks; the first `tokens` rows, in block order, are valid.
+template <kv_layout Layout>
 struct window_ref {
-  const bf16* slot = nullptr;
+  device_region<Layout> blocks{};
   int tokens = 0;
 };
 
@@ -92,8 +118,8 @@ struct gpu_step_args {
   mem_span<const float, ActSpace> q;          ///< [batch][Hq][q_dim], fp32
   const stream_plan* plan = nullptr;          ///< pinned blocks to stream (host memory); a sparse plan needs
                                               ///< the engine's reserve_sparse() first
-  std::span<const window_ref> windows;        ///< [batch] D-window of each sequence
-  std::span<bf16* const> ping_pong;           ///< device buffers, plan chunk c uses ping_pong[chunk.buffer]
+  std::span<const window_ref<Layout>> windows;  ///< [batch] D-window of each sequence
+  ping_pong_view<Layout> ping_pong;           ///< device buffers, plan chunk c uses buffer chunk.buffer
   bool poison_workspaces = false;             ///< fill partial workspaces with NaN first (tests)
 };
 

@@ -45,6 +45,7 @@
 #include "error.hpp"
 #include "host_memory.hpp"
 #include "partial_state.hpp"
+#include "region.hpp"
 #include "sparse_pipeline.hpp"
 #include "stream_plan.hpp"
 
@@ -268,38 +269,47 @@ class host_backend::gpu_engine {
     std::fill_n(streamed_o_.begin(), rows * V, 0.0f);
     std::fill_n(streamed_lse_.begin(), rows, empty_lse);
     const block_format<Layout>& f = a.format;
-    const index_t block_elems = f.block_elems();
     const float* q = a.q.data();
     std::vector<cpu::kv_segment>& segs = segs_;
     if (a.plan->sparse) {
       stream_sparse(a);
     } else {
       for (const stream_chunk& c : a.plan->chunks) {
-        bf16* buf = a.ping_pong[std::size_t(c.buffer)];
-        for (index_t r = c.run_begin; r < c.run_end; ++r) {  // "H2D" of the chunk
-          const stream_run& run = a.plan->runs[std::size_t(r)];
-          std::memcpy(buf + run.dst_block * block_elems, run.src,
-                      static_cast<std::size_t>(run.num_blocks * f.block_bytes()));
-        }
+        const device_region<Layout> buf = a.ping_pong.buffer_region(c.buffer);
+        copy_runs(*a.plan, c, buf);  // "H2D" of the chunk
         for (index_t s = c.split_begin; s < c.split_end; ++s) {  // "kernel" over the chunk
           const stream_split& sp = a.plan->splits[std::size_t(s)];
           segs.clear();
-          for (int b = 0; b < sp.num_blocks; ++b)
-            segs.push_back({buf + (sp.first_block + b) * block_elems, f.block_tokens});
+          for (int b = 0; b < sp.num_blocks; ++b) segs.push_back(emulated_segment(buf, sp.first_block + b, f.block_tokens));
           for (int kvh = 0; kvh < layout_.kv_heads(); ++kvh) attend_split(a, sp.batch_index, kvh, segs);
         }
       }
     }
     for (int i = 0; i < a.batch; ++i) {  // D-window "kernel"
-      const window_ref& w = a.windows[std::size_t(i)];
+      const window_ref<Layout>& w = a.windows[std::size_t(i)];
       segs.clear();
       for (int t0 = 0; t0 < w.tokens; t0 += f.block_tokens)
-        segs.push_back({w.slot + index_t(t0 / f.block_tokens) * block_elems, std::min(f.block_tokens, w.tokens - t0)});
+        segs.push_back(emulated_segment(w.blocks, t0 / f.block_tokens, std::min(f.block_tokens, w.tokens - t0)));
       for (int kvh = 0; kvh < layout_.kv_heads(); ++kvh) {
         const std::size_t row0 = std::size_t(i) * std::size_t(hq) + std::size_t(kvh) * group;
         Kernel::run(f, kvh, q + row0 * Layout::q_dim, Layout::q_dim, group, a.softmax_scale, segs, &window_o_[row0 * V],
                     V, &window_lse_[row0]);
       }
+    }
+  }
+
+  // The emulated device's memory is host memory (see the file comment): its
+  // blocks are read by the CPU kernel, the one crossing of spaces here.
+  static cpu::kv_segment emulated_segment(const device_region<Layout>& r, index_t id, int tokens) noexcept {
+    return {space_cast<pageable_host_space>(r.block(id)), tokens};
+  }
+
+  // Each run of chunk `c` to its place in `dst` (a ping-pong buffer or staging).
+  template <class Region>
+  static void copy_runs(const stream_plan& plan, const stream_chunk& c, const Region& dst) {
+    for (index_t r = c.run_begin; r < c.run_end; ++r) {
+      const stream_run& run = plan.runs[std::size_t(r)];
+      std::memcpy(dst.block(run.dst_block).data(), run.src.data(), static_cast<std::size_t>(run.src.size()) * sizeof(bf16));
     }
   }
 
@@ -323,37 +333,31 @@ class host_backend::gpu_engine {
   void stream_sparse(const args_type& a) {
     const int hkv = layout_.kv_heads();
     const block_format<Layout>& f = a.format;
-    const index_t block_elems = f.block_elems();
     const index_t block_bytes = f.block_bytes();
     const stream_plan& plan = *a.plan;
     std::vector<cpu::kv_segment>& segs = segs_;
     gather_stats gs;
     std::chrono::steady_clock::time_point g0{}, g1{};
-    // Each run's blocks to their place in `dst` (a ping-pong buffer, or staging).
-    auto copy_runs = [&](const stream_chunk& c, bf16* dst) {
-      for (index_t r = c.run_begin; r < c.run_end; ++r) {
-        const stream_run& run = plan.runs[std::size_t(r)];
-        std::memcpy(dst + run.dst_block * block_elems, run.src, static_cast<std::size_t>(run.num_blocks * block_bytes));
-      }
-    };
     for (const stream_chunk& c : plan.chunks) {
-      bf16* buf = a.ping_pong[std::size_t(c.buffer)];
+      const device_region<Layout> buf = a.ping_pong.buffer_region(c.buffer);
       if (c.gathered && device_pull_) {  // as the pull kernel writes them: the runs straight into ping-pong
-        copy_runs(c, buf);
+        copy_runs(plan, c, buf);
         gs.pulled_bytes += c.num_blocks * block_bytes;
         ++gs.pulled_chunks;
       } else if (c.gathered) {
         const auto t0 = std::chrono::steady_clock::now();
-        auto* st = reinterpret_cast<bf16*>(staging_[std::size_t(serial_ % 2)].data());
-        copy_runs(c, st);  // host gather into staging
+        const host_allocation& sa = staging_[std::size_t(serial_ % 2)];
+        const auto st = contiguous_region(f, host_span<bf16>(reinterpret_cast<bf16*>(sa.data()),
+                                                             sa.size_bytes() / index_t(sizeof(bf16))));
+        copy_runs(plan, c, st);  // host gather into staging
         const auto t1 = std::chrono::steady_clock::now();
         if (gs.gathered_chunks == 0) g0 = t0;
         g1 = t1;
         gs.bytes += c.num_blocks * block_bytes;
         ++gs.gathered_chunks;
-        std::memcpy(buf, st, static_cast<std::size_t>(c.num_blocks * block_bytes));  // one "H2D" copy
+        std::memcpy(buf.block(0).data(), st.block(0).data(), static_cast<std::size_t>(c.num_blocks * block_bytes));  // one "H2D" copy
       } else {
-        copy_runs(c, buf);  // direct: run by run from the pinned region
+        copy_runs(plan, c, buf);  // direct: run by run from the pinned region
         ++gs.direct_chunks;
       }
       ++serial_;
@@ -364,7 +368,7 @@ class host_backend::gpu_engine {
           const std::int32_t* lst = lists + sp.list_offset + index_t(kvh) * (sp.num_blocks + 1);
           segs.clear();
           for (int j = 0; j < lst[0]; ++j)
-            segs.push_back({buf + (sp.first_block + lst[1 + j]) * block_elems, f.block_tokens});
+            segs.push_back(emulated_segment(buf, sp.first_block + lst[1 + j], f.block_tokens));
           attend_split(a, sp.batch_index, kvh, segs);
         }
       }

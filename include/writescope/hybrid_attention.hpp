@@ -198,7 +198,7 @@ class hybrid_attention {
           const auto& pinned = v.sequences[std::size_t(seqs[std::size_t(i)])].pinned_blocks;
           return std::span<const block_id>(pinned.data(), pinned.size() - std::size_t(assist_blocks_[std::size_t(i)]));
         },
-        [&](block_id id) { return v.pinned_block(id); }, block_elems, v.ping_pong_blocks, spec.gpu_split_blocks,
+        [&](block_id id) { return v.pinned.block(id); }, block_elems, v.ping_pong_blocks, spec.gpu_split_blocks,
         int(v.ping_pong.size()), v.first_chunk_blocks);
     step_report rep;
     launch_cpu_merge(v, layer, seqs, q, scale, out, t_start, rep, [&] { build_cpu_tasks(v, seqs, rep); });
@@ -303,7 +303,7 @@ class hybrid_attention {
           return std::span<const sparse_block>(sel_pinned_.data() + b0,
                                                std::size_t(sel_pinned_begin_[std::size_t(i) + 1] - b0));
         },
-        [&](block_id id) { return v.pinned_block(id); }, block_elems, v.ping_pong_blocks, spec.gpu_split_blocks,
+        [&](block_id id) { return v.pinned.block(id); }, block_elems, v.ping_pong_blocks, spec.gpu_split_blocks,
         int(v.ping_pong.size()), hkv, direct_blocks, v.first_chunk_blocks);
     // 4-7. D-window, GPU launch, CPU side over the selected unpinned blocks,
     // merge, and the policy observes the selected volumes (A and B stay per
@@ -378,7 +378,7 @@ class hybrid_attention {
     windows_.resize(std::size_t(batch));
     for (int i = 0; i < batch; ++i) {
       const sequence_state& st = v.sequences[std::size_t(seqs[std::size_t(i)])];
-      windows_[std::size_t(i)] = {v.window_slot(st.window_slot), st.window_tokens[std::size_t(layer)]};
+      windows_[std::size_t(i)] = {v.window_region(st.window_slot), st.window_tokens[std::size_t(layer)]};
       rep.window_tokens += st.window_tokens[std::size_t(layer)];
     }
 
@@ -613,10 +613,10 @@ class hybrid_attention {
       segs.clear();
       if (task.pinned) {  // CPU assist: pinned blocks, read in place (the same block format)
         const block_id* ids = st.pinned_blocks.data() + task.first_block;
-        for (int b = 0; b < task.num_blocks; ++b) segs.push_back({v.pinned_block(ids[b]), v.format.block_tokens});
+        for (int b = 0; b < task.num_blocks; ++b) segs.push_back({v.pinned.block(ids[b]), v.format.block_tokens});
       } else {
         const block_id* ids = (sparse_tasks_ ? task_ids_.data() : st.cpu_blocks.data()) + task.first_block;
-        for (int b = 0; b < task.num_blocks; ++b) segs.push_back({v.cpu_block(ids[b]), v.format.block_tokens});
+        for (int b = 0; b < task.num_blocks; ++b) segs.push_back({v.cpu.block(ids[b]), v.format.block_tokens});
       }
       const std::size_t row0 = std::size_t(task.batch_index) * std::size_t(hq) + std::size_t(task.kv_head) * group;
       CpuKernel::run(v.format, task.kv_head, q + row0 * Q, Q, group, scale, segs,
@@ -697,7 +697,7 @@ class hybrid_attention {
   attention_options options_;
   engine_type engine_;
   stream_plan plan_;
-  std::vector<window_ref> windows_;
+  std::vector<window_ref<layout_type>> windows_;
   std::vector<cpu_task> tasks_;
   std::vector<int> head_task_begin_;
   std::unique_ptr<float[]> task_buf_;  // [capacity][group][v_dim] partials, then [capacity][group] LSEs

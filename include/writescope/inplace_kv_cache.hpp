@@ -40,6 +40,7 @@
 #include <cstring>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -53,6 +54,7 @@
 #include "memory_space.hpp"
 #include "partition_spec.hpp"
 #include "policy.hpp"
+#include "region.hpp"
 
 namespace writescope {
 
@@ -93,8 +95,9 @@ struct cache_options {
 /// Poison bf16 value (3e4) used by cache_options::poison.
 inline constexpr std::uint16_t poison_bf16_bits = bf16::from_float(3.0e4f).bits;
 
-/// Zero-copy views of one layer's regions (paper §4.3 `views`). Valid until
-/// the next mutating call on the cache.
+/// Zero-copy views of one layer's regions (paper §4.3 `views`), typed by
+/// memory space and storage (region.hpp). Valid until the next mutating call
+/// on the cache.
 template <kv_layout Layout>
 struct layer_views {
   int layer = 0;
@@ -102,26 +105,27 @@ struct layer_views {
   int window_blocks = 0;
   std::span<const sequence_state> sequences;  ///< indexed by sequence_id; check `live`
 
-  // Region arenas of this layer.
-  mem_span<const bf16, pageable_host_space> cpu_arena;  ///< [cpu_capacity_blocks] blocks
-  std::span<bf16* const> pinned_slabs;                  ///< pinned memory, slab k holds blocks [k*slab_blocks, ...)
-  index_t pinned_slab_blocks = 0;
-  index_t pinned_layer_stride_elems = 0;                ///< elements between layers inside a slab
-  bf16* window_base = nullptr;                          ///< device: this layer's D-window slots
-  std::span<bf16* const> ping_pong;                     ///< device buffers
-  index_t ping_pong_blocks = 0;                         ///< blocks per ping-pong buffer
-  index_t first_chunk_blocks = 0;                       ///< ramp start (partition_spec::first_chunk_bytes; 0: none)
+  // This layer's regions.
+  cpu_region<Layout> cpu;              ///< unpinned compute region (pageable host), block ids of cpu_blocks
+  pinned_region<Layout> pinned;        ///< pinned load region (page-locked slabs), block ids of pinned_blocks
+  device_region<Layout> window;        ///< D-window (device): slot s is blocks [s*window_blocks, (s+1)*window_blocks)
+  ping_pong_view<Layout> ping_pong;    ///< ping-pong buffers (device)
+  index_t ping_pong_blocks = 0;        ///< blocks per ping-pong buffer
+  index_t first_chunk_blocks = 0;      ///< ramp start (partition_spec::first_chunk_bytes; 0: none)
 
-  [[nodiscard]] const bf16* cpu_block(block_id id) const noexcept {
-    return cpu_arena.data() + index_t(id) * format.block_elems();
+  /// Host-readable start of unpinned block `id` / pinned block `id`.
+  [[nodiscard]] const bf16* cpu_block(block_id id) const noexcept { return cpu.block(id).data(); }
+  [[nodiscard]] const bf16* pinned_block(block_id id) const noexcept { return pinned.block(id).data(); }
+  /// Host-readable start of a placed block, in whichever host region it lives.
+  [[nodiscard]] const bf16* host_block(const block_ref& b) const noexcept {
+    return b.region == placement::cpu_compute ? cpu_block(b.id) : pinned_block(b.id);
   }
-  [[nodiscard]] const bf16* pinned_block(block_id id) const noexcept {
-    return pinned_slabs[std::size_t(id / pinned_slab_blocks)] + index_t(layer) * pinned_layer_stride_elems +
-           index_t(id % pinned_slab_blocks) * format.block_elems();
+  /// D-window slot `slot` as a region of window_blocks blocks (device).
+  [[nodiscard]] device_region<Layout> window_region(int slot) const noexcept {
+    return window.sub(index_t(slot) * window_blocks, window_blocks);
   }
-  [[nodiscard]] const bf16* window_slot(int slot) const noexcept {
-    return window_base + index_t(slot) * window_blocks * format.block_elems();
-  }
+  /// Start of D-window slot `slot` (device memory).
+  [[nodiscard]] const bf16* window_slot(int slot) const noexcept { return window_region(slot).block(0).data(); }
 };
 
 /// Occupancy of the regions, in blocks (per layer) and bytes (all layers).
@@ -193,8 +197,6 @@ class inplace_kv_cache {
     d_window_ = backend_->allocate_device(window_bytes, "D-window");
     pp_blocks_ = spec_.ping_pong_blocks(layout_);
     ping_pong_mem_ = backend_->allocate_device(pp_blocks_ * block_bytes * spec_.ping_pong_buffers, "ping-pong");
-    for (int b = 0; b < spec_.ping_pong_buffers; ++b)
-      ping_pong_.push_back(reinterpret_cast<bf16*>(ping_pong_mem_.data()) + index_t(b) * pp_blocks_ * format_.block_elems());
     // The free lists hold at most max_sequences entries each: reserved here,
     // after the regions (a refused region allocates none of it), so that
     // end_sequence() never allocates.
@@ -334,13 +336,13 @@ class inplace_kv_cache {
     const int bt = spec_.block_tokens;
     for (std::size_t j = 0; j < st.block_table.size(); ++j) {
       const block_ref& b = st.block_table[j];
-      writes_.push_back({index_t(j) * bt, bt, 0, block_ptr(layer, b), kind_of(b.region)});
+      writes_.push_back(placed_write(layer, b, index_t(j) * bt, bt));
     }
     const index_t rem = st.prompt_tokens - st.placed_tokens;
-    bf16* slot = window_slot_ptr(layer, st.window_slot);
+    const device_region<Layout> slot = slot_region(layer, st.window_slot);
     for (index_t t0 = 0; t0 < rem; t0 += bt)
-      writes_.push_back({st.placed_tokens + t0, int(std::min<index_t>(bt, rem - t0)), 0,
-                         slot + (t0 / bt) * format_.block_elems(), memory_kind::device});
+      writes_.push_back(
+          block_write::into(slot.block(t0 / bt), st.placed_tokens + t0, int(std::min<index_t>(bt, rem - t0)), 0));
     backend_->write_blocks(format_, kv, writes_);
     st.layer_ready[std::size_t(layer)] = 1;
     st.window_tokens[std::size_t(layer)] = int(rem);
@@ -386,13 +388,13 @@ class inplace_kv_cache {
       const index_t t0 = first_tokens[i];
       for (std::size_t j = 0; j < st.block_table.size(); ++j) {
         const block_ref& b = st.block_table[j];
-        writes_.push_back({t0 + index_t(j) * bt, bt, 0, block_ptr(layer, b), kind_of(b.region)});
+        writes_.push_back(placed_write(layer, b, t0 + index_t(j) * bt, bt));
       }
       const index_t rem = st.prompt_tokens - st.placed_tokens;
-      bf16* slot = window_slot_ptr(layer, st.window_slot);
+      const device_region<Layout> slot = slot_region(layer, st.window_slot);
       for (index_t w = 0; w < rem; w += bt)
-        writes_.push_back({t0 + st.placed_tokens + w, int(std::min<index_t>(bt, rem - w)), 0,
-                           slot + (w / bt) * format_.block_elems(), memory_kind::device});
+        writes_.push_back(block_write::into(slot.block(w / bt), t0 + st.placed_tokens + w,
+                                            int(std::min<index_t>(bt, rem - w)), 0));
     }
     backend_->write_blocks(format_, kv, writes_);
     for (const sequence_id id : seqs) {
@@ -422,9 +424,7 @@ class inplace_kv_cache {
         throw state_error("append: the D-window of sequence " + std::to_string(seqs[i]) + " in layer " +
                           std::to_string(layer) + " is full (" + std::to_string(w) +
                           " tokens); call flush() after the last layer of each step");
-      writes_.push_back({index_t(i), 1, w % bt,
-                         window_slot_ptr(layer, st.window_slot) + index_t(w / bt) * format_.block_elems(),
-                         memory_kind::device});
+      writes_.push_back(block_write::into(slot_region(layer, st.window_slot).block(w / bt), index_t(i), 1, w % bt));
     }
     backend_->write_blocks(format_, kv, writes_);
     for (sequence_id s : seqs) ++seqs_[std::size_t(s)].window_tokens[std::size_t(layer)];
@@ -486,7 +486,7 @@ class inplace_kv_cache {
       if (cpu_pool_.is_used(block_id(b))) continue;
       touched += block_bytes * spec_.num_layers;
       for (int l = 0; l < spec_.num_layers; ++l) {
-        volatile char* base = reinterpret_cast<volatile char*>(cpu_mem_.data()) + (index_t(l) * cap + b) * block_bytes;
+        volatile char* base = reinterpret_cast<volatile char*>(cpu_region_at(l).block(b).data());
         for (index_t o = 0; o < block_bytes; o += page) base[o] = 0;
         base[block_bytes - 1] = 0;  // a block that ends past a page boundary
       }
@@ -510,7 +510,6 @@ class inplace_kv_cache {
     std::vector<std::pair<sequence_id, sequence_state>> staged;
     index_t total = total_placed_tokens_;
     const int wb = spec_.window_blocks();
-    const index_t block_bytes = format_.block_bytes();
     // Stage (route + allocate), copy, then commit: every step that can throw
     // (policy, pools, pinned growth, std::bad_alloc, the backend's copies)
     // runs before the first change to a sequence (strong guarantee).
@@ -541,16 +540,20 @@ class inplace_kv_cache {
       for (auto& [id, c] : staged) {
         const sequence_state& st = seqs_[std::size_t(id)];
         for (int layer = 0; layer < spec_.num_layers; ++layer) {
-          const bf16* slot = window_slot_ptr(layer, st.window_slot);
+          const device_region<Layout> slot = slot_region(layer, st.window_slot);
+          const cpu_region<Layout> cpu = cpu_region_at(layer);
+          const pinned_region<Layout> pinned = pinned_region_at(layer);
           for (int k = 0; k < wb;) {  // coalesce destination runs of consecutive blocks
             const block_ref first = c.block_table[std::size_t(k)];
+            const bool to_cpu = first.region == placement::cpu_compute;
             int n = 1;
             while (k + n < wb && c.block_table[std::size_t(k + n)].region == first.region &&
-                   block_ptr(layer, c.block_table[std::size_t(k + n)]) ==
-                       block_ptr(layer, first) + index_t(n) * format_.block_elems())
+                   (to_cpu ? cpu.adjacent(c.block_table[std::size_t(k + n - 1)].id, c.block_table[std::size_t(k + n)].id)
+                           : pinned.adjacent(c.block_table[std::size_t(k + n - 1)].id,
+                                             c.block_table[std::size_t(k + n)].id)))
               ++n;
-            copies_.push_back({slot + index_t(k) * format_.block_elems(), block_ptr(layer, first), n * block_bytes,
-                               kind_of(first.region)});
+            copies_.push_back(to_cpu ? block_copy::evict(slot.blocks(k, n), cpu.blocks(first.id, n))
+                                     : block_copy::evict(slot.blocks(k, n), pinned.blocks(first.id, n)));
             k += n;
           }
         }
@@ -589,16 +592,11 @@ class inplace_kv_cache {
     v.format = format_;
     v.window_blocks = spec_.window_blocks();
     v.sequences = std::span<const sequence_state>(seqs_);
-    const index_t cap_cpu = spec_.cpu_capacity_blocks();
-    v.cpu_arena = mem_span<const bf16, pageable_host_space>(
-        reinterpret_cast<const bf16*>(cpu_mem_.data()) + index_t(layer) * cap_cpu * format_.block_elems(),
-        cap_cpu * format_.block_elems());
-    v.pinned_slabs = std::span<bf16* const>(pinned_slab_ptrs_);
-    v.pinned_slab_blocks = slab_blocks_;
-    v.pinned_layer_stride_elems = slab_blocks_ * format_.block_elems();
-    v.window_base = reinterpret_cast<bf16*>(d_window_.data()) +
-                    index_t(layer) * spec_.max_sequences * spec_.window_blocks() * format_.block_elems();
-    v.ping_pong = std::span<bf16* const>(ping_pong_);
+    v.cpu = cpu_region_at(layer);
+    v.pinned = pinned_region_at(layer);
+    v.window = window_region_at(layer);
+    v.ping_pong = {device_region<Layout>{format_, arena_storage{ping_pong_base(), 0}, 0}, spec_.ping_pong_buffers,
+                   pp_blocks_};
     v.ping_pong_blocks = pp_blocks_;
     v.first_chunk_blocks = spec_.first_chunk_blocks(layout_);
     return v;
@@ -664,32 +662,34 @@ class inplace_kv_cache {
     if (index_t(out.size()) < need)
       throw shape_error("read_token: out has " + std::to_string(out.size()) + " elements, needs " + std::to_string(need));
     const int bt = spec_.block_tokens;
-    const bf16* block;
-    int row;
-    bool on_device = false;
+    // Every (plane, head) row of the token: a host region's by memcpy, the
+    // D-window's through the backend.
+    auto copy_rows = [&](const auto& region, index_t id, int row) {
+      using space = typename std::remove_cvref_t<decltype(region)>::space_type;
+      for (int p = 0; p < Layout::planes; ++p)
+        for (int h = 0; h < layout_.kv_heads(); ++h) {
+          const auto src = region.row(id, p, h, row);
+          bf16* dst = out.data() + (index_t(p) * layout_.kv_heads() + h) * Layout::row_elems;
+          if constexpr (host_accessible_space<space>)
+            std::memcpy(dst, src.data(), sizeof(bf16) * Layout::row_elems);
+          else
+            backend_->copy_to_host_sync(dst, reinterpret_cast<const std::byte*>(src.data()),
+                                        Layout::row_elems * index_t(sizeof(bf16)));
+        }
+    };
     if (position < st.placed_tokens) {
+      // Host-region writes may land asynchronously (cuda_backend: D2H of
+      // evictions to pinned blocks); wait for them.
+      backend_->synchronize_host_writes();
       const block_ref& b = st.block_table[std::size_t(position / bt)];
-      block = const_cast<inplace_kv_cache*>(this)->block_ptr(layer, b);
-      row = int(position % bt);
+      if (b.region == placement::cpu_compute)
+        copy_rows(cpu_region_at(layer), b.id, int(position % bt));
+      else
+        copy_rows(pinned_region_at(layer), b.id, int(position % bt));
     } else {
       const index_t w = position - st.placed_tokens;
-      block = const_cast<inplace_kv_cache*>(this)->window_slot_ptr(layer, st.window_slot) +
-              (w / bt) * format_.block_elems();
-      row = int(w % bt);
-      on_device = true;
+      copy_rows(slot_region(layer, st.window_slot), w / bt, int(w % bt));
     }
-    // Host-region writes may land asynchronously (cuda_backend: D2H of
-    // evictions to pinned blocks); wait for them.
-    if (!on_device) backend_->synchronize_host_writes();
-    for (int p = 0; p < Layout::planes; ++p)
-      for (int h = 0; h < layout_.kv_heads(); ++h) {
-        const bf16* src = block + format_.offset(p, h, row, 0);
-        bf16* dst = out.data() + (index_t(p) * layout_.kv_heads() + h) * Layout::row_elems;
-        if (on_device)
-          backend_->copy_to_host_sync(dst, reinterpret_cast<const std::byte*>(src), Layout::row_elems * index_t(sizeof(bf16)));
-        else
-          std::memcpy(dst, src, sizeof(bf16) * Layout::row_elems);
-      }
   }
 
   /// Pins ahead: grows the pinned region until at least `blocks` are free
@@ -829,23 +829,34 @@ class inplace_kv_cache {
     }
   }
 
-  bf16* block_ptr(int layer, const block_ref& b) noexcept {
-    if (b.region == placement::cpu_compute)
-      return reinterpret_cast<bf16*>(cpu_mem_.data()) +
-             (index_t(layer) * spec_.cpu_capacity_blocks() + b.id) * format_.block_elems();
-    return pinned_slab_ptrs_[std::size_t(b.id / slab_blocks_)] +
-           (index_t(layer) * slab_blocks_ + b.id % slab_blocks_) * format_.block_elems();
+  // The regions of `layer` (region.hpp: the one block address computation).
+  [[nodiscard]] cpu_region<Layout> cpu_region_at(int layer) const noexcept {
+    return {format_, arena_storage{reinterpret_cast<bf16*>(cpu_mem_.data()),
+                                   spec_.cpu_capacity_blocks()},
+            layer};
   }
-
-  bf16* window_slot_ptr(int layer, int slot) noexcept {
-    return reinterpret_cast<bf16*>(d_window_.data()) +
-           (index_t(layer) * spec_.max_sequences + slot) * spec_.window_blocks() * format_.block_elems();
+  [[nodiscard]] pinned_region<Layout> pinned_region_at(int layer) const noexcept {
+    return {format_, slab_storage{pinned_slab_ptrs_.data(), index_t(pinned_slab_ptrs_.size()), slab_blocks_}, layer};
   }
-
-  static constexpr memory_kind kind_of(placement p) noexcept {
-    return p == placement::cpu_compute ? memory_kind::pageable_host : memory_kind::pinned_host;
+  [[nodiscard]] device_region<Layout> window_region_at(int layer) const noexcept {
+    return {format_,
+            arena_storage{reinterpret_cast<bf16*>(d_window_.data()),
+                          index_t(spec_.max_sequences) * spec_.window_blocks()},
+            layer};
   }
-
+  // D-window slot `slot` of `layer`: window_blocks blocks.
+  [[nodiscard]] device_region<Layout> slot_region(int layer, int slot) const noexcept {
+    return window_region_at(layer).sub(index_t(slot) * spec_.window_blocks(), spec_.window_blocks());
+  }
+  [[nodiscard]] bf16* ping_pong_base() const noexcept {
+    return reinterpret_cast<bf16*>(ping_pong_mem_.data());
+  }
+  // A write of input tokens into placed block `b` of `layer`, in its host region.
+  [[nodiscard]] block_write placed_write(int layer, const block_ref& b, index_t src_token, int tokens) const noexcept {
+    return b.region == placement::cpu_compute
+               ? block_write::into(cpu_region_at(layer).block(b.id), src_token, tokens, 0)
+               : block_write::into(pinned_region_at(layer).block(b.id), src_token, tokens, 0);
+  }
   Backend* backend_;
   Layout layout_;
   partition_spec spec_;
@@ -863,7 +874,6 @@ class inplace_kv_cache {
   std::vector<bf16*> pinned_slab_ptrs_;
   typename Backend::device_buffer d_window_;
   typename Backend::device_buffer ping_pong_mem_;
-  std::vector<bf16*> ping_pong_;
   index_t pp_blocks_ = 0;
 
   std::vector<sequence_state> seqs_;

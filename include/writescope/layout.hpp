@@ -181,13 +181,20 @@ struct block_format {
     return index_t{Layout::planes} * layout.kv_heads() * slice_elems();
   }
   [[nodiscard]] constexpr index_t block_bytes() const noexcept { return block_elems() * index_t{sizeof(bf16)}; }
+  /// Offset of element (plane, kv_head, token, elem) from the start of a block
+  /// of `kv_heads` heads and `block_tokens` rows: the in-block address formula,
+  /// for code that holds the two counts as values (the CUDA kernels).
+  [[nodiscard]] WS_HOST_DEVICE static constexpr index_t offset_in(int kv_heads, int block_tokens, int plane,
+                                                                  int kv_head, int token, int elem) noexcept {
+    return ((index_t{plane} * kv_heads + kv_head) * block_tokens + token) * Layout::row_elems + elem;
+  }
   /// Offset of element (plane, kv_head, token, elem) from the block's start.
   [[nodiscard]] constexpr index_t offset(int plane, int kv_head, int token, int elem) const noexcept {
-    return ((index_t{plane} * layout.kv_heads() + kv_head) * block_tokens + token) * Layout::row_elems + elem;
+    return offset_in(layout.kv_heads(), block_tokens, plane, kv_head, token, elem);
   }
   /// Offset of the first row of (plane, kv_head).
   [[nodiscard]] constexpr index_t slice_offset(int plane, int kv_head) const noexcept {
-    return (index_t{plane} * layout.kv_heads() + kv_head) * slice_elems();
+    return offset(plane, kv_head, 0, 0);
   }
 };
 

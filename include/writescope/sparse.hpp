@@ -140,7 +140,7 @@ class block_summary_store {
       auto one = [&](std::int64_t k) {
         const item& it = work_[std::size_t(k)];
         const block_ref& br = v.sequences[std::size_t(it.seq)].block_table[std::size_t(it.block)];
-        const bf16* blk = br.region == placement::cpu_compute ? v.cpu_block(br.id) : v.pinned_block(br.id);
+        const bf16* blk = v.host_block(br);
         for (int h = 0; h < hkv_; ++h)
           mean_key_summary(v.format, blk, h, const_cast<float*>(row(v.layer, br.region, br.id, h)));
       };
@@ -213,8 +213,7 @@ struct selection_input {
   [[nodiscard]] placement region(index_t b) const noexcept { return blocks[std::size_t(b)].region; }
   /// The block's KV itself (block format of layout.hpp), for selectors with their own scores.
   [[nodiscard]] const bf16* block_data(index_t b) const noexcept {
-    const block_ref& r = blocks[std::size_t(b)];
-    return r.region == placement::cpu_compute ? views->cpu_block(r.id) : views->pinned_block(r.id);
+    return views->host_block(blocks[std::size_t(b)]);
   }
 };
 

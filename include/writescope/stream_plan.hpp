@@ -44,10 +44,11 @@
 
 namespace writescope {
 
-/// One copy: `num_blocks` contiguous blocks from pinned memory at `src` to
-/// block `dst_block` of the chunk's ping-pong buffer.
+/// One copy: `num_blocks` contiguous blocks from the pinned load region (`src`,
+/// num_blocks blocks, page-locked host) to block `dst_block` of the chunk's
+/// ping-pong buffer.
 struct stream_run {
-  const bf16* src = nullptr;  ///< pinned host
+  pinned_span<const bf16> src{};
   index_t dst_block = 0;
   index_t num_blocks = 0;
 };
@@ -107,7 +108,8 @@ class stream_plan {
   /// builder (every pinned block, attended by every KV head, so no block lists
   /// and no chunk gathered). `blocks_of(i)` returns sequence i's pinned block
   /// ids (std::span<const block_id>, logical order); `block_ptr(id)` the
-  /// block's address in the pinned region. Requires 1 <= split_blocks <=
+  /// block in the pinned region (pinned_region::block: a pinned_span of
+  /// block_elems elements). Requires 1 <= split_blocks <=
   /// chunk_blocks and buffers >= 1. `first_chunk_blocks` > 0 ramps the chunk
   /// sizes: chunk k holds at most min(chunk_blocks, max(first_chunk_blocks,
   /// split_blocks) * 2^k) blocks (0: every chunk may fill a whole buffer).
@@ -157,6 +159,10 @@ class stream_plan {
     sparse = Lists;
     stream_chunk cur{};
     const bf16* run_end_ptr = nullptr;  // address right after the open run's last source block
+    auto extend = [&](stream_run& r) {  // one more block at the end of run r
+      ++r.num_blocks;
+      r.src = pinned_span<const bf16>(r.src.data(), r.src.size() + block_elems);
+    };
     auto close_chunk = [&] {
       if (cur.num_blocks == 0) return;
       cur.run_end = index_t(runs.size());
@@ -203,14 +209,15 @@ class stream_plan {
           splits.push_back({i, cur.num_blocks, nb});
         }
         for (int k = 0; k < nb; ++k) {
-          const bf16* src = block_ptr(entry_id(entries[std::size_t(b0 + k)]));
-          if (src == run_end_ptr && !runs.empty() && runs.back().dst_block + runs.back().num_blocks == cur.num_blocks) {
-            ++runs.back().num_blocks;
+          const pinned_span<const bf16> src = block_ptr(entry_id(entries[std::size_t(b0 + k)]));
+          if (src.data() == run_end_ptr && !runs.empty() &&
+              runs.back().dst_block + runs.back().num_blocks == cur.num_blocks) {
+            extend(runs.back());
           } else {
             runs.push_back({src, cur.num_blocks, 1});
           }
           max_run_blocks = std::max(max_run_blocks, runs.back().num_blocks);
-          run_end_ptr = src + block_elems;
+          run_end_ptr = src.data() + src.size();
           ++cur.num_blocks;
         }
         streamed_blocks += nb;

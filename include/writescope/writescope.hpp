@@ -22,5 +22,6 @@
 #include "partition_spec.hpp"
 #include "policy.hpp"
 #include "presets.hpp"
+#include "region.hpp"
 #include "sparse_pipeline.hpp"
 #include "stream_plan.hpp"

@@ -415,12 +415,12 @@ bool large_region_case(const Alloc& alloc, index_t bytes) {
 
   // A one-chunk, one-run, one-split plan; an empty D-window; an empty CPU side.
   stream_plan plan;
-  plan.runs.push_back({block, 0, 1});
+  plan.runs.push_back({pinned_span<const bf16>(block, fmt.block_elems()), 0, 1});
   plan.splits.push_back({0, 0, 1});
   plan.chunks.push_back({0, 0, 1, 0, 1, 1});
   cuda_backend::device_buffer pp = be.allocate_device(2 * fmt.block_bytes(), "ping-pong");
-  bf16* pp_ptrs[2] = {pp.as<bf16>(), pp.as<bf16>() + fmt.block_elems()};
-  const window_ref win{pp.as<bf16>(), 0};
+  const ping_pong_view<G> pp_view{contiguous_region(fmt, device_span<bf16>(pp.as<bf16>(), 2 * fmt.block_elems())), 2, 1};
+  const window_ref<G> win{pp_view.buffer_region(0), 0};
   cuda_backend::gpu_engine<G> eng(be, L, 1);
   std::vector<float> q(std::size_t(L.num_q_heads()) * G::q_dim);
   for (auto& x : q) x = src.next_float();
@@ -433,8 +433,8 @@ bool large_region_case(const Alloc& alloc, index_t bytes) {
   a.batch = 1;
   a.q = mem_span<const float, device_space>(dq, index_t(q.size()));
   a.plan = &plan;
-  a.windows = std::span<const window_ref>(&win, 1);
-  a.ping_pong = std::span<bf16* const>(pp_ptrs, 2);
+  a.windows = std::span<const window_ref<G>>(&win, 1);
+  a.ping_pong = pp_view;
   a.poison_workspaces = true;
   eng.launch(a);
   (void)eng.host_queries();

@@ -59,7 +59,7 @@ template <class Cache>
 struct manual_step {
   using layout_type = typename Cache::layout_type;
   stream_plan plan;
-  std::vector<window_ref> windows;
+  std::vector<window_ref<layout_type>> windows;
   typename Cache::backend_type::template gpu_engine<layout_type> engine;
 
   explicit manual_step(Cache& c) : engine(c.backend(), c.layout(), c.spec().max_sequences) {}
@@ -70,12 +70,12 @@ struct manual_step {
     plan.build(
         int(batch.size()),
         [&](int i) { return std::span<const block_id>(v.sequences[std::size_t(batch[std::size_t(i)])].pinned_blocks); },
-        [&](block_id id) { return v.pinned_block(id); }, v.format.block_elems(), v.ping_pong_blocks,
+        [&](block_id id) { return v.pinned.block(id); }, v.format.block_elems(), v.ping_pong_blocks,
         c.spec().gpu_split_blocks, int(v.ping_pong.size()));
     windows.clear();
     for (sequence_id s : batch) {
       const sequence_state& st = v.sequences[std::size_t(s)];
-      windows.push_back({v.window_slot(st.window_slot), st.window_tokens[std::size_t(layer)]});
+      windows.push_back({v.window_region(st.window_slot), st.window_tokens[std::size_t(layer)]});
     }
     gpu_step_args<layout_type, device_space> a;
     a.format = v.format;
@@ -421,7 +421,7 @@ std::pair<std::vector<float>, compare_result> launcher_step(bool launcher_on, bo
   CHECK(step.engine.launch_pending() == launcher_on);
   if (clobber) {
     step.plan = stream_plan{};
-    step.windows.assign(step.windows.size(), window_ref{nullptr, 0});
+    step.windows.assign(step.windows.size(), window_ref<G>{});
   }
   step.finish(int(batch.size()), hq, out, lse);
   CHECK_FALSE(step.engine.launch_pending());

@@ -47,7 +47,7 @@ struct dev_runner : step_runner<Cache> {
   /// fails to move a block then cannot read one left there by an earlier step.
   void poison_ping_pong() {
     const layer_views<layout_type> v = d.cache().views(0);
-    d.cache().backend().fill_device(reinterpret_cast<std::byte*>(v.ping_pong[0]),
+    d.cache().backend().fill_device(reinterpret_cast<std::byte*>(v.ping_pong.buffer(0).data()),
                                     index_t(v.ping_pong.size()) * v.ping_pong_blocks * v.format.block_bytes(), 0xffff);
   }
   /// Worst error of the last sparse step against the restricted reference.
@@ -327,7 +327,7 @@ TEST_CASE("device K4/C7: selected blocks past 2^32 bytes (unpinned region; pinne
     const sequence_id b = d.add(6 * 256 + 5);     // past 4 GiB
     const std::vector<sequence_id> batch{a, b};
     const layer_views<G> v = cache->views(0);
-    const bf16* base = where == placement::cpu_compute ? v.cpu_arena.data() : v.pinned_slabs[0];
+    const bf16* base = where == placement::cpu_compute ? v.cpu_block(0) : v.pinned_block(0);
     dev_runner<device_cache<G, scripted_policy, cuda_host_register>> r(d);
     top_k_selector sel = top_k_selector::ratio(0.4);
     for (int st = 0; st < 3; ++st) {
@@ -621,7 +621,10 @@ TEST_CASE("device: device_pull refuses a pulled source outside the page-locked r
   stream_plan plan;
   plan.build_sparse(
       1, [&](int) { return std::span<const sparse_block>(sel); },
-      [&](block_id id) { return static_cast<const bf16*>(pageable.data() + index_t(id) * cache.format().block_elems()); },
+      [&](block_id id) {  // pageable memory typed as pinned: the pull must refuse it
+        return pinned_span<const bf16>(pageable.data() + index_t(id) * cache.format().block_elems(),
+                                       cache.format().block_elems());
+      },
       cache.format().block_elems(), 4, 4, 2, L.kv_heads(), index_t{1} << 40);
   REQUIRE(plan.chunks.size() == 1);
   REQUIRE(plan.chunks[0].gathered);
@@ -646,7 +649,7 @@ TEST_CASE("device: a sparse plan without reserve_sparse is a state_error; the fi
     stream_plan plan;
     std::vector<sparse_block> none;
     plan.build_sparse(
-        1, [&](int) { return std::span<const sparse_block>(none); }, [&](block_id) { return static_cast<const bf16*>(nullptr); },
+        1, [&](int) { return std::span<const sparse_block>(none); }, [&](block_id) { return pinned_span<const bf16>(); },
         cache.format().block_elems(), 4, 4, 2, 4, 0);
     gpu_step_args<G, device_space> args;
     args.format = cache.format();

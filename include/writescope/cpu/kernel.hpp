@@ -30,10 +30,13 @@
 
 #include <concepts>
 #include <span>
+#include <type_traits>
 
 #include "../bf16.hpp"
 #include "../config.hpp"
 #include "../layout.hpp"
+#include "../memory_space.hpp"
+#include "../region.hpp"
 
 namespace writescope {
 
@@ -41,10 +44,20 @@ namespace cpu {
 
 /// One block (or the valid prefix of one) for the kernel: `block` points at the
 /// block's first element in the block format of layout.hpp; `tokens` in
-/// [0, block_tokens] rows of it are attended. Host-readable memory.
+/// [0, block_tokens] rows of it are attended. Host-readable memory: a segment
+/// is made from a block of a host-accessible region (region.hpp), and a device
+/// block does not convert (a compile error naming host_accessible_space), or
+/// from a raw pointer the caller states is host memory (kernel tests, benches).
 struct kv_segment {
   const bf16* block = nullptr;
   int tokens = 0;
+
+  constexpr kv_segment() noexcept = default;
+  constexpr kv_segment(const bf16* host_block, int num_tokens) noexcept : block(host_block), tokens(num_tokens) {}
+  template <class T, memory_space Space>
+    requires host_accessible_space<Space> && std::same_as<std::remove_const_t<T>, bf16>
+  constexpr kv_segment(const mem_span<T, Space>& host_block, int num_tokens) noexcept
+      : block(host_block.data()), tokens(num_tokens) {}
 };
 
 }  // namespace cpu

@@ -180,13 +180,13 @@ class dense_engine {
   void check_page_locked_sources(const args_type& a) const {
     if (!WS_DEBUG_CHECKS() || ctx_->debug.allow_pageable_sources) return;
     if (!a.plan->sparse) {
-      for (const stream_run& r : a.plan->runs) require_page_locked(r.src, r.num_blocks * a.format.block_bytes());
+      for (const stream_run& r : a.plan->runs) require_page_locked(r.src.data(), r.num_blocks * a.format.block_bytes());
     } else {  // only direct chunks DMA from the region; gathered ones from staging (page-locked) or,
               // pulled, are checked in every build (sparse_pipeline::validate)
       for (const stream_chunk& c : a.plan->chunks)
         for (index_t k = c.run_begin; k < c.run_end && !c.gathered; ++k) {
           const stream_run& r = a.plan->runs[std::size_t(k)];
-          require_page_locked(r.src, r.num_blocks * a.format.block_bytes());
+          require_page_locked(r.src.data(), r.num_blocks * a.format.block_bytes());
         }
     }
   }
@@ -238,10 +238,10 @@ class dense_engine {
   // split's block lists, else the dense one), each launch folded in order into
   // the streamed state; consumed[b] recorded after the last reader of the
   // buffer (and of its lists).
-  void attend_chunk(const args_type& a, const stream_chunk& c, bf16* buf, std::size_t b, const std::int32_t* lists,
+  void attend_chunk(const args_type& a, const stream_chunk& c, const device_region<Layout>& buf, std::size_t b,
+                    const std::int32_t* lists,
                     const switches& dbg) {
     const stream_plan& plan = *a.plan;
-    const index_t block_elems = a.format.block_elems();
     cudaStream_t comp = compute_.get();
     gpu::attend_params& ap = attend_;
     ap.block_lists = lists;
@@ -260,7 +260,7 @@ class dense_engine {
       for (index_t s = s0; s < s1; ++s) {
         const stream_split& sp = plan.splits[std::size_t(s)];
         const int local = int(s - s0);
-        ap.items[local] = {buf + sp.first_block * block_elems, sp.num_blocks * a.format.block_tokens,
+        ap.items[local] = {buf.block(sp.first_block).data(), sp.num_blocks * a.format.block_tokens,
                            sp.batch_index, local, lists != nullptr ? int(sp.list_offset) : 0};
         if (fp.num_segments > 0 && fp.segments[fp.num_segments - 1].batch_index == sp.batch_index)
           fp.segments[fp.num_segments - 1].split_end = local + 1;
@@ -287,8 +287,8 @@ class dense_engine {
       const int i1 = std::min(a.batch, i0 + gpu::max_attend_items);
       ap.num_items = i1 - i0;
       for (int i = i0; i < i1; ++i) {
-        const window_ref& w = a.windows[std::size_t(i)];
-        ap.items[i - i0] = {w.slot, w.tokens, i, i, 0};
+        const window_ref<Layout>& w = a.windows[std::size_t(i)];
+        ap.items[i - i0] = {w.blocks.block(0).data(), w.tokens, i, i, 0};
       }
       gpu::launch_attend<Layout>(ap, comp);
     }
@@ -415,14 +415,16 @@ class dense_engine {
     cudaStream_t comp = compute_.get();
     for (const stream_chunk& c : plan.chunks) {
       const auto b = std::size_t(c.buffer);
-      bf16* buf = abl.per_step_allocation ? step_buffers_[b] : a.ping_pong[b];
+      const device_region<Layout> buf = abl.per_step_allocation
+                                            ? contiguous_region(a.format, device_span<bf16>(step_buffers_[b], 0))
+                                            : a.ping_pong.buffer_region(int(b));
       if (!dbg.skip_consumed_wait) wait(h2d, consumed_[b]);  // WAR
       if (dbg.copy_delay_cycles > 0) gpu::launch_spin(dbg.copy_delay_cycles, h2d);
       for (index_t r = c.run_begin; r < c.run_end; ++r) {
         const stream_run& run = plan.runs[std::size_t(r)];
-        bf16* dst = buf + run.dst_block * block_elems;
-        Copy::for_each_piece(run.num_blocks * block_elems, block_elems, slice_elems, [&](index_t e, index_t n) {
-          copy_h2d(dst + e, run.src + e, n * index_t(sizeof(bf16)), h2d, dbg);
+        bf16* dst = buf.block(run.dst_block).data();
+        Copy::for_each_piece(run.src.size(), block_elems, slice_elems, [&](index_t e, index_t n) {
+          copy_h2d(dst + e, run.src.data() + e, n * index_t(sizeof(bf16)), h2d, dbg);
         });
       }
       record(filled_[b], h2d);
@@ -447,18 +449,16 @@ class dense_engine {
   }
 
   // The launcher thread: launch() posts steps 3-4 with copies of the plan, the
-  // window list and the ping-pong pointers (vector assignment keeps capacity:
+  // window list (vector assignment keeps capacity:
   // no allocation once warm); false (the caller enqueues them itself) when the
   // thread could not be started.
   bool post_launch(const args_type& a, const switches& dbg, const ablation& abl, int slot) {
     if (!launcher_.start(ctx_->device, [this] { run_posted(); })) return false;
     job_plan_ = *a.plan;
     job_windows_.assign(a.windows.begin(), a.windows.end());
-    job_ping_pong_.assign(a.ping_pong.begin(), a.ping_pong.end());
     job_args_ = a;
     job_args_.plan = &job_plan_;
     job_args_.windows = job_windows_;
-    job_args_.ping_pong = job_ping_pong_;
     job_dbg_ = dbg;
     job_abl_ = abl;
     job_slot_ = slot;
@@ -588,8 +588,7 @@ class dense_engine {
   // The launcher thread (set_launch_thread) and the posted job's copies
   launch_thread launcher_;
   stream_plan job_plan_;
-  std::vector<window_ref> job_windows_;
-  std::vector<bf16*> job_ping_pong_;
+  std::vector<window_ref<Layout>> job_windows_;
   args_type job_args_{};
   [[no_unique_address]] switches job_dbg_{};
   [[no_unique_address]] ablation job_abl_{};

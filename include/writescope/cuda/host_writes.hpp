@@ -129,14 +129,15 @@ class host_writes {
     const index_t n = index_t(host_dst_.size());
     ensure_staging(std::max(block_bytes, std::min(n * block_bytes, max_staging_bytes_ / block_bytes * block_bytes)));
     const index_t per_group = staging_.size_bytes() / block_bytes;
-    bf16* staging = staging_.as<bf16>();
+    const device_region<Layout> staging =  // block k: the image of the group's k-th destination
+        contiguous_region(fmt, device_span<bf16>(staging_.as<bf16>(), per_group * block_elems));
     bool pageable = false;
     std::vector<block_copy>& bounced = prefill_bounce_copies_;
     for (index_t g0 = 0; g0 < n; g0 += per_group) {
       bounced.clear();
       const index_t g1 = std::min(n, g0 + per_group);
       wait(ctx_->caller, staging_free_);  // WAR: earlier D2H out of the staging buffer
-      for (index_t j = g0; j < g1; ++j) push(writes[host_dst_[std::size_t(j)]], staging + (j - g0) * block_elems);
+      for (index_t j = g0; j < g1; ++j) push(writes[host_dst_[std::size_t(j)]], staging.block(j - g0).data());
       flush_scatter();
       record(staged_, ctx_->caller);
       wait(ctx_->d2h.get(), staged_);  // RAW: the scatter wrote the images
@@ -152,7 +153,7 @@ class host_writes {
       };
       for (index_t j = g0; j < g1;) {
         const block_write& w = writes[host_dst_[std::size_t(j)]];
-        const bf16* img = staging + (j - g0) * block_elems;
+        const bf16* img = staging.block(j - g0).data();
         pageable = pageable || w.dst_kind == memory_kind::pageable_host;
         const bool full = w.dst_token == 0 && w.num_tokens == fmt.block_tokens;
         if (full) {  // coalesce consecutive full destination blocks
@@ -167,11 +168,12 @@ class host_writes {
           copy_out(w.dst, img, run * block_bytes, w.dst_kind);
           j += run;
         } else {  // only the written rows of every (plane, head) slice
-          const index_t slice = fmt.slice_elems();
-          const index_t row0 = index_t(w.dst_token) * Layout::row_elems;
           const index_t len = index_t(w.num_tokens) * Layout::row_elems * index_t(sizeof(bf16));
-          for (index_t s = 0; s < index_t(Layout::planes) * fmt.layout.kv_heads(); ++s)
-            copy_out(w.dst + s * slice + row0, img + s * slice + row0, len, w.dst_kind);
+          for (int p = 0; p < Layout::planes; ++p)
+            for (int h = 0; h < fmt.layout.kv_heads(); ++h) {
+              const index_t at = fmt.offset(p, h, w.dst_token, 0);
+              copy_out(w.dst + at, img + at, len, w.dst_kind);
+            }
           ++j;
         }
       }

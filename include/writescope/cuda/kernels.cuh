@@ -195,9 +195,10 @@ __global__ void __launch_bounds__(256) attend_kernel(const __grid_constant__ att
     qs[g * C::R + e] = p.q[(qrow0 + g) * C::R + e] * p.scale;
   }
 
-  const index_t slice = index_t(bt) * C::R;
-  const auto* kbase = reinterpret_cast<const std::uint16_t*>(it.base) + (index_t(L::key_plane) * p.hkv + kvh) * slice;
-  const auto* vbase = reinterpret_cast<const std::uint16_t*>(it.base) + (index_t(L::value_plane) * p.hkv + kvh) * slice;
+  const auto* kbase =
+      reinterpret_cast<const std::uint16_t*>(it.base) + block_format<L>::offset_in(p.hkv, bt, L::key_plane, kvh, 0, 0);
+  const auto* vbase =
+      reinterpret_cast<const std::uint16_t*>(it.base) + block_format<L>::offset_in(p.hkv, bt, L::value_plane, kvh, 0, 0);
 
   float m[C::heads_per_warp];
   float l[C::heads_per_warp];
@@ -406,7 +407,7 @@ __global__ void __launch_bounds__(128) scatter_kernel(const __grid_constant__ sc
   const auto* src = reinterpret_cast<const std::uint16_t*>(p.planes[plane]) + it.src_token * p.token_stride +
                     index_t(h) * R;
   auto* dst = reinterpret_cast<std::uint16_t*>(it.dst) +
-              ((index_t(plane) * p.kv_heads + h) * p.block_tokens + it.dst_token) * R;
+              block_format<L>::offset_in(p.kv_heads, p.block_tokens, plane, h, it.dst_token, 0);
   const int n = it.num_tokens * RC;
   for (int i = int(threadIdx.x); i < n; i += int(blockDim.x)) {
     const int t = i / RC;

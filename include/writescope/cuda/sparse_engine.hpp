@@ -167,12 +167,12 @@ class sparse_pipeline {
         // The registry is asked once per registered span, not once per run.
         for (index_t k = c.run_begin; k < c.run_end; ++k) {
           const stream_run& r = a.plan->runs[std::size_t(k)];
-          const auto lo = reinterpret_cast<std::uintptr_t>(r.src);
+          const auto lo = reinterpret_cast<std::uintptr_t>(r.src.data());
           const auto hi = lo + static_cast<std::uintptr_t>(r.num_blocks * block_bytes);
-          if (lo < span.first || hi > span.second) span = pinned_registry::instance().covering_span(r.src);
+          if (lo < span.first || hi > span.second) span = pinned_registry::instance().covering_span(r.src.data());
           if (lo < span.first || hi > span.second) {
             char addr[32];
-            std::snprintf(addr, sizeof addr, "%p", static_cast<const void*>(r.src));
+            std::snprintf(addr, sizeof addr, "%p", static_cast<const void*>(r.src.data()));
             throw pinned_memory_error(
                 std::string("pinned memory: device pull of a run of ") + std::to_string(r.num_blocks) +
                 " blocks (" + format_bytes(r.num_blocks * block_bytes) + ") at " + addr +
@@ -198,7 +198,6 @@ class sparse_pipeline {
   // uploaded per chunk, and the listed attention kernel.
   void launch(engine_type& e, const args_type& a, const switches& dbg) {
     const stream_plan& plan = *a.plan;
-    const index_t block_elems = a.format.block_elems();
     const index_t block_bytes = a.format.block_bytes();
     cudaStream_t h2d = ctx_->h2d.get();
     cudaStream_t comp = e.compute();
@@ -239,7 +238,7 @@ class sparse_pipeline {
         gather_job& j = g.job;
         j.plan = &plan;
         j.first = first;
-        j.block_bytes = block_bytes;
+        j.format = a.format;
         for (int k = 0; k < 2; ++k) {
           j.staging[k] = staging_[k].data();
           j.lists[k] = reinterpret_cast<std::int32_t*>(lists_host_[k].data());
@@ -270,7 +269,7 @@ class sparse_pipeline {
         const std::uint64_t n = first + k;
         const auto slot = std::size_t(n & 1u);
         const auto b = std::size_t(c.buffer);
-        bf16* buf = a.ping_pong[b];
+        const device_region<Layout> buf = a.ping_pong.buffer_region(int(b));
         std::int32_t* dev_lists = lists_dev_.as<std::int32_t>() + index_t(b) * list_cap_;
         const bool pulled = pull && c.gathered;
         auto gate = [&] {  // RAW: every gather thread finished chunk n (its blocks, if it gathers, and lists)
@@ -283,17 +282,18 @@ class sparse_pipeline {
           pull_src_.resize(std::size_t(c.num_blocks));  // capacity reserved: no allocation
           for (index_t r = c.run_begin; r < c.run_end; ++r) {
             const stream_run& run = plan.runs[std::size_t(r)];
-            for (index_t i = 0; i < run.num_blocks; ++i)
-              pull_src_[std::size_t(run.dst_block + i)] = run.src + i * block_elems;
+            const auto src = contiguous_region(a.format, run.src);
+            for (index_t i = 0; i < run.num_blocks; ++i) pull_src_[std::size_t(run.dst_block + i)] = src.block(i).data();
           }
-          gpu::launch_pull_blocks(pull_src_.data(), c.num_blocks, buf, block_bytes, pull_ctas_, h2d);
+          gpu::launch_pull_blocks(pull_src_.data(), c.num_blocks, buf.block(0).data(), block_bytes, pull_ctas_, h2d);
           gate();  // only the lists need the gather threads: the pull does not wait for them
         } else if (c.gathered) {
-          engine_type::copy_h2d(buf, reinterpret_cast<const bf16*>(staging_[slot].data()), c.num_blocks * block_bytes, h2d, dbg);
+          engine_type::copy_h2d(buf.block(0).data(), reinterpret_cast<const bf16*>(staging_[slot].data()),
+                                c.num_blocks * block_bytes, h2d, dbg);
         } else {
           for (index_t r = c.run_begin; r < c.run_end; ++r) {
             const stream_run& run = plan.runs[std::size_t(r)];
-            engine_type::copy_h2d(buf + run.dst_block * block_elems, run.src, run.num_blocks * block_bytes, h2d, dbg);
+            engine_type::copy_h2d(buf.block(run.dst_block).data(), run.src.data(), run.num_blocks * block_bytes, h2d, dbg);
           }
         }
         const index_t list_ints = c.list_end - c.list_begin;
@@ -353,12 +353,17 @@ class sparse_pipeline {
   struct gather_job {
     const stream_plan* plan = nullptr;
     std::uint64_t first = 0;  ///< serial number of the plan's first chunk
-    index_t block_bytes = 0;
-    std::byte* staging[2] = {nullptr, nullptr};
+    block_format<Layout> format{};
+    std::byte* staging[2] = {nullptr, nullptr};  ///< page-locked; chunk n gathers into staging[n % 2]
     std::int32_t* lists[2] = {nullptr, nullptr};
     bool pull = false;  ///< gathered chunks are pulled by the device: write their block lists only
     bool skip_staging_wait = false;
     long long delay_us = 0;
+
+    /// Staging buffer k as a region (block j of a chunk gathers into block j).
+    [[nodiscard]] region_view<Layout, pinned_host_space, arena_storage> staging_region(std::size_t k) const noexcept {
+      return {format, arena_storage{reinterpret_cast<bf16*>(staging[k]), 0}, 0};
+    }
   };
 
   /// State shared by the launching thread and the gather threads (one mutex;
@@ -464,9 +469,9 @@ class sparse_pipeline {
             if (run.dst_block >= hi) break;  // runs are in destination order
             const index_t b0 = std::max(lo, run.dst_block), b1 = std::min(hi, run.dst_block + run.num_blocks);
             if (b0 < b1)  // non-temporal: only the DMA engine reads staging next
-              detail::stream_copy(job.staging[slot] + b0 * job.block_bytes,
-                                  reinterpret_cast<const std::byte*>(run.src) + (b0 - run.dst_block) * job.block_bytes,
-                                  static_cast<std::size_t>((b1 - b0) * job.block_bytes));
+              detail::stream_copy(job.staging_region(slot).block(b0).data(),
+                                  contiguous_region(job.format, run.src).block(b0 - run.dst_block).data(),
+                                  static_cast<std::size_t>((b1 - b0) * job.format.block_bytes()));
           }
           detail::stream_copy_fence();  // before progress[j] publishes the chunk
           if (t_first < 0.0) t_first = t0;
