@@ -94,7 +94,7 @@ struct cli {
   bool allow_long_context = false;
   double router_zipf = 0.0;
   std::string expert_placement = "id", migration = "swap";
-  std::string decode_routing = "host";
+  std::string decode_routing = "auto";
   int migrate_max_experts = 8;
   /// The options the user gave, by long name, with their values as typed
   /// (several uses joined by ','): an option acts or is refused (run()).
@@ -592,9 +592,16 @@ int run(cli& a) {
 
   // Roofline costs at init: the calibration file's entry for this model's
   // attention geometry and batch, or the bandwidth priors (roofline_init.hpp).
+  // On a GPU the CPU side of a layer's step has a fixed cost the bandwidth
+  // prior leaves out: the query's download, the thread team's wake-up, the
+  // partial's upload and the merge (about 100-150 us per layer measured at
+  // batch 1, docs/DECISIONS-DECODERS.md); its prior C_CPU is 100 us there
+  // unless --cpu-fixed-us says otherwise (eq. 2's fixed-cost term then keeps
+  // short contexts on the GPU). 0 on the host and emulated backends.
+  const double cpu_fixed_us = a.gave("--cpu-fixed-us") ? a.cpu_fixed_us : kind == device_kind::cuda ? 100.0 : 0.0;
   const roofline_origin costs =
       a.calibration.empty()
-          ? roofline_from_defaults(c, a.cpu_bw_gbps, a.h2d_bw_gbps, a.cpu_fixed_us, a.gpu_fixed_us, a.track_gpu_cost)
+          ? roofline_from_defaults(c, a.cpu_bw_gbps, a.h2d_bw_gbps, cpu_fixed_us, a.gpu_fixed_us, a.track_gpu_cost)
           : roofline_from_calibration(writescope::load_calibration(a.calibration), a.calibration, c,
                                       int(prompts.size()), o.threads, a.calibration_preset, a.track_gpu_cost,
                                       o.kv.block_tokens, o.kv.gpu_split_blocks);
@@ -642,7 +649,9 @@ int run(cli& a) {
   dopt.grouped_experts = a.grouped_experts == "on";
   dopt.grouped_expert_max_rows = a.grouped_expert_max_rows;
   dopt.grouped_expert_min_active = a.grouped_expert_min_active;
-  dopt.decode_routing_on_device = a.decode_routing == "device";
+  dopt.decode_routing = a.decode_routing == "device" ? decode_routing_mode::device
+                        : a.decode_routing == "host" ? decode_routing_mode::host
+                                                     : decode_routing_mode::automatic;
   dopt.stream_experts = a.stream_experts == "on";
   dopt.stream_min_rows = a.stream_min_rows;
   dopt.expert_staging_bytes = writescope::index_t(a.expert_staging_mib * double(1 << 20));
@@ -764,9 +773,10 @@ int main(int argc, char** argv) {
   app.add_option("--decode-routing", a.decode_routing,
                  "CUDA path: host = each decode MoE layer downloads its routing and the host groups the rows; device = a "
                  "decode layer with no host expert groups them on the device and runs the grouped launches from there "
-                 "(no routing download, no wait for the router) when the step has at most --grouped-expert-max-rows "
-                 "sequences and the experts are bf16; other layers and steps as host")
-      ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"host", "device"}));
+                 "(no routing download, no wait for the router) when the batch is at most --grouped-expert-max-rows "
+                 "sequences and the experts are bf16, other layers as host; refused where it cannot act; auto = device "
+                 "where it applies, host elsewhere")
+      ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"auto", "host", "device"}));
   app.add_option("--stream-experts", a.stream_experts,
                  "CUDA path: on = prefill waves with at least --stream-min-rows routed rows per host expert run the host "
                  "experts on the GPU, their weights streamed from page-locked host memory through a staging ring inside "
@@ -906,7 +916,8 @@ int main(int argc, char** argv) {
       ->group(g_kv)->capture_default_str()->excludes(o_cal);
   app.add_option("--h2d-bw-gbps", a.h2d_bw_gbps, "roofline B: KV bytes/token / this (without --calibration)")
       ->group(g_kv)->capture_default_str()->excludes(o_cal);
-  app.add_option("--cpu-fixed-us", a.cpu_fixed_us, "roofline C_CPU, per step (without --calibration)")->group(g_kv)->excludes(o_cal);
+  app.add_option("--cpu-fixed-us", a.cpu_fixed_us,
+                 "roofline C_CPU, per step and layer (without --calibration; default 100 with --device cuda, else 0)")->group(g_kv)->excludes(o_cal);
   app.add_option("--gpu-fixed-us", a.gpu_fixed_us, "roofline C_GPU, per step (without --calibration)")->group(g_kv)->excludes(o_cal);
   app.add_flag("--track-gpu-cost", a.track_gpu_cost, "re-measure B online too")->group(g_kv);
   app.add_option("--cpu-assist", a.cpu_assist,

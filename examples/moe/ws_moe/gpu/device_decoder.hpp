@@ -80,6 +80,9 @@
 namespace ws_moe {
 
 /// Options of the CUDA path (ws_decode --device cuda|emulated).
+/// Where a decode MoE layer groups its routed rows (device_options::decode_routing).
+enum class decode_routing_mode { host, device, automatic };
+
 struct device_options {
   gpu::wtype precision = gpu::wtype::bf16;  ///< GEMM input type
   index_t vram_budget_bytes = 0;            ///< device memory for everything; 0 = free at start - 1 GiB
@@ -113,8 +116,13 @@ struct device_options {
   /// enqueued. Applies to a step of at most grouped_expert_max_rows sequences
   /// with bf16 grouped tables and the device grouping's buffers (a batched
   /// prefill), and not with hot placement (whose counters need the rows on
-  /// the host); elsewhere the host groups as before. Off by default.
-  bool decode_routing_on_device = false;
+  /// the host); elsewhere the host groups as before. `automatic` (the
+  /// default) does this wherever it applies and the experts are narrow (one
+  /// matrix at most auto_routing_max_matrix_bytes: Qwen3, DeepSeek-V2-Lite,
+  /// not Mixtral) and groups on the host elsewhere;
+  /// `device` also refuses at setup (config_error) where it cannot act;
+  /// `host` never routes on the device.
+  decode_routing_mode decode_routing = decode_routing_mode::automatic;
   /// Prefill waves whose routed rows per host expert average at least
   /// stream_min_rows run the host experts on the device: their bf16 weights
   /// (page-locked host arena) stream H2D through a ring of staging slots on a
@@ -1627,19 +1635,26 @@ class device_decoder {
     if (ph_ != nullptr) ph_->moe_tables_seconds += seconds_since(moe_issue_from_);
   }
 
-  /// device_options::decode_routing_on_device at setup, after the placement:
-  /// it must be able to act, else config_error naming the reason (no hot
+  /// device_options::decode_routing at setup, after the placement: with
+  /// `device` it must be able to act, else config_error naming the reason (no hot
   /// placement, at most grouped_expert_max_rows sequences, the grouped
   /// kernels' tables built, the device grouping's buffers of a batched
   /// prefill, and at least one MoE layer with every routed expert on the
   /// device). Marks the layers it applies to (device_only_layer_).
   void check_decode_routing(int batch, const std::string& expert_kernels) {
     device_only_layer_.assign(std::size_t(c_.num_layers), 0);
-    if (!d_.decode_routing_on_device) return;
-    auto refuse = [](const std::string& why) {
-      throw writescope::config_error("decode routing on the device: " + why);
+    if (d_.decode_routing == decode_routing_mode::host) return;
+    const bool strict = d_.decode_routing == decode_routing_mode::device;
+    bool refused = false;
+    auto refuse = [&](const std::string& why) {
+      if (strict) throw writescope::config_error("decode routing on the device: " + why);
+      refused = true;  // automatic: the host groups every layer
     };
     if (d_.hot_placement) refuse("not with hot placement (its counters need the routed rows on the host)");
+    // automatic: wide experts (Mixtral's 14336 x 4096) run faster as one cuBLAS product each than in the
+    // grouped kernels that device routing needs, so only narrow ones route on the device by default
+    if (!strict && index_t(c_.moe_intermediate_size) * c_.hidden_size * 2 > auto_routing_max_matrix_bytes)
+      refuse("wide experts");
     if (batch > d_.grouped_expert_max_rows)
       refuse("a batch of " + std::to_string(batch) + " sequences, more than the grouped kernels' " +
              std::to_string(d_.grouped_expert_max_rows) + " rows per expert");
@@ -1654,10 +1669,11 @@ class device_decoder {
     if (!any) refuse("every MoE layer has routed experts in host memory");
     if (sort_temp_ == nullptr) refuse("no batched prefill grouping (bf16 precision and bf16 experts needed)");
     if (!grouped_ok_) refuse("the grouped expert kernels do not apply: " + expert_kernels);
+    if (refused) device_only_layer_.assign(std::size_t(c_.num_layers), 0);
   }
 
   /// Whether decode layer l groups its n sequences' routed rows on the device:
-  /// decode_routing_on_device passed check_decode_routing, every routed expert
+  /// check_decode_routing let decode_routing act, every routed expert
   /// of l is on the device, and n sequences fit the grouped kernels (a step
   /// never has more than the batch that check_decode_routing accepted).
   [[nodiscard]] bool device_routes_decode(int l, index_t n) const {
@@ -2522,7 +2538,10 @@ class device_decoder {
   std::vector<float> hw_, cw_;
   std::vector<int> route_host_;
   index_t grouped_passes_ = 0, per_expert_passes_ = 0;
-  index_t device_routed_passes_ = 0;  ///< decode MoE passes grouped on the device (decode_routing_on_device)
+  /// decode_routing_mode::automatic routes on the device only when one expert
+  /// matrix (intermediate x hidden, bf16) is at most this many bytes.
+  static constexpr index_t auto_routing_max_matrix_bytes = index_t(32) << 20;
+  index_t device_routed_passes_ = 0;  ///< decode MoE passes grouped on the device (decode_routing)
   bool device_routed_ = false;        ///< the current MoE pass was grouped on the device
   std::vector<char> device_only_layer_;  ///< [layer] decode routing on the device applies (check_decode_routing)
   std::vector<host_run> host_runs_;
