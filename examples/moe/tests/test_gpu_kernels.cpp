@@ -6,7 +6,8 @@
 // Shapes: out not a multiple of the 8 warps of a block, experts of 0, 1, 8, 9
 // and 33 rows (one, two and five passes of the kernel's 8-row loop), one
 // expert in host memory (null table entry) whose rows must stay poisoned, and
-// rows of the output outside every expert poisoned too.
+// rows of the output outside every expert poisoned too; each launch again over
+// the routed rows' sorted experts (block_experts) must give the same bits.
 #include <doctest/doctest.h>
 
 #include <cuda_runtime_api.h>
@@ -84,6 +85,10 @@ TEST_CASE("launch_expert_gemv equals expert_gemv_reference (gate-up and plain, b
   const device_array<const void*> dtg(tg), dtu(tu);
   const device_array<int> doff(offsets);
   const device_array<float> dx(x);
+  std::vector<unsigned> keys;  // each routed row's expert, ascending: what device routing sorts
+  for (int e = 0; e < E; ++e)
+    for (int r = offsets[std::size_t(e)]; r < offsets[std::size_t(e) + 1]; ++r) keys.push_back(unsigned(e));
+  const device_array<unsigned> dkeys(keys);
   const float poison = -3.5e33f;
   for (const int round_x : {0, 1})
     for (const bool gate_up : {true, false}) {
@@ -105,6 +110,18 @@ TEST_CASE("launch_expert_gemv equals expert_gemv_reference (gate-up and plain, b
       gpu::launch_expert_gemv(p, nullptr);
       WS_CUDA_TRY(cudaDeviceSynchronize());
       const std::vector<float> got = dy.get();
+      // The same launch over the routed pairs' sorted experts (device routing's
+      // grid: one block row per pair, repeats skipped): bit-identical output.
+      {
+        device_array<float> dy2(std::vector<float>(std::size_t(rows) * out, poison));
+        gpu::expert_gemv_params pl = p;
+        pl.block_experts = dkeys.p;
+        pl.blocks = int(keys.size());
+        pl.y = dy2.p;
+        gpu::launch_expert_gemv(pl, nullptr);
+        WS_CUDA_TRY(cudaDeviceSynchronize());
+        CHECK(dy2.get() == got);
+      }
       // the host reference on host copies of the same tables
       std::vector<const void*> hg(static_cast<std::size_t>(E)), hu(static_cast<std::size_t>(E));
       for (int e = 0; e < E; ++e) {

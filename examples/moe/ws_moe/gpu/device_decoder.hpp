@@ -1862,6 +1862,10 @@ class device_decoder {
         gp.y = y;
         gp.y_stride = out;
         gp.round_x = prec_ == wtype::bf16 ? 1 : 0;
+        if (device_routed_) {  // a block row per routed pair, not per expert: at batch 1, 8 of 128
+          gp.block_experts = sort_keys_;
+          gp.blocks = int(nk);
+        }
         x_.expert_gemv(gp);
       };
       const index_t I = c_.moe_intermediate_size;

@@ -637,6 +637,13 @@ struct expert_gemv_params {
   const void* const* up = nullptr;  ///< [experts] or null (plain product)
   const int* offsets = nullptr;     ///< [experts + 1] packed row offsets, ascending
   int experts = 0;
+  /// Optional grid over the routed rows instead of every expert: [blocks]
+  /// expert ids in ascending order, repeats allowed (the sorted expert of each
+  /// routed pair, as device routing makes them); block row y runs expert
+  /// block_experts[y] unless it equals block_experts[y - 1]. Null: block row e
+  /// runs expert e, for e < experts. The output is the same either way.
+  const unsigned* block_experts = nullptr;
+  int blocks = 0;
   int out = 0, in = 0;
   const float* x = nullptr;
   idx x_stride = 0;

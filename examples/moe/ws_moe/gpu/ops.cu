@@ -128,7 +128,11 @@ __device__ inline float warp_sum(float v) {
 
 template <bool GateUp>
 __global__ void __launch_bounds__(threads) expert_gemv_kernel(const expert_gemv_params p) {
-  const int e = int(blockIdx.y);
+  int e = int(blockIdx.y);
+  if (p.block_experts != nullptr) {  // one block row per routed pair: the first of each expert runs it
+    e = int(p.block_experts[blockIdx.y]);
+    if (blockIdx.y > 0 && int(p.block_experts[blockIdx.y - 1]) == e) return;
+  }
   const void* wp = p.w[e];
   if (wp == nullptr) return;
   const int r0 = p.offsets[e], r1 = p.offsets[e + 1];
@@ -143,6 +147,7 @@ __global__ void __launch_bounds__(threads) expert_gemv_kernel(const expert_gemv_
     float ag[rows_per_pass], au[rows_per_pass];
 #pragma unroll
     for (int r = 0; r < rows_per_pass; ++r) ag[r] = au[r] = 0.0f;
+#pragma unroll 4
     for (int c = lane * 8; c < p.in; c += 32 * 8) {
       float wf[8], uf[8];
       unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(w + c)), wf);
@@ -306,7 +311,11 @@ void launch_expert_gemv(const expert_gemv_params& p, cudaStream_t stream) {
     throw writescope::config_error("expert_gemv: in (" + std::to_string(p.in) + ") must be a positive multiple of 8 and x_stride (" +
                                    std::to_string(p.x_stride) + ") a multiple of 4");
   if (p.experts > 65535) throw writescope::config_error("expert_gemv: more than 65535 experts in one launch");
-  const dim3 grid(unsigned((p.out + gemv_warps - 1) / gemv_warps), unsigned(p.experts));
+  if (p.block_experts != nullptr && (p.blocks < 1 || p.blocks > 65535))
+    throw writescope::config_error("expert_gemv: " + std::to_string(p.blocks) +
+                                   " block rows over the routed pairs (needs 1 to 65535)");
+  const unsigned rows_y = unsigned(p.block_experts != nullptr ? p.blocks : p.experts);
+  const dim3 grid(unsigned((p.out + gemv_warps - 1) / gemv_warps), rows_y);
   if (p.up != nullptr)
     expert_gemv_kernel<true><<<grid, threads, 0, stream>>>(p);
   else

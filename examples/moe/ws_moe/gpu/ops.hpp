@@ -35,10 +35,12 @@ void launch_route(const route_op& p, idx n, cudaStream_t stream);
 void launch_causal_softmax(const softmax_params& p, cudaStream_t stream);
 
 /// The routed experts of one MoE layer, all in one launch (kernel_math.hpp
-/// expert_gemv_params): grid (out / 8, experts), a warp per output column.
+/// expert_gemv_params): grid (out / 8, experts), or (out / 8, blocks) over the
+/// routed pairs' sorted experts (block_experts), a warp per output column.
 /// Device pointers, asynchronous on `stream`. Throws config_error when in is
-/// not a multiple of 8 or x_stride not of 4 (the 16-byte loads), or for more
-/// than 65535 experts; the pointers must be 16-byte aligned.
+/// not a multiple of 8 or x_stride not of 4 (the 16-byte loads), for more
+/// than 65535 experts, or block_experts with blocks outside [1, 65535]; the
+/// pointers must be 16-byte aligned.
 void launch_expert_gemv(const expert_gemv_params& p, cudaStream_t stream);
 
 /// Device scratch bytes launch_sort_pairs needs for n items (CUB's query).
