@@ -5,6 +5,7 @@
 // element is in kernel_math.hpp, shared with the host emulation.
 #include <cuda_runtime.h>
 
+#include <cub/block/block_reduce.cuh>
 #include <cub/device/device_radix_sort.cuh>
 
 #include <string>
@@ -29,33 +30,37 @@ unsigned grid_for(idx n) {
   return unsigned(blocks < 1 ? 1 : (blocks > (idx(1) << 20) ? (idx(1) << 20) : blocks));
 }
 
-// Block reductions over `threads` threads; every thread gets the result.
-__device__ double block_sum(double v, double* shared) {
-  shared[threadIdx.x] = v;
+// Block reductions over `threads` threads (CUB's BlockReduce: warp shuffles,
+// then one shared-memory stage); every thread gets the result.
+using block_sum_reduce = cub::BlockReduce<double, threads>;
+using block_max_reduce = cub::BlockReduce<float, threads>;
+
+template <class T>
+struct block_reduce_smem {
+  typename cub::BlockReduce<T, threads>::TempStorage temp;
+  T result;
+};
+
+__device__ double block_sum(double v, block_reduce_smem<double>& sm) {
+  const double r = block_sum_reduce(sm.temp).Sum(v);
+  if (threadIdx.x == 0) sm.result = r;
   __syncthreads();
-  for (int s = threads / 2; s > 0; s >>= 1) {
-    if (int(threadIdx.x) < s) shared[threadIdx.x] += shared[threadIdx.x + s];
-    __syncthreads();
-  }
-  const double r = shared[0];
-  __syncthreads();
-  return r;
+  const double all = sm.result;
+  __syncthreads();  // the storage may be reused
+  return all;
 }
 
-__device__ float block_max(float v, float* shared) {
-  shared[threadIdx.x] = v;
+__device__ float block_max(float v, block_reduce_smem<float>& sm) {
+  const float r = block_max_reduce(sm.temp).Reduce(v, [](float a, float b) { return fmaxf(a, b); });
+  if (threadIdx.x == 0) sm.result = r;
   __syncthreads();
-  for (int s = threads / 2; s > 0; s >>= 1) {
-    if (int(threadIdx.x) < s) shared[threadIdx.x] = fmaxf(shared[threadIdx.x], shared[threadIdx.x + s]);
-    __syncthreads();
-  }
-  const float r = shared[0];
+  const float all = sm.result;
   __syncthreads();
-  return r;
+  return all;
 }
 
 __global__ void __launch_bounds__(threads) rms_norm_kernel(const rms_norm_params p) {
-  __shared__ double red[threads];
+  __shared__ block_reduce_smem<double> red;
   const idx row = blockIdx.x;
   const float* x = p.x + row * p.x_stride;
   float* y = p.y + row * p.y_stride;
@@ -85,8 +90,8 @@ __global__ void __launch_bounds__(threads) rms_norm_warp_kernel(const rms_norm_p
 }
 
 __global__ void __launch_bounds__(threads) causal_softmax_kernel(const softmax_params p) {
-  __shared__ double red_d[threads];
-  __shared__ float red_f[threads];
+  __shared__ block_reduce_smem<double> red_d;
+  __shared__ block_reduce_smem<float> red_f;
   const idx row = blockIdx.x;
   const idx valid = softmax_valid(p, row);
   const float* s = p.s + row * p.keys;
