@@ -157,35 +157,11 @@ struct hw_tiles {
   }
   template <int T>
   static void load(const void* p, index_t stride_bytes) noexcept {
-    static_assert(T >= 0 && T < 8);
-#if WS_AMX_ASM
-    const long s = static_cast<long>(stride_bytes);
-#  define WS_AMX_LOAD(n)                                                                                   \
-    if constexpr (T == n)                                                                                  \
-      asm volatile("{tileloadd\t(%0,%1,1), %%tmm" #n "|tileloadd\t%%tmm" #n ", [%0+%1*1]}" ::"r"(p), "r"(s) \
-                   : "memory");
-    WS_AMX_EACH_TILE(WS_AMX_LOAD)
-#  undef WS_AMX_LOAD
-#else
-    (void)p;
-    (void)stride_bytes;
-#endif
+    move<T, false>(p, stride_bytes);
   }
   template <int T>
   static void store(void* p, index_t stride_bytes) noexcept {
-    static_assert(T >= 0 && T < 8);
-#if WS_AMX_ASM
-    const long s = static_cast<long>(stride_bytes);
-#  define WS_AMX_STORE(n)                                                                                   \
-    if constexpr (T == n)                                                                                   \
-      asm volatile("{tilestored\t%%tmm" #n ", (%0,%1,1)|tilestored\t[%0+%1*1], %%tmm" #n "}" ::"r"(p), "r"(s) \
-                   : "memory");
-    WS_AMX_EACH_TILE(WS_AMX_STORE)
-#  undef WS_AMX_STORE
-#else
-    (void)p;
-    (void)stride_bytes;
-#endif
+    move<T, true>(p, stride_bytes);
   }
   /// C += A · B (TDPBF16PS): C [16 × 16] fp32, A [16 × 32] bf16, B [16 pairs × 16 × 2] bf16.
   template <int C, int A, int B>
@@ -206,6 +182,29 @@ struct hw_tiles {
 #  undef WS_AMX_DP_C
 #  undef WS_AMX_DP_A
 #  undef WS_AMX_DP_B
+#endif
+  }
+
+ private:
+  /// TILELOADD (tile T := 16 rows of 64 bytes at p, row stride stride_bytes)
+  /// or, for Store, TILESTORED (the same rows := tile T).
+  template <int T, bool Store>
+  static void move(const void* p, index_t stride_bytes) noexcept {
+    static_assert(T >= 0 && T < 8);
+#if WS_AMX_ASM
+    const long s = static_cast<long>(stride_bytes);
+#  define WS_AMX_MOVE(n)                                                                                    \
+    if constexpr (T == n && Store)                                                                          \
+      asm volatile("{tilestored\t%%tmm" #n ", (%0,%1,1)|tilestored\t[%0+%1*1], %%tmm" #n "}" ::"r"(p), "r"(s) \
+                   : "memory");                                                                             \
+    if constexpr (T == n && !Store)                                                                         \
+      asm volatile("{tileloadd\t(%0,%1,1), %%tmm" #n "|tileloadd\t%%tmm" #n ", [%0+%1*1]}" ::"r"(p), "r"(s)   \
+                   : "memory");
+    WS_AMX_EACH_TILE(WS_AMX_MOVE)
+#  undef WS_AMX_MOVE
+#else
+    (void)p;
+    (void)stride_bytes;
 #endif
   }
 };
@@ -575,10 +574,10 @@ struct amx_decode_kernel {
         const tile_ref& nt = next->t[r / 16];
         if (r % 16 >= nt.rows) continue;
         const char* krow = reinterpret_cast<const char*>(nt.k + index_t(r % 16) * R);
-        for (int i = 0; i < lines_per_row; ++i) prefetch_next(krow + i * 64);
+        for (int i = 0; i < lines_per_row; ++i) detail::prefetch_l1(krow + i * 64);
         if constexpr (!Layout::is_mla) {
           const char* vrow = reinterpret_cast<const char*>(nt.v + index_t(r % 16) * R);
-          for (int i = 0; i < lines_per_row; ++i) prefetch_next(vrow + i * 64);
+          for (int i = 0; i < lines_per_row; ++i) detail::prefetch_l1(vrow + i * 64);
         }
       }
       // V slice in token pairs: parity 0 = even columns, 1 = odd columns.
@@ -597,33 +596,25 @@ struct amx_decode_kernel {
       float* o_odd = ob + (sl * 2 + 1) * 256;
       Tiles::template load<6>(o_even, 64);
       Tiles::template load<7>(o_odd, 64);
-      Tiles::template load<4>(&s.vb[0][0][0], 64);
-      Tiles::template load<5>(&s.vb[1][0][0], 64);
-      Tiles::template dp<6, 0, 4>();
-      Tiles::template dp<7, 0, 5>();
-      Tiles::template dp<6, 1, 4>();
-      Tiles::template dp<7, 1, 5>();
-      if (second_half) {
-        Tiles::template load<4>(&s.vb[0][16][0], 64);
-        Tiles::template load<5>(&s.vb[1][16][0], 64);
-        Tiles::template dp<6, 2, 4>();
-        Tiles::template dp<7, 2, 5>();
-        Tiles::template dp<6, 3, 4>();
-        Tiles::template dp<7, 3, 5>();
-      }
+      pv_half<0>(s);
+      if (second_half) pv_half<1>(s);
       Tiles::template store<6>(o_even, 64);
       Tiles::template store<7>(o_odd, 64);
     }
   }
 
-  /// prefetcht0 (to L1 and L2), the fastest of the variants compared in
-  /// docs/CPU-KERNEL.md.
-  static void prefetch_next(const void* p) noexcept {
-#if defined(__GNUC__) || defined(__clang__)
-    __builtin_prefetch(p, 0, 3);
-#else
-    (void)p;
-#endif
+  /// One half (tokens 32·Half .. 32·Half + 31) of a V slice's PV product: the
+  /// slice's token pairs 16·Half .. 16·Half + 15 into B tiles 4 (even columns)
+  /// and 5 (odd columns), then O_even (tile 6) and O_odd (tile 7) += P's two
+  /// bf16 parts of those tokens (A tiles 2·Half, 2·Half + 1) times each.
+  template <int Half>
+  static void pv_half(const amx_detail::amx_scratch& s) noexcept {
+    Tiles::template load<4>(&s.vb[0][16 * Half][0], 64);
+    Tiles::template load<5>(&s.vb[1][16 * Half][0], 64);
+    Tiles::template dp<6, 2 * Half, 4>();
+    Tiles::template dp<7, 2 * Half, 5>();
+    Tiles::template dp<6, 2 * Half + 1, 4>();
+    Tiles::template dp<7, 2 * Half + 1, 5>();
   }
 
   static void finish(const amx_detail::amx_scratch& s, int group, float* o, index_t o_head_stride, float* lse) {
@@ -631,11 +622,7 @@ struct amx_decode_kernel {
       const int hb = g / HB, h = g % HB;
       const float sum = s.l[std::size_t(hb) * HB + h];
       float* dst = o + g * o_head_stride;
-      if (sum == 0.0f) {  // no key attended
-        for (int i = 0; i < V; ++i) dst[i] = 0.0f;
-        lse[g] = -std::numeric_limits<float>::infinity();
-        continue;
-      }
+      if (!detail::finish_attended<V>(dst, lse[g], sum)) continue;
       const float inv = 1.0f / sum;
       const float* ob = s.o.data() + std::size_t(hb) * VS * 2 * 256;
       for (int sl = 0; sl < VS; ++sl)

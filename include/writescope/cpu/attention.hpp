@@ -80,15 +80,20 @@
 // PV loops are inlined into one large function.
 // Loops over compile-time register blocks are unrolled explicitly: GCC's
 // default limits leave some of them rolled, which puts the blocks in memory.
+// Small shared pieces of one computation (WS_SIMD_INLINE) are always inlined,
+// so that they weigh in the inliner's budget as the instructions they are.
 #if defined(__clang__)
 #  define WS_KERNEL_NOINLINE __attribute__((noinline))
 #  define WS_UNROLL _Pragma("unroll")
+#  define WS_SIMD_INLINE inline __attribute__((always_inline))
 #elif defined(__GNUC__)
 #  define WS_KERNEL_NOINLINE __attribute__((noinline))
 #  define WS_UNROLL _Pragma("GCC unroll 64")
+#  define WS_SIMD_INLINE inline __attribute__((always_inline))
 #else
 #  define WS_KERNEL_NOINLINE
 #  define WS_UNROLL
+#  define WS_SIMD_INLINE inline
 #endif
 
 namespace writescope::cpu {
@@ -186,6 +191,66 @@ inline void keep_in_register(B& v) noexcept {
 #endif
 }
 
+#if XSIMD_WITH_SSE2
+/// The first two levels of lane_sums' transpose-and-add, per 128-bit lane:
+/// one definition for __m128, __m256 and __m512 (prefix P of the intrinsics),
+/// whose unpack instructions work within each 128-bit lane alike.
+/// interleave_sum(x, y): each lane holds [x0+x2, y0+y2, x1+x3, y1+y3] of that
+/// lane of x and y; pair_sum(a, b): [a0+a2, a1+a3, b0+b2, b1+b3].
+#  define WS_LANE_SUM_LEVELS(R, RD, P)                                 \
+    WS_SIMD_INLINE R interleave_sum(R x, R y) noexcept {               \
+      return P##_add_ps(P##_unpacklo_ps(x, y), P##_unpackhi_ps(x, y)); \
+    }                                                                  \
+    WS_SIMD_INLINE R pair_sum(R a, R b) noexcept {                     \
+      const RD x = P##_castps_pd(a), y = P##_castps_pd(b);             \
+      return P##_add_ps(P##_castpd_ps(P##_unpacklo_pd(x, y)),          \
+                        P##_castpd_ps(P##_unpackhi_pd(x, y)));         \
+    }
+WS_LANE_SUM_LEVELS(__m128, __m128d, _mm)
+#  if XSIMD_WITH_AVX
+WS_LANE_SUM_LEVELS(__m256, __m256d, _mm256)
+#  endif
+#  if XSIMD_WITH_AVX512F
+WS_LANE_SUM_LEVELS(__m512, __m512d, _mm512)
+#  endif
+#  undef WS_LANE_SUM_LEVELS
+
+/// Levels 1 and 2 of lane_sums for the N vectors v[0..N) as registers of type
+/// Reg: b[i]'s 128-bit lane k holds [S_k(v[4i]), S_k(v[4i+1]), S_k(v[4i+2]),
+/// S_k(v[4i+3])], S_k = the sum of lane k's four elements.
+template <int N, class Reg, class Batch>
+WS_SIMD_INLINE void quad_lane_sums(const Batch* v, Reg* b) noexcept {
+  Reg a[N / 2];
+  WS_UNROLL
+  for (int i = 0; i < N / 2; ++i) a[i] = interleave_sum(Reg(v[2 * i]), Reg(v[2 * i + 1]));
+  WS_UNROLL
+  for (int i = 0; i < N / 4; ++i) b[i] = pair_sum(a[2 * i], a[2 * i + 1]);
+}
+#endif
+
+/// Prefetches the cache line at p for reading into L1 and L2 (prefetcht0 on
+/// x86; docs/CPU-KERNEL.md); nothing on a compiler without __builtin_prefetch.
+WS_SIMD_INLINE void prefetch_l1(const void* p) noexcept {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 3);
+#else
+  (void)p;
+#endif
+}
+
+/// The end of a call for one query head whose running sum is `sum`: false,
+/// with dst[0..V) = 0 and lse = -inf, where the head attended no key (sum 0);
+/// true otherwise (the kernel then stores dst · 1/sum and lse = max + ln(sum)).
+template <int V>
+WS_SIMD_INLINE bool finish_attended(float* dst, float& lse, float sum) noexcept {
+  if (sum == 0.0f) {
+    for (int i = 0; i < V; ++i) dst[i] = 0.0f;
+    lse = -std::numeric_limits<float>::infinity();
+    return false;
+  }
+  return true;
+}
+
 /// lane_sums(v)[j] = Σ_k v[j][k] for the W vectors v[0..W): one transpose-and-add.
 template <class Arch>
 inline xsimd::batch<float, Arch> lane_sums(const xsimd::batch<float, Arch>* v) noexcept {
@@ -193,20 +258,8 @@ inline xsimd::batch<float, Arch> lane_sums(const xsimd::batch<float, Arch>* v) n
   constexpr int W = int(fbatch::size);
 #if XSIMD_WITH_AVX512F
   if constexpr (std::is_base_of_v<xsimd::avx512f, Arch>) {
-    // Level 1: in each 128-bit lane, positions {0,2} hold partials of v[2i], {1,3} of v[2i+1].
-    __m512 a[8];
-    WS_UNROLL
-    for (int i = 0; i < 8; ++i) {
-      const __m512 x = v[2 * i], y = v[2 * i + 1];
-      a[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
-    }
-    // Level 2: each 128-bit lane k holds [S_k(v4i), S_k(v4i+1), S_k(v4i+2), S_k(v4i+3)].
     __m512 b[4];
-    WS_UNROLL
-    for (int i = 0; i < 4; ++i) {
-      const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-      b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
+    quad_lane_sums<16>(v, b);
     // Levels 3, 4: add the four 128-bit lanes.
     __m512 c[2];
     WS_UNROLL
@@ -219,27 +272,14 @@ inline xsimd::batch<float, Arch> lane_sums(const xsimd::batch<float, Arch>* v) n
 #endif
 #if XSIMD_WITH_AVX
   if constexpr (std::is_base_of_v<xsimd::avx, Arch>) {
-    __m256 a[4];
-    WS_UNROLL
-    for (int i = 0; i < 4; ++i) {
-      const __m256 x = v[2 * i], y = v[2 * i + 1];
-      a[i] = _mm256_add_ps(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y));
-    }
     __m256 b[2];
-    WS_UNROLL
-    for (int i = 0; i < 2; ++i) {
-      const __m256d x = _mm256_castps_pd(a[2 * i]), y = _mm256_castps_pd(a[2 * i + 1]);
-      b[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
-    }
+    quad_lane_sums<8>(v, b);
     return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
   } else
 #endif
 #if XSIMD_WITH_SSE2
   if constexpr (std::is_base_of_v<xsimd::sse2, Arch>) {
-    const __m128 x0 = v[0], x1 = v[1], x2 = v[2], x3 = v[3];
-    const __m128d a0 = _mm_castps_pd(_mm_add_ps(_mm_unpacklo_ps(x0, x1), _mm_unpackhi_ps(x0, x1)));
-    const __m128d a1 = _mm_castps_pd(_mm_add_ps(_mm_unpacklo_ps(x2, x3), _mm_unpackhi_ps(x2, x3)));
-    return _mm_add_ps(_mm_castpd_ps(_mm_unpacklo_pd(a0, a1)), _mm_castpd_ps(_mm_unpackhi_pd(a0, a1)));
+    return pair_sum(interleave_sum(__m128(v[0]), __m128(v[1])), interleave_sum(__m128(v[2]), __m128(v[3])));
   } else
 #endif
   {
@@ -354,11 +394,7 @@ struct decode_kernel {
         float sum = 0.0f;
         for (int slot = 0; slot < W / hbz; ++slot) sum += lp[slot * hbz + j % hbz];
         float* dst = o + g * o_head_stride;
-        if (sum == 0.0f) {  // no key attended
-          for (int i = 0; i < V; ++i) dst[i] = 0.0f;
-          lse[g] = -std::numeric_limits<float>::infinity();
-          continue;
-        }
+        if (!detail::finish_attended<V>(dst, lse[g], sum)) continue;
         const float inv = 1.0f / sum;
         const float* acc = s.out.data() + std::size_t(g) * V;
         for (int c = 0; c < VC; ++c)
@@ -433,14 +469,6 @@ struct decode_kernel {
     return {base + k_off, base + v_off, std::min(TT, segs[j].tokens - t_next)};
   }
 
-  static void prefetch_line(const bf16* p) noexcept {
-#if defined(__GNUC__) || defined(__clang__)
-    __builtin_prefetch(p, 0, 3);
-#else
-    (void)p;
-#endif
-  }
-
   static void widen(const bf16* p, fbatch& even, fbatch& odd) noexcept {
     const ubatch u = ubatch::load_unaligned(reinterpret_cast<const std::uint32_t*>(p));
     even = xsimd::bitwise_cast<fbatch>(u << 16);
@@ -469,7 +497,7 @@ struct decode_kernel {
       if (pf) {
         WS_UNROLL
         for (int i = 0; i < 2 * TPz; ++i)
-          if (pf[i]) prefetch_line(pf[i] + c * C);
+          if (pf[i]) detail::prefetch_l1(pf[i] + c * C);
       }
     };
     if constexpr (native_bf16) {
