@@ -17,27 +17,26 @@
 
 namespace writescope::presets {
 
-/// Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json).
-struct qwen3_30b_a3b {
+/// A GQA model of head_dim 128: the geometry the two GQA presets share.
+template <int Layers, int QHeads, int KvHeads>
+struct gqa128_model {
   using layout_type = gqa_layout<128>;
-  static constexpr std::string_view name = "Qwen3-30B-A3B";
-  static constexpr int num_layers = 48;
-  static constexpr int num_q_heads = 32;
-  static constexpr int num_kv_heads = 4;
+  static constexpr int num_layers = Layers;
+  static constexpr int num_q_heads = QHeads;
+  static constexpr int num_kv_heads = KvHeads;
   static layout_type layout() { return layout_type(num_q_heads, num_kv_heads); }
   /// head_dim^-1/2.
   static double softmax_scale() { return 1.0 / std::sqrt(128.0); }
 };
 
-/// Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1 config.json).
-struct mixtral_8x7b {
-  using layout_type = gqa_layout<128>;
+/// Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json): 48 layers, 32 q / 4 kv heads.
+struct qwen3_30b_a3b : gqa128_model<48, 32, 4> {
+  static constexpr std::string_view name = "Qwen3-30B-A3B";
+};
+
+/// Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1 config.json): 32 layers, 32 q / 8 kv heads.
+struct mixtral_8x7b : gqa128_model<32, 32, 8> {
   static constexpr std::string_view name = "Mixtral-8x7B";
-  static constexpr int num_layers = 32;
-  static constexpr int num_q_heads = 32;
-  static constexpr int num_kv_heads = 8;
-  static layout_type layout() { return layout_type(num_q_heads, num_kv_heads); }
-  static double softmax_scale() { return 1.0 / std::sqrt(128.0); }
 };
 
 /// DeepSeek-V2-Lite (deepseek-ai/DeepSeek-V2-Lite config.json), MLA in absorbed form.
