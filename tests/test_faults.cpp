@@ -9,6 +9,7 @@
 #include <sys/resource.h>
 
 #include "support/harness.hpp"
+#include "support/sparse_checks.hpp"
 
 using namespace wstest;
 
@@ -285,18 +286,7 @@ TEST_CASE("C7: byte offsets past 2^31 and 2^32 in the unpinned and pinned region
   for (placement where : {placement::cpu_compute, placement::gpu_load}) {
     const std::string region = to_string(where);
     CAPTURE(region);
-    partition_spec s;
-    s.num_layers = 1;
-    s.block_tokens = 64;
-    s.d_window_tokens = 256;
-    s.max_sequences = 4;
-    s.cpu_capacity_tokens = where == placement::cpu_compute ? 5 * gib_tokens : 0;
-    s.pinned_capacity_tokens = where == placement::gpu_load ? 5 * gib_tokens : 0;
-    s.pinned_initial_tokens = -1;
-    s.pinned_growth_tokens = s.pinned_capacity_tokens;  // one slab: one 5 GiB mapping
-    s.gpu_split_blocks = 4;
-    s.cpu_task_blocks = 4;
-    set_ping_pong_blocks(s, lay, 8);
+    const partition_spec s = past_4gib_spec(lay, where);  // one slab: one 5 GiB mapping
     scripted_policy pol;
     pol.fn = [where](const route_query&) { return where; };
     host_backend be;
