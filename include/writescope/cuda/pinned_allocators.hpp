@@ -117,6 +117,14 @@ struct pin_counters {
   }
 };
 
+/// The counters of one pinning strategy (Strategy: its allocator type), shared
+/// by all its instances.
+template <class Strategy>
+inline pin_counters& counters_of() noexcept {
+  static pin_counters c;
+  return c;
+}
+
 inline std::int64_t elapsed_ns(std::chrono::steady_clock::time_point t0) noexcept {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -310,10 +318,7 @@ struct cuda_host_alloc {
   static void reset_statistics() noexcept { counters().reset(); }
 
  private:
-  static cuda_detail::pin_counters& counters() noexcept {
-    static cuda_detail::pin_counters c;
-    return c;
-  }
+  static cuda_detail::pin_counters& counters() noexcept { return cuda_detail::counters_of<cuda_host_alloc>(); }
 };
 
 /// Pinned load region through mmap + pre-touch + cudaHostRegister in chunks
@@ -423,10 +428,7 @@ struct cuda_host_register {
   static void reset_statistics() noexcept { counters().reset(); }
 
  private:
-  static cuda_detail::pin_counters& counters() noexcept {
-    static cuda_detail::pin_counters c;
-    return c;
-  }
+  static cuda_detail::pin_counters& counters() noexcept { return cuda_detail::counters_of<cuda_host_register>(); }
 
   void pre_touch(unsigned char* base, index_t bytes, index_t page) const {
     const index_t pages = bytes / page;

@@ -55,8 +55,8 @@ template <kv_layout Layout, cuda_hooks Hooks>
 class sparse_pipeline {
  public:
   using engine_type = dense_engine<Layout, Hooks>;
-  using args_type = gpu_step_args<Layout, device_space>;
-  using switches = typename Hooks::switches;
+  using args_type = typename engine_type::args_type;
+  using switches = typename engine_type::switches;
 
   explicit sparse_pipeline(backend_context<Hooks>& ctx) noexcept : ctx_(&ctx) {}
   sparse_pipeline(const sparse_pipeline&) = delete;
