@@ -79,10 +79,10 @@
 
 namespace ws_moe {
 
-/// Options of the CUDA path (ws_decode --device cuda|emulated).
 /// Where a decode MoE layer groups its routed rows (device_options::decode_routing).
 enum class decode_routing_mode { host, device, automatic };
 
+/// Options of the CUDA path (ws_decode --device cuda|emulated).
 struct device_options {
   gpu::wtype precision = gpu::wtype::bf16;  ///< GEMM input type
   index_t vram_budget_bytes = 0;            ///< device memory for everything; 0 = free at start - 1 GiB
