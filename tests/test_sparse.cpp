@@ -9,7 +9,9 @@
 // selections are typed errors with the cache unchanged; batch invariance
 // (K10); the policy sees the selected volumes; the sparse stream plan; the
 // device-pull transfer mode is accepted and emulated, bit-identical to the
-// host gather.
+// host gather. The cases that tests/cuda/test_cuda_sparse.cpp runs on the
+// device too are written once, in support/sparse_suite.hpp (select_all vs
+// dense, top-k, K1, K4/C7, pull vs gather; K10 in support/sparse_checks.hpp).
 #include <doctest/doctest.h>
 
 #include <sys/resource.h>
@@ -19,7 +21,7 @@
 #include <random>
 #include <set>
 
-#include "support/sparse_checks.hpp"
+#include "support/sparse_suite.hpp"
 
 using namespace wstest;
 
@@ -36,76 +38,21 @@ static_assert(block_selector<recording<top_k_selector>, M>);
 static_assert(!block_selector<not_a_selector, G>);
 static_assert(!block_selector<int, G>);
 
-roofline_policy test_roofline() {
-  roofline_params p;
-  p.cpu_cost_per_token_seconds = 2.0e-9;
-  p.gpu_cost_per_token_seconds = 1.4e-9;
-  p.cpu_fixed_seconds = 20e-6;
-  p.gpu_fixed_seconds = 30e-6;
-  p.cost_window_samples = 8;
-  return roofline_policy(p);
+/// The host runs of the shared bodies (support/sparse_suite.hpp): one CPU
+/// thread, the library's sparse options (device_pull, emulated here).
+sparse_loop_case host_case(std::vector<index_t> prompts, index_t room, int steps, std::uint64_t seed,
+                           index_t direct_run_bytes = sparse_options{}.direct_run_bytes) {
+  sparse_loop_case c;
+  c.opts.direct_run_bytes = direct_run_bytes;
+  c.prompts = std::move(prompts);
+  c.room = room;
+  c.steps = steps;
+  c.seed = seed;
+  c.check_every = 8;
+  return c;
 }
 
-/// select_all against dense, step by step, every layer, with evictions.
-template <class Layout, class Policy>
-void select_all_matches_dense(const Layout& L, Policy pol, double scale, index_t direct_run_bytes, int steps,
-                              std::uint64_t seed) {
-  host_backend be;
-  const std::vector<index_t> prompts{1, 15, 33, 70, 100};
-  partition_spec spec = sparse_spec(2, int(prompts.size()), 100 + steps);
-  set_ping_pong_blocks(spec, L, 6);
-  host_cache<Layout, Policy> cache(be, L, spec, pol, {}, cache_options{true});
-  attention_options ao{1, true};
-  ao.sparse.direct_run_bytes = direct_run_bytes;
-  decode_driver<decltype(cache)> d(cache, ao, seed, scale);
-  std::vector<sequence_id> batch;
-  for (index_t p : prompts) batch.push_back(d.add(p));
-  step_runner<decltype(cache)> r(d);
-  select_all all;
-  index_t gathered = 0, direct = 0;
-  for (int s = 0; s < steps; ++s) {
-    for (int l = 0; l < spec.num_layers; ++l) {
-      CAPTURE(s);
-      CAPTURE(l);
-      d.append_layer(l, batch);
-      r.make_queries(batch);
-      debug_partials dd, ds;
-      r.dense(l, batch, &dd);
-      const std::vector<float> out = r.out, lse = r.lse;
-      const step_report dense_rep = r.rep;
-      r.sparse(l, batch, all, &ds);
-      REQUIRE(same_bits(out, r.out));
-      REQUIRE(same_bits(lse, r.lse));
-      REQUIRE(same_bits(dd.cpu_o, ds.cpu_o));
-      REQUIRE(same_bits(dd.streamed_lse, ds.streamed_lse));
-      CHECK(r.rep.cpu_tokens == dense_rep.cpu_tokens);
-      CHECK(r.rep.streamed_tokens == dense_rep.streamed_tokens);
-      CHECK(r.rep.chunks == dense_rep.chunks);
-      CHECK(r.rep.copies == dense_rep.copies);
-      CHECK(r.rep.cpu_tasks == dense_rep.cpu_tasks);
-      CHECK(r.rep.selected_blocks == r.rep.placed_blocks);
-      gathered += d.attention().engine().last_gather().gathered_chunks +
-                  d.attention().engine().last_gather().pulled_chunks;  // either transfer mode
-      direct += d.attention().engine().last_gather().direct_chunks;
-      if (s % 8 == 0) {  // and the output is right (dense is checked elsewhere; spot-check here)
-        compare_result cr;
-        std::vector<double> ro, rl;
-        const int hq = L.num_q_heads();
-        for (std::size_t i = 0; i < batch.size(); ++i) {
-          reference_attention(L, d.history(batch[i], l), r.d.q.data() + i * std::size_t(hq) * Layout::q_dim, scale, ro,
-                              rl);
-          compare_rows(hq, Layout::v_dim, r.out.data() + i * std::size_t(hq) * Layout::v_dim,
-                       r.lse.data() + i * std::size_t(hq), ro, rl, cr);
-        }
-        REQUIRE(cr.ok());
-      }
-    }
-    cache.flush();
-  }
-  // Chunks went the way direct_run_bytes says (runs here are far below 2 MiB).
-  if constexpr (std::is_same_v<Policy, gpu_only> || std::is_same_v<Policy, fixed_ratio>) CHECK(gathered + direct > 0);
-  CHECK((direct_run_bytes == 0 ? gathered : direct) == 0);
-}
+const std::vector<index_t> ragged{1, 15, 33, 70, 100};
 
 }  // namespace
 
@@ -113,118 +60,48 @@ TEST_CASE("select_all is bit-identical to the dense step: GQA 32/4, every policy
   const G L(32, 4);
   const index_t modes[2] = {index_t{2} << 20, 0};  // gathered (runs < 2 MiB), direct
   SUBCASE("gpu_only") {
-    for (index_t m : modes) select_all_matches_dense(L, gpu_only{}, gqa_scale, m, 24, 1);
+    for (index_t m : modes) select_all_matches_dense<host_backend>(L, gpu_only{}, gqa_scale, host_case(ragged, 100, 24, 1, m));
   }
   SUBCASE("cpu_only") {
-    for (index_t m : modes) select_all_matches_dense(L, cpu_only{}, gqa_scale, m, 24, 2);
+    for (index_t m : modes) select_all_matches_dense<host_backend>(L, cpu_only{}, gqa_scale, host_case(ragged, 100, 24, 2, m));
   }
   SUBCASE("fixed_ratio 0.4") {
-    for (index_t m : modes) select_all_matches_dense(L, fixed_ratio(0.4), gqa_scale, m, 24, 3);
+    for (index_t m : modes) select_all_matches_dense<host_backend>(L, fixed_ratio(0.4), gqa_scale, host_case(ragged, 100, 24, 3, m));
   }
   SUBCASE("roofline") {
-    for (index_t m : modes) select_all_matches_dense(L, test_roofline(), gqa_scale, m, 24, 4);
+    for (index_t m : modes) select_all_matches_dense<host_backend>(L, test_roofline(), gqa_scale, host_case(ragged, 100, 24, 4, m));
   }
 }
 
 TEST_CASE("select_all is bit-identical to the dense step: MLA DeepSeek-V2-Lite, every policy") {
   const M L = presets::deepseek_v2_lite::layout();
   const double scale = presets::deepseek_v2_lite::softmax_scale();
-  SUBCASE("gpu_only") { select_all_matches_dense(L, gpu_only{}, scale, index_t{2} << 20, 12, 5); }
-  SUBCASE("cpu_only") { select_all_matches_dense(L, cpu_only{}, scale, index_t{2} << 20, 12, 6); }
-  SUBCASE("fixed_ratio 0.4, direct") { select_all_matches_dense(L, fixed_ratio(0.4), scale, 0, 12, 7); }
-  SUBCASE("roofline") { select_all_matches_dense(L, test_roofline(), scale, index_t{2} << 20, 12, 8); }
-}
-
-namespace {
-
-/// The same sparse steps through two attention objects on one cache: the
-/// driver's (sparse_transfer::host_gather) and one with device_pull (emulated
-/// by the host backend: runs copied straight into ping-pong, no staging).
-/// Outputs and LSEs must be bit-identical; the gather statistics say which way
-/// the gathered chunks went.
-template <class Layout, class Policy, class Selector>
-void pull_matches_gather(const Layout& L, Policy pol, double scale, const Selector& selector, int steps,
-                         std::uint64_t seed) {
-  host_backend be;
-  const std::vector<index_t> prompts{1, 15, 33, 70, 100};
-  partition_spec spec = sparse_spec(2, int(prompts.size()), 100 + steps);
-  set_ping_pong_blocks(spec, L, 6);
-  host_cache<Layout, Policy> cache(be, L, spec, pol, {}, cache_options{true});
-  attention_options ao{1, true};
-  ao.sparse.reserve = true;
-  ao.sparse.transfer = sparse_transfer::host_gather;  // not the default
-  decode_driver<decltype(cache)> d(cache, ao, seed, scale);
-  attention_options po = ao;
-  po.sparse.transfer = sparse_transfer::device_pull;
-  po.sparse.pull_ctas = 7;  // meaningless on the host backend, accepted
-  hybrid_attention<decltype(cache)> pull(cache, po);
-  CHECK(pull.engine().sparse_staging_bytes() == 0);  // no staging in pull mode
-  CHECK(d.attention().engine().sparse_staging_bytes() > 0);
-  std::vector<sequence_id> batch;
-  for (index_t p : prompts) batch.push_back(d.add(p));
-  step_runner<decltype(cache)> r(d);
-  const index_t block_bytes = cache.format().block_bytes();
-  // Both attention objects stream through the cache's ping-pong buffers: NaN
-  // them before each step, so a block one mode failed to move cannot be read
-  // as left there by the other.
-  auto poison_ping_pong = [&] {
-    const layer_views<Layout> v = cache.views(0);
-    be.fill_device(reinterpret_cast<std::byte*>(v.ping_pong.buffer(0).data()),
-                   index_t(v.ping_pong.size()) * v.ping_pong_blocks * block_bytes, 0xffff);
-  };
-  index_t pulled = 0;
-  for (int s = 0; s < steps; ++s) {
-    for (int l = 0; l < spec.num_layers; ++l) {
-      CAPTURE(s);
-      CAPTURE(l);
-      d.append_layer(l, batch);
-      r.make_queries(batch);
-      Selector sel_gather = selector, sel_pull = selector;
-      poison_ping_pong();
-      r.sparse(l, batch, sel_gather);
-      const gather_stats gg = d.attention().engine().last_gather();
-      std::vector<float> out(r.out.size(), std::numeric_limits<float>::quiet_NaN());
-      std::vector<float> lse(r.lse.size(), std::numeric_limits<float>::quiet_NaN());
-      const step_outputs<pageable_host_space> so{host_span<float>(out.data(), index_t(out.size())),
-                                                 host_span<float>(lse.data(), index_t(lse.size())), nullptr};
-      poison_ping_pong();
-      const step_report pr =
-          pull.step(l, batch, host_span<const float>(r.d.q.data(), index_t(r.d.q.size())), float(d.scale()), so, sel_pull);
-      REQUIRE(same_bits(r.out, out));
-      REQUIRE(same_bits(r.lse, lse));
-      const gather_stats pg = pull.engine().last_gather();
-      const index_t staged = pull.last_plan().gathered_blocks * block_bytes;
-      CHECK(gg.pulled_chunks == 0);
-      CHECK(r.rep.pulled_bytes == 0);
-      CHECK(r.rep.gathered_bytes == staged);
-      CHECK(pg.gathered_chunks == 0);
-      CHECK(pg.bytes == 0);
-      CHECK(pr.gathered_bytes == 0);
-      CHECK(pr.gather_seconds == 0.0);
-      CHECK(pg.pulled_chunks == gg.gathered_chunks);
-      CHECK(pg.direct_chunks == gg.direct_chunks);
-      CHECK(pg.pulled_bytes == staged);
-      CHECK(pr.pulled_bytes == staged);
-      pulled += pg.pulled_chunks;
-      if (l + 1 == spec.num_layers) cache.flush();
-    }
+  SUBCASE("gpu_only") { select_all_matches_dense<host_backend>(L, gpu_only{}, scale, host_case(ragged, 100, 12, 5)); }
+  SUBCASE("cpu_only") { select_all_matches_dense<host_backend>(L, cpu_only{}, scale, host_case(ragged, 100, 12, 6)); }
+  SUBCASE("fixed_ratio 0.4, direct") {
+    select_all_matches_dense<host_backend>(L, fixed_ratio(0.4), scale, host_case(ragged, 100, 12, 7, 0));
   }
-  CHECK(pull.engine().sparse_staging_bytes() == 0);
-  if constexpr (!std::is_same_v<Policy, cpu_only>) CHECK(pulled > 0);
+  SUBCASE("roofline") {
+    sparse_loop_case c = host_case(ragged, 100, 12, 8);
+    c.streams = false;  // the roofline routes these short MLA sequences to the CPU on the host backend
+    select_all_matches_dense<host_backend>(L, test_roofline(), scale, c);
+  }
 }
-
-}  // namespace
 
 TEST_CASE("sparse_transfer::device_pull on the host backend: accepted, emulated, bit-identical to host_gather") {
+  // pull_ctas = 7: meaningless on the host backend, accepted.
   SUBCASE("GQA 32/4, top-k 0.5, gpu_only") {
-    pull_matches_gather(G(32, 4), gpu_only{}, gqa_scale, top_k_selector::ratio(0.5), 16, 31);
+    pull_matches_gather<host_backend>(G(32, 4), gpu_only{}, gqa_scale, top_k_selector::ratio(0.5),
+                                      host_case(ragged, 100, 16, 31), 7);
   }
   SUBCASE("GQA 32/4, select_all, fixed_ratio 0.4") {
-    pull_matches_gather(G(32, 4), fixed_ratio(0.4), gqa_scale, select_all{}, 12, 32);
+    pull_matches_gather<host_backend>(G(32, 4), fixed_ratio(0.4), gqa_scale, select_all{}, host_case(ragged, 100, 12, 32),
+                                      7);
   }
   SUBCASE("MLA DeepSeek-V2-Lite, top-k 0.3, fixed_ratio 0.5") {
-    pull_matches_gather(presets::deepseek_v2_lite::layout(), fixed_ratio(0.5),
-                        presets::deepseek_v2_lite::softmax_scale(), top_k_selector::ratio(0.3), 10, 33);
+    pull_matches_gather<host_backend>(presets::deepseek_v2_lite::layout(), fixed_ratio(0.5),
+                                      presets::deepseek_v2_lite::softmax_scale(), top_k_selector::ratio(0.3),
+                                      host_case(ragged, 100, 10, 33), 7);
   }
   SUBCASE("pull_ctas < 1 is a config_error when the pipeline is reserved") {
     host_backend be;
@@ -242,203 +119,32 @@ TEST_CASE("sparse_transfer::device_pull on the host backend: accepted, emulated,
   }
 }
 
-namespace {
-
-/// Top-k decode loop checked against the restricted reference, the test's own
-/// summaries and its own top-k, every step and layer.
-template <class Layout, class Policy>
-void topk_loop(const Layout& L, Policy pol, double scale, top_k_selector sel, const std::vector<index_t>& prompts,
-               int steps, std::uint64_t seed) {
-  host_backend be;
-  partition_spec spec = sparse_spec(2, int(prompts.size()), 200 + steps);
-  set_ping_pong_blocks(spec, L, 5);
-  host_cache<Layout, Policy> cache(be, L, spec, pol, {}, cache_options{true});
-  decode_driver<decltype(cache)> d(cache, attention_options{1, true}, seed, scale);
-  std::vector<sequence_id> batch;
-  for (index_t p : prompts) batch.push_back(d.add(p));
-  step_runner<decltype(cache)> r(d);
-  recording<top_k_selector> rec{sel, {}};
-  const int hq = L.num_q_heads();
-  index_t selected = 0, placed = 0;
-  for (int s = 0; s < steps; ++s)
-    for (int l = 0; l < spec.num_layers; ++l) {
-      CAPTURE(s);
-      CAPTURE(l);
-      d.append_layer(l, batch);
-      r.make_queries(batch);
-      rec.log.clear();
-      r.sparse(l, batch, rec);
-      compare_result cr;
-      int problems = 0;
-      for (std::size_t i = 0; i < batch.size(); ++i) {
-        const float* q = r.d.q.data() + i * std::size_t(hq) * Layout::q_dim;
-        check_restricted(L, d.history(batch[i], l), cache.sequence(batch[i]), spec.block_tokens,
-                         d.attention().last_selection(), int(i), q, scale,
-                         r.out.data() + i * std::size_t(hq) * Layout::v_dim, r.lse.data() + i * std::size_t(hq), cr);
-        problems += check_topk(cache, d.attention(), d.history(batch[i], l), batch[i], l, int(i), q, scale, sel);
-      }
-      INFO("rel_l2 " << cr.max_rel_l2 << ", lse excess " << cr.max_lse_err);
-      REQUIRE(cr.ok());
-      REQUIRE(problems == 0);
-      // The library's selection is what the (recorded) selector answered.
-      std::size_t call = 0;
-      for (std::size_t i = 0; i < batch.size(); ++i) {
-        if (cache.sequence(batch[i]).block_table.empty()) continue;
-        REQUIRE(call < rec.log.size());
-        for (int h = 0; h < L.kv_heads(); ++h) CHECK(rec.log[call][std::size_t(h)] == d.attention().last_selection().blocks(int(i), h));
-        ++call;
-      }
-      CHECK(call == rec.log.size());
-      selected += r.rep.selected_blocks;
-      placed += r.rep.placed_blocks;
-      if (l + 1 == spec.num_layers) cache.flush();
-    }
-  CHECK(selected < placed);  // it was sparse
-}
-
-}  // namespace
-
 TEST_CASE("top-k equals the fp64 reference restricted to the selected blocks + D-window, and is the test's own top-k") {
   SUBCASE("GQA 32/4, keep ratio 0.5, fixed_ratio 0.5") {
-    topk_loop(G(32, 4), fixed_ratio(0.5), gqa_scale, top_k_selector::ratio(0.5), {40, 97, 200}, 40, 11);
+    topk_loop<host_backend>(G(32, 4), fixed_ratio(0.5), gqa_scale, top_k_selector::ratio(0.5),
+                            host_case({40, 97, 200}, 200, 40, 11));
   }
   SUBCASE("GQA 32/8 (Mixtral), keep 2 blocks, roofline") {
-    topk_loop(G(32, 8), test_roofline(), gqa_scale, top_k_selector::blocks(2), {17, 64, 150}, 35, 12);
+    topk_loop<host_backend>(G(32, 8), test_roofline(), gqa_scale, top_k_selector::blocks(2),
+                            host_case({17, 64, 150}, 200, 35, 12));
   }
   SUBCASE("GQA 8/2, keep ratio 0.2, gpu_only; cpu_only") {
-    topk_loop(G(8, 2), gpu_only{}, gqa_scale, top_k_selector::ratio(0.2), {130, 33}, 35, 13);
-    topk_loop(G(8, 2), cpu_only{}, gqa_scale, top_k_selector::ratio(0.2), {130, 33}, 35, 14);
+    topk_loop<host_backend>(G(8, 2), gpu_only{}, gqa_scale, top_k_selector::ratio(0.2), host_case({130, 33}, 200, 35, 13));
+    topk_loop<host_backend>(G(8, 2), cpu_only{}, gqa_scale, top_k_selector::ratio(0.2), host_case({130, 33}, 200, 35, 14));
   }
   SUBCASE("MLA DeepSeek-V2-Lite, keep ratio 0.3, fixed_ratio 0.5") {
-    topk_loop(presets::deepseek_v2_lite::layout(), fixed_ratio(0.5), presets::deepseek_v2_lite::softmax_scale(),
-              top_k_selector::ratio(0.3), {50, 140}, 34, 15);
+    topk_loop<host_backend>(presets::deepseek_v2_lite::layout(), fixed_ratio(0.5), presets::deepseek_v2_lite::softmax_scale(),
+                            top_k_selector::ratio(0.3), host_case({50, 140}, 200, 34, 15));
   }
 }
 
 TEST_CASE("K1: a selection that leaves an engine (or a KV head) without blocks gives exactly the empty partial") {
-  host_backend be;
-  const G L(16, 4);
-  partition_spec spec = sparse_spec(1, 3, 300);
-  set_ping_pong_blocks(spec, L, 4);
-  host_cache<G, fixed_ratio> cache(be, L, spec, fixed_ratio(0.5), {}, cache_options{true});
-  decode_driver<decltype(cache)> d(cache, attention_options{1, true}, 21, gqa_scale);
-  const std::vector<sequence_id> batch{d.add(128), d.add(32 * 5 + 3), d.add(31)};
-  step_runner<decltype(cache)> r(d);
-  for (int s = 0; s < 3; ++s) {
-    d.append_layer(0, batch);
-    r.make_queries(batch);
-    auto check_all = [&](const char* what) {
-      CAPTURE(what);
-      compare_result cr;
-      for (std::size_t i = 0; i < batch.size(); ++i)
-        check_restricted(L, d.history(batch[i], 0), cache.sequence(batch[i]), 16, d.attention().last_selection(),
-                         int(i), r.d.q.data() + i * 16 * 128, gqa_scale, r.out.data() + i * 16 * 128,
-                         r.lse.data() + i * 16, cr);
-      INFO("rel_l2 " << cr.max_rel_l2 << ", lse excess " << cr.max_lse_err << ", non-finite " << cr.non_finite);
-      CHECK(cr.ok());
-    };
-    {
-      only_region cpu_blocks{placement::cpu_compute};
-      debug_partials dbg;
-      r.sparse(0, batch, cpu_blocks, &dbg);
-      check_all("CPU blocks only");
-      CHECK(r.rep.streamed_tokens == 0);
-      CHECK(r.rep.chunks == 0);
-      CHECK(empty_rows(dbg.streamed_o, dbg.streamed_lse, 0, 3 * 16));  // (0, -inf) exactly, every row
-    }
-    {
-      only_region pinned_blocks{placement::gpu_load};
-      debug_partials dbg;
-      r.sparse(0, batch, pinned_blocks, &dbg);
-      check_all("pinned blocks only");
-      CHECK(r.rep.cpu_tokens == 0);
-      CHECK(r.rep.cpu_tasks == 0);
-      CHECK(empty_rows(dbg.cpu_o, dbg.cpu_lse, 0, 3 * 16));
-    }
-    {
-      select_none none;
-      debug_partials dbg;
-      r.sparse(0, batch, none, &dbg);
-      check_all("no block: D-window only");
-      CHECK(empty_rows(dbg.cpu_o, dbg.cpu_lse, 0, 3 * 16));
-      CHECK(empty_rows(dbg.streamed_o, dbg.streamed_lse, 0, 3 * 16));
-      CHECK(r.rep.selected_blocks == 0);
-    }
-    {
-      skip_head0 skip;
-      debug_partials dbg;
-      r.sparse(0, batch, skip, &dbg);
-      check_all("KV head 0 attends no block");
-      for (std::size_t i = 0; i < batch.size(); ++i) {  // query heads 0..3 of every sequence
-        CHECK(empty_rows(dbg.cpu_o, dbg.cpu_lse, i * 16, 4));
-        CHECK(empty_rows(dbg.streamed_o, dbg.streamed_lse, i * 16, 4));
-      }
-      // cpu_tokens are averaged over the KV heads: 3 of 4 heads attend the CPU blocks.
-      index_t cpu_blocks = 0;
-      for (sequence_id s : batch) cpu_blocks += index_t(cache.sequence(s).cpu_blocks.size());
-      CHECK(r.rep.cpu_tokens == cpu_blocks * 16 * 3 / 4);
-    }
-    cache.flush();
-  }
+  empty_engine_partials<host_backend>(G(16, 4), 1, gqa_scale);
 }
 
 TEST_CASE("K4/C7: selections of blocks past 2^32 bytes in the unpinned and pinned regions (MAP_NORESERVE, small RSS)") {
-  const G lay(4, 1);  // 512 bytes per token
-  const index_t gib_tokens = (index_t{1} << 30) / 512;
-  for (placement where : {placement::cpu_compute, placement::gpu_load}) {
-    const std::string region = to_string(where);
-    CAPTURE(region);
-    const partition_spec s = past_4gib_spec(lay, where);
-    scripted_policy pol;
-    pol.fn = [where](const route_query&) { return where; };
-    host_backend be;
-    std::optional<host_cache<G, scripted_policy>> cache;
-    try {
-      cache.emplace(be, lay, s, pol, pageable_allocator{}, cache_options{false});
-    } catch (const resource_error& e) {
-      WARN_MESSAGE(false, "skipped: this machine refuses a 5 GiB MAP_NORESERVE reservation: " << std::string(e.what()));
-      continue;
-    }
-    decode_driver<host_cache<G, scripted_policy>> d(*cache, attention_options{1, true}, 41, gqa_scale);
-    (void)cache->begin_sequence(2 * gib_tokens);         // never written
-    const sequence_id a = d.add(2 * 256 + 10);           // at 2 GiB
-    (void)cache->begin_sequence(2 * gib_tokens);         // to 4 GiB + a
-    const sequence_id b = d.add(6 * 256 + 5);            // past 4 GiB
-    const std::vector<sequence_id> batch{a, b};
-    const layer_views<G> v = cache->views(0);
-    const bf16* base = where == placement::cpu_compute ? v.cpu_block(0) : v.pinned_block(0);
-    step_runner<host_cache<G, scripted_policy>> r(d);
-    top_k_selector sel = top_k_selector::ratio(0.4);
-    for (int st = 0; st < 3; ++st) {
-      d.append_layer(0, batch);
-      r.make_queries(batch);
-      r.sparse(0, batch, sel);
-      compare_result cr;
-      int problems = 0;
-      for (std::size_t i = 0; i < batch.size(); ++i) {
-        check_restricted(lay, d.history(batch[i], 0), cache->sequence(batch[i]), 64, d.attention().last_selection(),
-                         int(i), r.d.q.data() + i * 4 * 128, gqa_scale, r.out.data() + i * 4 * 128,
-                         r.lse.data() + i * 4, cr);
-        problems += check_topk(*cache, d.attention(), d.history(batch[i], 0), batch[i], 0, int(i),
-                               r.d.q.data() + i * 4 * 128, gqa_scale, sel);
-      }
-      REQUIRE(cr.ok());
-      REQUIRE(problems == 0);
-      // Every block b selected lies past 4 GiB, and some block of a past 2 GiB.
-      const sequence_state& sb = cache->sequence(b);
-      const std::vector<index_t> chosen = d.attention().last_selection().blocks(1, 0);
-      REQUIRE(!chosen.empty());
-      for (index_t k : chosen) {
-        const block_ref& br = sb.block_table[std::size_t(k)];
-        const bf16* p = where == placement::cpu_compute ? v.cpu_block(br.id) : v.pinned_block(br.id);
-        CHECK(index_t(p - base) * index_t(sizeof(bf16)) > (index_t{1} << 32));
-      }
-      cache->flush();
-    }
-    struct rusage ru {};
-    getrusage(RUSAGE_SELF, &ru);
-    CHECK(ru.ru_maxrss < 2L * 1024 * 1024);  // KiB: < 2 GiB
-  }
+  selections_past_4gib<host_backend>({placement::cpu_compute, placement::gpu_load}, 1, gqa_scale,
+                                     2L * 1024 * 1024);  // KiB: < 2 GiB
 }
 
 TEST_CASE("a user selector type plugs in: first block + recent blocks, different per KV head") {

@@ -14,7 +14,6 @@
 #include <cuda_runtime_api.h>
 
 #include <array>
-#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -31,27 +30,8 @@ namespace wstest::dev {
 
 using namespace writescope;
 
-/// True when the environment variable `name` is set to something other than "" or "0".
-inline bool env_flag(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' && *v != '0';
-}
-
-/// True when the tests should run the smallest sizes that still reach every
-/// code path of a case: WS_TEST_SANITIZER=1 (compute-sanitizer racecheck, whose
-/// shared-memory instrumentation makes the attention kernels far slower than
-/// memcheck does). Implies quick().
-inline bool sanitizer_sizes() { return env_flag("WS_TEST_SANITIZER"); }
-
-/// True when the tests should run reduced sizes (sanitizer runs): WS_TEST_QUICK=1,
-/// or WS_TEST_SANITIZER=1.
-inline bool quick() { return env_flag("WS_TEST_QUICK") || sanitizer_sizes(); }
-
-/// `full` normally, `reduced` under WS_TEST_QUICK.
-inline int scaled(int full, int reduced) { return quick() ? reduced : full; }
-
-/// `full` normally, `reduced` under WS_TEST_QUICK, `smallest` under WS_TEST_SANITIZER.
-inline int scaled(int full, int reduced, int smallest) { return sanitizer_sizes() ? smallest : scaled(full, reduced); }
+// env_flag, quick(), sanitizer_sizes() and scaled() (WS_TEST_QUICK,
+// WS_TEST_SANITIZER) are support/harness.hpp's: the shared bodies size by them too.
 
 /// A device buffer that only grows; growing waits for `stream` first (the old
 /// buffer may still be read by work enqueued there).
@@ -255,8 +235,11 @@ namespace wstest {
 /// The shared test bodies' types on cuda_backend, with either hooks (support/harness.hpp).
 template <cuda_hooks Hooks>
 struct backend_traits<basic_cuda_backend<Hooks>> {
-  template <kv_layout Layout, routing_policy Policy>
-  using cache = dev::device_cache<Layout, Policy, cuda_host_alloc, basic_cuda_backend<Hooks>>;
+  static constexpr bool device = true;
+  using allocator = cuda_host_alloc;
+  using large_allocator = cuda_host_register;  // K4/C7: registered in place, no 5 GiB cudaHostAlloc
+  template <kv_layout Layout, routing_policy Policy, class Alloc = allocator>
+  using cache = dev::device_cache<Layout, Policy, Alloc, basic_cuda_backend<Hooks>>;
   template <class Cache>
   using driver = dev::device_decode_driver<Cache>;
 };
@@ -264,6 +247,9 @@ struct backend_traits<basic_cuda_backend<Hooks>> {
 }  // namespace wstest
 
 namespace wstest::dev {
+
+/// The tests' roofline policy on the device: a 16-sample window, B re-measured online.
+inline roofline_policy device_roofline() { return test_roofline(16, true); }
 
 /// A policy whose target CPU share alternates between `a` and `b` every time
 /// a step is observed (every layer-step): placement flips under the stream.

@@ -1,5 +1,7 @@
 // Block-level sparse selection on cuda_backend (docs/SPARSE.md; paper §4.4,
-// Fig. 6): the device mirror of tests/test_sparse.cpp. select_all is
+// Fig. 6). The cases shared with tests/test_sparse.cpp run the same bodies
+// (support/sparse_suite.hpp, here on cuda_backend, there on host_backend);
+// this file sets their device sizes and adds the device-only ones. select_all is
 // bit-identical to the dense step (every policy, GQA and MLA, gathered and
 // direct chunks, several gather threads); top-k equals the fp64 reference
 // restricted to the selected blocks + D-window and is the test's own top-k;
@@ -22,7 +24,7 @@
 #include <optional>
 
 #include "device_harness.hpp"
-#include "support/sparse_checks.hpp"
+#include "support/sparse_suite.hpp"
 
 using namespace wstest;
 using namespace wstest::dev;
@@ -33,100 +35,31 @@ using G = gqa_layout<128>;
 using M = mla_layout<512, 64>;
 const double gqa_scale = 1.0 / std::sqrt(128.0);
 
-/// The harness's step_runner on the device, with the checks of these tests.
-template <class Cache>
-struct dev_runner : step_runner<Cache> {
-  using layout_type = typename Cache::layout_type;
-  static constexpr int V = layout_type::v_dim;
-  using step_runner<Cache>::step_runner;
-  using step_runner<Cache>::d;
-  using step_runner<Cache>::out;
-  using step_runner<Cache>::lse;
-
-  /// NaN (bf16 0xffff) into every ping-pong buffer of the cache: a step that
-  /// fails to move a block then cannot read one left there by an earlier step.
-  void poison_ping_pong() {
-    const layer_views<layout_type> v = d.cache().views(0);
-    d.cache().backend().fill_device(reinterpret_cast<std::byte*>(v.ping_pong.buffer(0).data()),
-                                    index_t(v.ping_pong.size()) * v.ping_pong_blocks * v.format.block_bytes(), 0xffff);
-  }
-  /// Worst error of the last sparse step against the restricted reference.
-  compare_result check(int l, std::span<const sequence_id> batch) {
-    const layout_type& L = d.cache().layout();
-    const int hq = L.num_q_heads();
-    compare_result cr;
-    for (std::size_t i = 0; i < batch.size(); ++i)
-      check_restricted(L, d.history(batch[i], l), d.cache().sequence(batch[i]), d.cache().spec().block_tokens,
-                       d.attention().last_selection(), int(i), d.q.data() + i * std::size_t(hq) * layout_type::q_dim,
-                       d.scale(), out.data() + i * std::size_t(hq) * V, lse.data() + i * std::size_t(hq), cr);
-    return cr;
-  }
-};
-
-roofline_policy device_roofline() {
-  roofline_params p;
-  p.cpu_cost_per_token_seconds = 2.0e-9;
-  p.gpu_cost_per_token_seconds = 1.4e-9;
-  p.cpu_fixed_seconds = 20e-6;
-  p.gpu_fixed_seconds = 30e-6;
-  p.cost_window_samples = 16;
-  p.track_gpu_cost = true;
-  return roofline_policy(p);
+/// The device runs of the shared bodies (support/sparse_suite.hpp): four CPU
+/// threads; the gather threads and the transfer mode (host_gather unless said)
+/// per case.
+sparse_loop_case dev_case(std::vector<index_t> prompts, index_t room, int steps, int gather_threads, std::uint64_t seed,
+                          sparse_transfer transfer = sparse_transfer::host_gather) {
+  sparse_loop_case c;
+  c.opts.cpu_threads = 4;
+  c.opts.gather_threads = gather_threads;
+  c.opts.transfer = transfer;
+  c.prompts = std::move(prompts);
+  c.room = room;
+  c.steps = steps;
+  c.seed = seed;
+  return c;
 }
 
+/// select_all against dense: the pipeline reserved up front, a fp64 check every 10 steps.
 template <class Layout, class Policy>
-void select_all_matches_dense(const Layout& L, Policy pol, double scale, index_t direct_run_bytes, int gather_threads,
-                              int steps, std::uint64_t seed,
-                              sparse_transfer transfer = sparse_transfer::host_gather) {
-  const bool pull = transfer == sparse_transfer::device_pull;
-  cuda_backend be;
-  const std::vector<index_t> prompts{1, 15, 33, 70, 100, 260};
-  partition_spec spec = sparse_spec(2, int(prompts.size()), 260 + steps);
-  set_ping_pong_blocks(spec, L, 6);
-  device_cache<Layout, Policy> cache(be, L, spec, pol, {}, cache_options{true});
-  attention_options ao{4, true};
-  ao.sparse.reserve = true;
-  ao.sparse.direct_run_bytes = direct_run_bytes;
-  ao.sparse.gather_threads = gather_threads;
-  ao.sparse.transfer = transfer;
-  device_decode_driver<decltype(cache)> d(cache, ao, seed, scale);
-  if (pull) CHECK(d.attention().engine().sparse_staging_bytes() == 0);
-  std::vector<sequence_id> batch;
-  for (index_t p : prompts) batch.push_back(d.add(p));
-  dev_runner<decltype(cache)> r(d);
-  select_all all;
-  index_t gathered = 0, direct = 0, pulled = 0;
-  for (int s = 0; s < steps; ++s)
-    for (int l = 0; l < spec.num_layers; ++l) {
-      CAPTURE(s);
-      CAPTURE(l);
-      d.append_layer(l, batch);
-      r.make_queries(batch);
-      debug_partials dd, ds;
-      r.dense(l, batch, &dd);
-      const std::vector<float> out = r.out, lse = r.lse;
-      r.poison_ping_pong();  // the sparse step must move every block itself
-      r.sparse(l, batch, all, &ds);
-      REQUIRE(same_bits(out, r.out));
-      REQUIRE(same_bits(lse, r.lse));
-      REQUIRE(same_bits(dd.streamed_o, ds.streamed_o));
-      REQUIRE(same_bits(dd.cpu_lse, ds.cpu_lse));
-      gathered += d.attention().engine().last_gather().gathered_chunks;
-      direct += d.attention().engine().last_gather().direct_chunks;
-      pulled += d.attention().engine().last_gather().pulled_chunks;
-      if (s % 10 == 0) {
-        const compare_result cr = r.check(l, batch);
-        INFO("rel_l2 " << cr.max_rel_l2 << ", lse excess " << cr.max_lse_err);
-        REQUIRE(cr.ok());
-      }
-      if (l + 1 == spec.num_layers) cache.flush();
-    }
-  // Under compute-sanitizer (WS_TEST_QUICK) the GPU is ~100x slower, the
-  // roofline policy measures that and may route every block to the CPU: the
-  // streamed-chunk count is asserted in normal runs only.
-  if (!std::is_same_v<Policy, cpu_only> && !quick()) CHECK(gathered + pulled + direct > 0);
-  CHECK((direct_run_bytes == 0 ? gathered + pulled : direct) == 0);
-  CHECK((pull ? gathered : pulled) == 0);  // gathered chunks went the configured way
+void select_all_case(const Layout& L, Policy pol, double scale, index_t direct_run_bytes, int gather_threads, int steps,
+                     std::uint64_t seed, sparse_transfer transfer = sparse_transfer::host_gather) {
+  sparse_loop_case c = dev_case({1, 15, 33, 70, 100, 260}, 260, steps, gather_threads, seed, transfer);
+  c.opts.reserve = true;
+  c.opts.direct_run_bytes = direct_run_bytes;
+  c.check_every = 10;
+  select_all_matches_dense<cuda_backend>(L, pol, scale, c);
 }
 
 }  // namespace
@@ -134,22 +67,22 @@ void select_all_matches_dense(const Layout& L, Policy pol, double scale, index_t
 TEST_CASE("device: select_all is bit-identical to the dense step (GQA Qwen3 32/4, every policy, gathered/direct)") {
   const G L = presets::qwen3_30b_a3b::layout();
   const int steps = scaled(40, 12, 3);
-  SUBCASE("gpu_only, gathered, 1 gather thread") { select_all_matches_dense(L, gpu_only{}, gqa_scale, index_t{2} << 20, 1, steps, 1); }
-  SUBCASE("gpu_only, gathered, 3 gather threads") { select_all_matches_dense(L, gpu_only{}, gqa_scale, index_t{2} << 20, 3, steps, 2); }
-  SUBCASE("gpu_only, direct") { select_all_matches_dense(L, gpu_only{}, gqa_scale, 0, 1, steps, 3); }
-  SUBCASE("fixed_ratio 0.4") { select_all_matches_dense(L, fixed_ratio(0.4), gqa_scale, index_t{2} << 20, 2, steps, 4); }
-  SUBCASE("cpu_only") { select_all_matches_dense(L, cpu_only{}, gqa_scale, index_t{2} << 20, 1, steps, 5); }
-  SUBCASE("roofline") { select_all_matches_dense(L, device_roofline(), gqa_scale, index_t{2} << 20, 2, steps, 6); }
+  SUBCASE("gpu_only, gathered, 1 gather thread") { select_all_case(L, gpu_only{}, gqa_scale, index_t{2} << 20, 1, steps, 1); }
+  SUBCASE("gpu_only, gathered, 3 gather threads") { select_all_case(L, gpu_only{}, gqa_scale, index_t{2} << 20, 3, steps, 2); }
+  SUBCASE("gpu_only, direct") { select_all_case(L, gpu_only{}, gqa_scale, 0, 1, steps, 3); }
+  SUBCASE("fixed_ratio 0.4") { select_all_case(L, fixed_ratio(0.4), gqa_scale, index_t{2} << 20, 2, steps, 4); }
+  SUBCASE("cpu_only") { select_all_case(L, cpu_only{}, gqa_scale, index_t{2} << 20, 1, steps, 5); }
+  SUBCASE("roofline") { select_all_case(L, device_roofline(), gqa_scale, index_t{2} << 20, 2, steps, 6); }
   const sparse_transfer pull = sparse_transfer::device_pull;
-  SUBCASE("gpu_only, device pull") { select_all_matches_dense(L, gpu_only{}, gqa_scale, index_t{2} << 20, 1, steps, 41, pull); }
+  SUBCASE("gpu_only, device pull") { select_all_case(L, gpu_only{}, gqa_scale, index_t{2} << 20, 1, steps, 41, pull); }
   SUBCASE("fixed_ratio 0.4, device pull") {
-    select_all_matches_dense(L, fixed_ratio(0.4), gqa_scale, index_t{2} << 20, 2, steps, 42, pull);
+    select_all_case(L, fixed_ratio(0.4), gqa_scale, index_t{2} << 20, 2, steps, 42, pull);
   }
   SUBCASE("roofline, device pull") {
-    select_all_matches_dense(L, device_roofline(), gqa_scale, index_t{2} << 20, 2, steps, 43, pull);
+    select_all_case(L, device_roofline(), gqa_scale, index_t{2} << 20, 2, steps, 43, pull);
   }
   SUBCASE("gpu_only, direct, device pull (nothing to pull)") {
-    select_all_matches_dense(L, gpu_only{}, gqa_scale, 0, 1, steps, 44, pull);
+    select_all_case(L, gpu_only{}, gqa_scale, 0, 1, steps, 44, pull);
   }
 }
 
@@ -157,60 +90,21 @@ TEST_CASE("device: select_all is bit-identical to the dense step (MLA DeepSeek-V
   const M L = presets::deepseek_v2_lite::layout();
   const double scale = presets::deepseek_v2_lite::softmax_scale();
   const int steps = scaled(30, 10, 3);
-  SUBCASE("gpu_only") { select_all_matches_dense(L, gpu_only{}, scale, index_t{2} << 20, 2, steps, 7); }
-  SUBCASE("fixed_ratio 0.4, direct") { select_all_matches_dense(L, fixed_ratio(0.4), scale, 0, 1, steps, 8); }
-  SUBCASE("roofline") { select_all_matches_dense(L, device_roofline(), scale, index_t{2} << 20, 1, steps, 9); }
+  SUBCASE("gpu_only") { select_all_case(L, gpu_only{}, scale, index_t{2} << 20, 2, steps, 7); }
+  SUBCASE("fixed_ratio 0.4, direct") { select_all_case(L, fixed_ratio(0.4), scale, 0, 1, steps, 8); }
+  SUBCASE("roofline") { select_all_case(L, device_roofline(), scale, index_t{2} << 20, 1, steps, 9); }
   SUBCASE("gpu_only, device pull") {
-    select_all_matches_dense(L, gpu_only{}, scale, index_t{2} << 20, 1, steps, 45, sparse_transfer::device_pull);
+    select_all_case(L, gpu_only{}, scale, index_t{2} << 20, 1, steps, 45, sparse_transfer::device_pull);
   }
 }
 
 namespace {
 
+/// Top-k against the restricted reference and the test's own top-k.
 template <class Layout, class Policy>
-void topk_loop(const Layout& L, Policy pol, double scale, top_k_selector sel, const std::vector<index_t>& prompts,
-               int steps, int gather_threads, std::uint64_t seed,
-               sparse_transfer transfer = sparse_transfer::host_gather) {
-  const bool pull = transfer == sparse_transfer::device_pull;
-  cuda_backend be;
-  partition_spec spec = sparse_spec(2, int(prompts.size()), 300 + steps);
-  set_ping_pong_blocks(spec, L, 5);
-  device_cache<Layout, Policy> cache(be, L, spec, pol, {}, cache_options{true});
-  attention_options ao{4, true};
-  ao.sparse.gather_threads = gather_threads;
-  ao.sparse.transfer = transfer;
-  device_decode_driver<decltype(cache)> d(cache, ao, seed, scale);
-  std::vector<sequence_id> batch;
-  for (index_t p : prompts) batch.push_back(d.add(p));
-  dev_runner<decltype(cache)> r(d);
-  const int hq = L.num_q_heads();
-  index_t selected = 0, placed = 0, gathered_bytes = 0;
-  for (int s = 0; s < steps; ++s)
-    for (int l = 0; l < spec.num_layers; ++l) {
-      CAPTURE(s);
-      CAPTURE(l);
-      d.append_layer(l, batch);
-      r.make_queries(batch);
-      if (pull) r.poison_ping_pong();  // whatever the pull does not move reads as NaN
-      r.sparse(l, batch, sel);
-      const compare_result cr = r.check(l, batch);
-      INFO("rel_l2 " << cr.max_rel_l2 << ", lse excess " << cr.max_lse_err << ", non-finite " << cr.non_finite);
-      REQUIRE(cr.ok());
-      int problems = 0;
-      for (std::size_t i = 0; i < batch.size(); ++i)
-        problems += check_topk(cache, d.attention(), d.history(batch[i], l), batch[i], l, int(i),
-                               d.q.data() + i * std::size_t(hq) * Layout::q_dim, scale, sel);
-      REQUIRE(problems == 0);
-      selected += r.rep.selected_blocks;
-      placed += r.rep.placed_blocks;
-      gathered_bytes += r.rep.gathered_bytes + r.rep.pulled_bytes;
-      const index_t staged = d.attention().last_plan().gathered_blocks * cache.format().block_bytes();
-      CHECK(r.rep.gathered_bytes == (pull ? 0 : staged));
-      CHECK(r.rep.pulled_bytes == (pull ? staged : 0));
-      if (l + 1 == spec.num_layers) cache.flush();
-    }
-  CHECK(selected < placed);
-  if (!std::is_same_v<Policy, cpu_only> && !quick()) CHECK(gathered_bytes > 0);  // see above
+void topk_case(const Layout& L, Policy pol, double scale, top_k_selector sel, std::vector<index_t> prompts, int steps,
+               int gather_threads, std::uint64_t seed, sparse_transfer transfer = sparse_transfer::host_gather) {
+  topk_loop<cuda_backend>(L, pol, scale, sel, dev_case(std::move(prompts), 300, steps, gather_threads, seed, transfer));
 }
 
 }  // namespace
@@ -218,134 +112,46 @@ void topk_loop(const Layout& L, Policy pol, double scale, top_k_selector sel, co
 TEST_CASE("device: top-k equals the fp64 reference restricted to the selection + D-window; the test's own top-k") {
   const int steps = scaled(36, 6, 2);
   SUBCASE("Qwen3 32/4, keep 0.5, fixed_ratio 0.5, 2 gather threads") {
-    topk_loop(presets::qwen3_30b_a3b::layout(), fixed_ratio(0.5), gqa_scale, top_k_selector::ratio(0.5),
+    topk_case(presets::qwen3_30b_a3b::layout(), fixed_ratio(0.5), gqa_scale, top_k_selector::ratio(0.5),
               {40, 97, 200, 333}, steps, 2, 11);
   }
   SUBCASE("Mixtral 32/8, keep 3 blocks, gpu_only") {
-    topk_loop(presets::mixtral_8x7b::layout(), gpu_only{}, gqa_scale, top_k_selector::blocks(3), {17, 64, 150},
+    topk_case(presets::mixtral_8x7b::layout(), gpu_only{}, gqa_scale, top_k_selector::blocks(3), {17, 64, 150},
               steps, 1, 12);
   }
   SUBCASE("Qwen3, keep 0.2, roofline") {
-    topk_loop(presets::qwen3_30b_a3b::layout(), device_roofline(), gqa_scale, top_k_selector::ratio(0.2),
+    topk_case(presets::qwen3_30b_a3b::layout(), device_roofline(), gqa_scale, top_k_selector::ratio(0.2),
               {300, 33, 250}, steps, 1, 13);
   }
   SUBCASE("MLA DeepSeek-V2-Lite, keep 0.3, fixed_ratio 0.5") {
-    topk_loop(presets::deepseek_v2_lite::layout(), fixed_ratio(0.5), presets::deepseek_v2_lite::softmax_scale(),
+    topk_case(presets::deepseek_v2_lite::layout(), fixed_ratio(0.5), presets::deepseek_v2_lite::softmax_scale(),
               top_k_selector::ratio(0.3), {50, 140, 260}, steps, 2, 14);
   }
   SUBCASE("Qwen3 32/4, keep 0.5, fixed_ratio 0.5, device pull") {
-    topk_loop(presets::qwen3_30b_a3b::layout(), fixed_ratio(0.5), gqa_scale, top_k_selector::ratio(0.5),
+    topk_case(presets::qwen3_30b_a3b::layout(), fixed_ratio(0.5), gqa_scale, top_k_selector::ratio(0.5),
               {40, 97, 200, 333}, steps, 1, 15, sparse_transfer::device_pull);
   }
   SUBCASE("Mixtral 32/8, keep 3 blocks, gpu_only, device pull") {
-    topk_loop(presets::mixtral_8x7b::layout(), gpu_only{}, gqa_scale, top_k_selector::blocks(3), {17, 64, 150},
+    topk_case(presets::mixtral_8x7b::layout(), gpu_only{}, gqa_scale, top_k_selector::blocks(3), {17, 64, 150},
               steps, 1, 16, sparse_transfer::device_pull);
   }
   SUBCASE("MLA DeepSeek-V2-Lite, keep 0.3, fixed_ratio 0.5, device pull") {
-    topk_loop(presets::deepseek_v2_lite::layout(), fixed_ratio(0.5), presets::deepseek_v2_lite::softmax_scale(),
+    topk_case(presets::deepseek_v2_lite::layout(), fixed_ratio(0.5), presets::deepseek_v2_lite::softmax_scale(),
               top_k_selector::ratio(0.3), {50, 140, 260}, steps, 1, 17, sparse_transfer::device_pull);
   }
 }
 
 TEST_CASE("device K1: an engine (or a KV head) without selected blocks gives exactly (0, -inf)") {
-  cuda_backend be;
-  const G L = presets::qwen3_30b_a3b::layout();
-  partition_spec spec = sparse_spec(1, 3, 300);
-  set_ping_pong_blocks(spec, L, 4);
-  device_cache<G, fixed_ratio> cache(be, L, spec, fixed_ratio(0.5), {}, cache_options{true});
-  device_decode_driver<decltype(cache)> d(cache, attention_options{2, true}, 21, gqa_scale);
-  const std::vector<sequence_id> batch{d.add(128), d.add(32 * 5 + 3), d.add(31)};
-  dev_runner<decltype(cache)> r(d);
-  const int rows = 3 * 32;
-  for (int s = 0; s < 3; ++s) {
-    d.append_layer(0, batch);
-    r.make_queries(batch);
-    {
-      only_region cpu_blocks{placement::cpu_compute};
-      debug_partials dbg;
-      r.sparse(0, batch, cpu_blocks, &dbg);
-      CHECK(r.check(0, batch).ok());
-      CHECK(r.rep.streamed_tokens == 0);
-      CHECK(empty_rows(dbg.streamed_o, dbg.streamed_lse, 0, rows));
-    }
-    {
-      only_region pinned_blocks{placement::gpu_load};
-      debug_partials dbg;
-      r.sparse(0, batch, pinned_blocks, &dbg);
-      CHECK(r.check(0, batch).ok());
-      CHECK(r.rep.cpu_tokens == 0);
-      CHECK(empty_rows(dbg.cpu_o, dbg.cpu_lse, 0, rows));
-    }
-    {
-      select_none none;
-      debug_partials dbg;
-      r.sparse(0, batch, none, &dbg);
-      CHECK(r.check(0, batch).ok());
-      CHECK(empty_rows(dbg.cpu_o, dbg.cpu_lse, 0, rows));
-      CHECK(empty_rows(dbg.streamed_o, dbg.streamed_lse, 0, rows));
-    }
-    {
-      skip_head0 skip;
-      debug_partials dbg;
-      r.sparse(0, batch, skip, &dbg);
-      CHECK(r.check(0, batch).ok());
-      for (std::size_t i = 0; i < batch.size(); ++i) {  // query heads 0..7 read KV head 0
-        CHECK(empty_rows(dbg.cpu_o, dbg.cpu_lse, i * 32, 8));
-        CHECK(empty_rows(dbg.streamed_o, dbg.streamed_lse, i * 32, 8));
-      }
-    }
-    cache.flush();
-  }
+  empty_engine_partials<cuda_backend>(presets::qwen3_30b_a3b::layout(), 2, gqa_scale);
 }
 
 TEST_CASE("device K4/C7: selected blocks past 2^32 bytes (unpinned region; pinned with WS_TEST_LARGE_PINNED=1)") {
-  const G lay(4, 1);  // 512 bytes per token
-  const index_t gib_tokens = (index_t{1} << 30) / 512;
   const char* large = std::getenv("WS_TEST_LARGE_PINNED");
   const bool with_pinned = large != nullptr && *large == '1';
   std::vector<placement> regions{placement::cpu_compute};
   if (with_pinned) regions.push_back(placement::gpu_load);
-  for (placement where : regions) {
-    const std::string region = to_string(where);
-    CAPTURE(region);
-    const partition_spec s = past_4gib_spec(lay, where);
-    scripted_policy pol;
-    pol.fn = [where](const route_query&) { return where; };
-    cuda_backend be;
-    std::optional<device_cache<G, scripted_policy, cuda_host_register>> cache;
-    try {
-      cache.emplace(be, lay, s, pol, cuda_host_register{}, cache_options{false});
-    } catch (const resource_error& e) {
-      WARN_MESSAGE(false, "skipped: 5 GiB region refused: " << std::string(e.what()));
-      continue;
-    }
-    device_decode_driver<device_cache<G, scripted_policy, cuda_host_register>> d(*cache, attention_options{2, true}, 41,
-                                                                                 gqa_scale);
-    (void)cache->begin_sequence(2 * gib_tokens);  // never written
-    const sequence_id a = d.add(2 * 256 + 10);    // at 2 GiB
-    (void)cache->begin_sequence(2 * gib_tokens);  // to 4 GiB + a
-    const sequence_id b = d.add(6 * 256 + 5);     // past 4 GiB
-    const std::vector<sequence_id> batch{a, b};
-    const layer_views<G> v = cache->views(0);
-    const bf16* base = where == placement::cpu_compute ? v.cpu_block(0) : v.pinned_block(0);
-    dev_runner<device_cache<G, scripted_policy, cuda_host_register>> r(d);
-    top_k_selector sel = top_k_selector::ratio(0.4);
-    for (int st = 0; st < 3; ++st) {
-      d.append_layer(0, batch);
-      r.make_queries(batch);
-      r.sparse(0, batch, sel);
-      const compare_result cr = r.check(0, batch);
-      REQUIRE(cr.ok());
-      const std::vector<index_t> chosen = d.attention().last_selection().blocks(1, 0);
-      REQUIRE(!chosen.empty());
-      for (index_t k : chosen) {
-        const block_ref& br = cache->sequence(b).block_table[std::size_t(k)];
-        const bf16* p = where == placement::cpu_compute ? v.cpu_block(br.id) : v.pinned_block(br.id);
-        CHECK(index_t(p - base) * index_t(sizeof(bf16)) > (index_t{1} << 32));
-      }
-      cache->flush();
-    }
-  }
+  // No resident-set bound here: the CUDA context and registered memory count in it.
+  selections_past_4gib<cuda_backend>(regions, 2, gqa_scale, std::nullopt);
 }
 
 TEST_CASE("device K10: a sequence's sparse output is bit-identical alone and in a batch, and on a rerun") {
@@ -371,7 +177,7 @@ int gather_race_run(Setup&& setup, int steps, std::uint64_t seed,
   ao.sparse.transfer = transfer;
   device_decode_driver<decltype(cache)> d(cache, ao, seed, gqa_scale);
   const std::vector<sequence_id> batch{d.add(800), d.add(600), d.add(500)};
-  dev_runner<decltype(cache)> r(d);
+  step_runner<decltype(cache)> r(d);
   top_k_selector sel = top_k_selector::ratio(0.5);
   setup(be.debug());
   int wrong = 0;
@@ -381,7 +187,7 @@ int gather_race_run(Setup&& setup, int steps, std::uint64_t seed,
     r.sparse(0, batch, sel);
     REQUIRE(d.attention().last_plan().chunks.size() >= 4);
     if (transfer == sparse_transfer::device_pull) REQUIRE(d.attention().engine().last_gather().pulled_chunks >= 4);
-    wrong += r.check(0, batch).ok() ? 0 : 1;
+    wrong += check_last_selection(r, 0, batch).ok() ? 0 : 1;
     cache.flush();
   }
   be.debug() = cuda_debug_options{};
@@ -452,58 +258,11 @@ TEST_CASE("device K7: pulled chunks keep the ping-pong guards (WAR consumed[b], 
 
 namespace {
 
-/// The same selection through two attention objects on one device cache, the
-/// driver's (host_gather) and one with device_pull (`pull_ctas` CTAs), ping-pong
-/// NaN-poisoned before each: outputs and LSEs bit-identical, step by step.
+/// The same selection through host_gather and device_pull (`pull_ctas` CTAs), two gather threads.
 template <class Layout, class Policy>
-void pull_matches_gather(const Layout& L, Policy pol, double scale, top_k_selector sel,
-                         const std::vector<index_t>& prompts, int steps, int pull_ctas, std::uint64_t seed) {
-  cuda_backend be;
-  partition_spec spec = sparse_spec(2, int(prompts.size()), 300 + steps);
-  set_ping_pong_blocks(spec, L, 6);
-  device_cache<Layout, Policy> cache(be, L, spec, pol, {}, cache_options{true});
-  attention_options ao{4, true};
-  ao.sparse.reserve = true;
-  ao.sparse.gather_threads = 2;
-  ao.sparse.transfer = sparse_transfer::host_gather;  // not the default
-  device_decode_driver<decltype(cache)> d(cache, ao, seed, scale);
-  attention_options po = ao;
-  po.sparse.transfer = sparse_transfer::device_pull;
-  po.sparse.pull_ctas = pull_ctas;
-  hybrid_attention<decltype(cache)> pull(cache, po);
-  CHECK(pull.engine().sparse_staging_bytes() == 0);
-  std::vector<sequence_id> batch;
-  for (index_t p : prompts) batch.push_back(d.add(p));
-  dev_runner<decltype(cache)> r(d);
-  const index_t block_bytes = cache.format().block_bytes();
-  index_t pulled = 0;
-  for (int s = 0; s < steps; ++s)
-    for (int l = 0; l < spec.num_layers; ++l) {
-      CAPTURE(s);
-      CAPTURE(l);
-      d.append_layer(l, batch);
-      r.make_queries(batch);
-      top_k_selector sg = sel, sp = sel;
-      r.poison_ping_pong();
-      r.sparse(l, batch, sg);
-      const std::vector<float> out = r.out, lse = r.lse;
-      const gather_stats gg = d.attention().engine().last_gather();
-      r.poison_ping_pong();
-      r.sparse_with(pull, l, batch, sp);
-      REQUIRE(same_bits(out, r.out));
-      REQUIRE(same_bits(lse, r.lse));
-      const gather_stats pg = pull.engine().last_gather();
-      CHECK(pg.pulled_chunks == gg.gathered_chunks);
-      CHECK(pg.direct_chunks == gg.direct_chunks);
-      CHECK(pg.gathered_chunks == 0);
-      CHECK(pg.bytes == 0);
-      CHECK(pg.pulled_bytes == gg.bytes);
-      CHECK(pg.pulled_bytes == pull.last_plan().gathered_blocks * block_bytes);
-      pulled += pg.pulled_chunks;
-      if (s % 8 == 0) CHECK(r.check(l, batch).ok());
-      if (l + 1 == spec.num_layers) cache.flush();
-    }
-  if (!std::is_same_v<Policy, cpu_only> && !quick()) CHECK(pulled > 0);
+void pull_case(const Layout& L, Policy pol, double scale, top_k_selector sel, std::vector<index_t> prompts, int steps,
+               int pull_ctas, std::uint64_t seed) {
+  pull_matches_gather<cuda_backend>(L, pol, scale, sel, dev_case(std::move(prompts), 300, steps, 2, seed), pull_ctas);
 }
 
 }  // namespace
@@ -511,15 +270,15 @@ void pull_matches_gather(const Layout& L, Policy pol, double scale, top_k_select
 TEST_CASE("device: device_pull is bit-identical to host_gather on the same selection") {
   const int steps = scaled(24, 6, 2);
   SUBCASE("Qwen3 32/4, keep 0.5, gpu_only, 64 CTAs") {
-    pull_matches_gather(presets::qwen3_30b_a3b::layout(), gpu_only{}, gqa_scale, top_k_selector::ratio(0.5),
+    pull_case(presets::qwen3_30b_a3b::layout(), gpu_only{}, gqa_scale, top_k_selector::ratio(0.5),
                         {40, 97, 200, 333}, steps, 64, 61);
   }
   SUBCASE("Qwen3 32/4, keep 0.2, fixed_ratio 0.5, 1 CTA (grid-stride over every block)") {
-    pull_matches_gather(presets::qwen3_30b_a3b::layout(), fixed_ratio(0.5), gqa_scale, top_k_selector::ratio(0.2),
+    pull_case(presets::qwen3_30b_a3b::layout(), fixed_ratio(0.5), gqa_scale, top_k_selector::ratio(0.2),
                         {300, 33, 250}, steps, 1, 62);
   }
   SUBCASE("MLA DeepSeek-V2-Lite, keep 0.3, fixed_ratio 0.5, 3 CTAs") {
-    pull_matches_gather(presets::deepseek_v2_lite::layout(), fixed_ratio(0.5),
+    pull_case(presets::deepseek_v2_lite::layout(), fixed_ratio(0.5),
                         presets::deepseek_v2_lite::softmax_scale(), top_k_selector::ratio(0.3), {50, 140, 260}, steps,
                         3, 63);
   }
@@ -663,12 +422,12 @@ TEST_CASE("device: a sparse plan without reserve_sparse is a state_error; the fi
   gather_options.sparse.transfer = sparse_transfer::host_gather;  // the mode with staging to reserve
   device_decode_driver<decltype(cache)> d(cache, gather_options, 91, gqa_scale);
   const std::vector<sequence_id> batch{d.add(100), d.add(70)};
-  dev_runner<decltype(cache)> r(d);
+  step_runner<decltype(cache)> r(d);
   CHECK(d.attention().engine().sparse_staging_bytes() == 0);
   top_k_selector sel = top_k_selector::ratio(0.5);
   d.append_layer(0, batch);
   r.make_queries(batch);
   r.sparse(0, batch, sel);
-  CHECK(r.check(0, batch).ok());
+  CHECK(check_last_selection(r, 0, batch).ok());
   CHECK(d.attention().engine().sparse_staging_bytes() == 2 * 4 * cache.format().block_bytes());
 }

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -34,6 +35,29 @@ namespace wstest {
 using namespace writescope;
 
 inline constexpr double rel_l2_bar = 5e-3;
+
+/// True when the environment variable `name` is set to something other than "" or "0".
+inline bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' && *v != '0';
+}
+
+/// True when the tests should run the smallest sizes that still reach every
+/// code path of a case: WS_TEST_SANITIZER=1 (compute-sanitizer racecheck, whose
+/// shared-memory instrumentation makes the attention kernels far slower than
+/// memcheck does). Implies quick().
+inline bool sanitizer_sizes() { return env_flag("WS_TEST_SANITIZER"); }
+
+/// True when the tests should run reduced sizes (sanitizer runs): WS_TEST_QUICK=1,
+/// or WS_TEST_SANITIZER=1. The device tests (tests/cuda) and the shared bodies
+/// they run set their sizes with it; the host ctest runs never set either.
+inline bool quick() { return env_flag("WS_TEST_QUICK") || sanitizer_sizes(); }
+
+/// `full` normally, `reduced` under WS_TEST_QUICK.
+inline int scaled(int full, int reduced) { return quick() ? reduced : full; }
+
+/// `full` normally, `reduced` under WS_TEST_QUICK, `smallest` under WS_TEST_SANITIZER.
+inline int scaled(int full, int reduced, int smallest) { return sanitizer_sizes() ? smallest : scaled(full, reduced); }
 
 /// Every token written to one (sequence, layer): per plane, token-major
 /// [tokens][kv_heads][row] bf16.
@@ -393,6 +417,13 @@ struct step_runner {
 
   /// The queries of `batch` (host copy: d.q), drawn from each sequence's source.
   void make_queries(std::span<const sequence_id> batch) { qa = d.make_queries(batch); }
+  /// NaN (bf16 0xffff) into every ping-pong buffer of the cache: a step that
+  /// fails to move a block then cannot read one left there by an earlier step.
+  void poison_ping_pong() {
+    const layer_views<layout_type> v = d.cache().views(0);
+    d.cache().backend().fill_device(reinterpret_cast<std::byte*>(v.ping_pong.buffer(0).data()),
+                                    index_t(v.ping_pong.size()) * v.ping_pong_blocks * v.format.block_bytes(), 0xffff);
+  }
   void dense(int l, std::span<const sequence_id> batch, debug_partials* dbg = nullptr) {
     const auto so = outputs(batch.size(), dbg);
     rep = d.attention().step(l, batch, qa, float(d.scale()), so);
@@ -416,6 +447,19 @@ struct step_runner {
     return io.outputs(out, lse, batch * std::size_t(d.cache().layout().num_q_heads()), V, dbg);
   }
 };
+
+/// The roofline policy of the tests: fixed costs of 20 / 30 us, 2.0 / 1.4 ns
+/// per CPU / GPU token, a cost window of `window` samples.
+inline roofline_policy test_roofline(int window = 8, bool track_gpu_cost = false) {
+  roofline_params p;
+  p.cpu_cost_per_token_seconds = 2.0e-9;
+  p.gpu_cost_per_token_seconds = 1.4e-9;
+  p.cpu_fixed_seconds = 20e-6;
+  p.gpu_fixed_seconds = 30e-6;
+  p.cost_window_samples = window;
+  p.track_gpu_cost = track_gpu_cost;
+  return roofline_policy(p);
+}
 
 /// A small spec for tests: block 16, D 32, generous capacities.
 inline partition_spec small_spec(int layers = 1, int max_seqs = 4, int block_tokens = 16, int d_window = 32) {
@@ -448,8 +492,14 @@ using host_cache = inplace_kv_cache<Layout, host_backend, pageable_allocator, Po
 /// cuda_backend, so that the body runs on both with the same assertions.
 template <class Backend>
 struct backend_traits {
-  template <kv_layout Layout, routing_policy Policy>
-  using cache = inplace_kv_cache<Layout, Backend, pageable_allocator, Policy>;
+  /// Whether the backend's activations live on a device (sizes under WS_TEST_QUICK, ...).
+  static constexpr bool device = false;
+  /// The allocator of the pinned region in most tests, and the one of the
+  /// 5 GiB regions past 4 GiB (K4/C7): reserved address space, pages on first touch.
+  using allocator = pageable_allocator;
+  using large_allocator = pageable_allocator;
+  template <kv_layout Layout, routing_policy Policy, class Alloc = allocator>
+  using cache = inplace_kv_cache<Layout, Backend, Alloc, Policy>;
   template <class Cache>
   using driver = decode_driver<Cache>;
 };
