@@ -45,11 +45,10 @@ std::pair<index_t, index_t> placed_split(const Cache& cache, std::span<const seq
 template <class Layout>
 index_t assisted_loop(const Layout& L, attention_options opts, const std::vector<index_t>& prompts, int steps,
                       double scale, std::uint64_t seed, double expect_fraction = -1.0) {
-  host_backend be;
-  auto spec = small_spec(2, int(prompts.size()));
-  set_ping_pong_blocks(spec, L, 6);
-  host_cache<Layout, fixed_ratio> cache(be, L, spec, fixed_ratio(0.4), {}, cache_options{true});
-  decode_driver<decltype(cache)> d(cache, opts, seed, scale);
+  const partition_spec spec = small_spec_for(L, 2, int(prompts.size()));
+  test_rig<host_backend, Layout, fixed_ratio> t(L, spec, fixed_ratio(0.4), opts, seed, scale);
+  auto& cache = t.cache;
+  auto& d = t.d;
   std::vector<sequence_id> batch;
   for (index_t p : prompts) batch.push_back(d.add(p));
   index_t assisted = 0;
@@ -114,13 +113,12 @@ TEST_CASE("fixed assist: MLA DeepSeek-V2-Lite, exact against fp64") {
 
 TEST_CASE("adaptive assist: exact, within its cap, both rates measured") {
   const G L(8, 2);
-  host_backend be;
-  auto spec = small_spec(2, 4);
-  set_ping_pong_blocks(spec, L, 6);
-  host_cache<G, fixed_ratio> cache(be, L, spec, fixed_ratio(0.2), {}, cache_options{true});
+  const partition_spec spec = small_spec_for(L, 2, 4);
   attention_options o = with_assist(2, assist_mode::adaptive);
   o.assist.max_pinned_fraction = 0.5;
-  decode_driver<decltype(cache)> d(cache, o, 21, gqa_scale);
+  test_rig<host_backend, G, fixed_ratio> t(L, spec, fixed_ratio(0.2), o, 21, gqa_scale);
+  auto& cache = t.cache;
+  auto& d = t.d;
   std::vector<sequence_id> batch{d.add(300), d.add(40), d.add(129)};
   for (int s = 0; s < 60; ++s) {
     const auto split = placed_split(cache, batch);  // no structured binding: clang 14 cannot capture one
@@ -141,11 +139,9 @@ TEST_CASE("adaptive assist: exact, within its cap, both rates measured") {
 TEST_CASE("fixed assist is deterministic: bit-identical outputs across CPU thread counts") {
   const G L(8, 2);
   auto run = [&](int threads) {
-    host_backend be;
-    auto spec = small_spec(2, 3);
-    set_ping_pong_blocks(spec, L, 6);
-    host_cache<G, fixed_ratio> cache(be, L, spec, fixed_ratio(0.3), {}, cache_options{true});
-    decode_driver<decltype(cache)> d(cache, with_assist(threads, assist_mode::fixed, 0.5), 33, gqa_scale);
+    test_rig<host_backend, G, fixed_ratio> t(L, small_spec_for(L, 2, 3), fixed_ratio(0.3),
+                                            with_assist(threads, assist_mode::fixed, 0.5), 33, gqa_scale);
+    auto& d = t.d;
     std::vector<sequence_id> batch{d.add(200), d.add(33), d.add(97)};
     std::vector<float> all;
     for (int s = 0; s < 40; ++s) {
@@ -181,15 +177,14 @@ TEST_CASE("adaptive assist: the cap holds after rounding, so the GPU keeps strea
   // One and three pinned blocks and a CPU that looks free: round(0.5 * n) would
   // take 1 of 1 and 2 of 3 at the cap 0.5; floor takes 0 of 1 and 1 of 3.
   const G L(8, 2);
-  host_backend be;
-  auto spec = small_spec(1, 2, 16, 16);  // block 16, D 16: a prompt's whole D batches are single blocks
-  set_ping_pong_blocks(spec, L, 6);
-  host_cache<G, gpu_only> cache(be, L, spec, gpu_only{}, {}, cache_options{true});
+  const partition_spec spec = small_spec_for(L, 1, 2, 6, 16, 16);  // block 16, D 16: a prompt's whole D batches are single blocks
   attention_options o = with_assist(1, assist_mode::adaptive);
   o.assist.max_pinned_fraction = 0.5;
   o.assist.initial_cpu_seconds_per_token = 1e-12;  // the balance asks for everything
   o.assist.initial_gpu_seconds_per_token = 1e-6;
-  decode_driver<decltype(cache)> d(cache, o, 5, gqa_scale);
+  test_rig<host_backend, G, gpu_only> t(L, spec, gpu_only{}, o, 5, gqa_scale);
+  auto& cache = t.cache;
+  auto& d = t.d;
   std::vector<sequence_id> batch{d.add(16), d.add(48)};
   REQUIRE(cache.sequence(batch[0]).pinned_blocks.size() == 1);
   REQUIRE(cache.sequence(batch[1]).pinned_blocks.size() == 3);

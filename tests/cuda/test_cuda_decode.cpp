@@ -72,17 +72,6 @@ index_t decode_loop(const Layout& L, Policy pol, const std::vector<index_t>& pro
   return evictions;
 }
 
-roofline_policy roofline_for_tests() {
-  roofline_params p;
-  p.cpu_cost_per_token_seconds = 2.0e-9;
-  p.gpu_cost_per_token_seconds = 1.4e-9;
-  p.cpu_fixed_seconds = 20e-6;
-  p.gpu_fixed_seconds = 30e-6;
-  p.cost_window_samples = 16;
-  p.track_gpu_cost = true;
-  return roofline_policy(p);
-}
-
 // Block 16, D 32: 1, block-1, block, block+1, D-1, D, D+1 and a few batches.
 const std::vector<index_t> boundary_prompts{1, 15, 16, 17, 31, 32, 33, 100};
 
@@ -96,7 +85,7 @@ TEST_CASE("GQA Qwen3 32/4: every policy, ragged boundary lengths, >= 3 eviction 
   SUBCASE("gpu_only (r = 0)") { CHECK(decode_loop(L, gpu_only{}, boundary_prompts, c, gqa_scale, 1) >= need); }
   SUBCASE("fixed_ratio 0.4") { CHECK(decode_loop(L, fixed_ratio(0.4), boundary_prompts, c, gqa_scale, 2) >= need); }
   SUBCASE("cpu_only (r = 1)") { CHECK(decode_loop(L, cpu_only{}, boundary_prompts, c, gqa_scale, 3) >= need); }
-  SUBCASE("roofline") { CHECK(decode_loop(L, roofline_for_tests(), boundary_prompts, c, gqa_scale, 4) >= need); }
+  SUBCASE("roofline") { CHECK(decode_loop(L, device_roofline(), boundary_prompts, c, gqa_scale, 4) >= need); }
 }
 
 TEST_CASE("GQA Mixtral 32/8: two layers, three ping-pong buffers, r = 0 and 0.4") {
@@ -121,7 +110,7 @@ TEST_CASE("MLA DeepSeek-V2-Lite 16 heads: every policy, boundary lengths, >= 3 e
   SUBCASE("gpu_only (r = 0)") { CHECK(decode_loop(L, gpu_only{}, prompts, c, scale, 7) >= need); }
   SUBCASE("fixed_ratio 0.4") { CHECK(decode_loop(L, fixed_ratio(0.4), prompts, c, scale, 8) >= need); }
   SUBCASE("cpu_only (r = 1)") { CHECK(decode_loop(L, cpu_only{}, prompts, c, scale, 9) >= need); }
-  SUBCASE("roofline") { CHECK(decode_loop(L, roofline_for_tests(), prompts, c, scale, 10) >= need); }
+  SUBCASE("roofline") { CHECK(decode_loop(L, device_roofline(), prompts, c, scale, 10) >= need); }
 }
 
 TEST_CASE("CPU assist on the GPU path: the CPU reads pinned blocks in place, also right after evictions") {
@@ -143,7 +132,7 @@ TEST_CASE("CPU assist on the GPU path: the CPU reads pinned blocks in place, als
   }
   SUBCASE("GQA, roofline, adaptive") {
     c.assist.mode = assist_mode::adaptive;
-    CHECK(decode_loop(L, roofline_for_tests(), boundary_prompts, c, gqa_scale, 43) >= need);
+    CHECK(decode_loop(L, device_roofline(), boundary_prompts, c, gqa_scale, 43) >= need);
   }
   SUBCASE("MLA, gpu_only placement, fixed 0.5") {
     c.assist = {assist_mode::fixed, 0.5};
@@ -152,7 +141,7 @@ TEST_CASE("CPU assist on the GPU path: the CPU reads pinned blocks in place, als
   }
   SUBCASE("MLA, roofline, adaptive") {
     c.assist.mode = assist_mode::adaptive;
-    CHECK(decode_loop(ML, roofline_for_tests(), {1, 16, 31, 32, 33, 90}, c, presets::deepseek_v2_lite::softmax_scale(),
+    CHECK(decode_loop(ML, device_roofline(), {1, 16, 31, 32, 33, 90}, c, presets::deepseek_v2_lite::softmax_scale(),
                       45) >= (quick() ? 0 : need));
   }
 }
@@ -221,11 +210,8 @@ TEST_CASE("GQA head mapping on the GPU path: query head h reads KV head h / (Hq/
     CAPTURE(hq);
     CAPTURE(hkv);
     const G L(hq, hkv);
-    cuda_backend be;
-    auto spec = small_spec(1, 2);
-    set_ping_pong_blocks(spec, L, 6);
-    device_cache<G, gpu_only> cache(be, L, spec, gpu_only{}, {}, cache_options{true});
-    device_decode_driver<decltype(cache)> d(cache, attention_options{2, true}, 13, gqa_scale);
+    test_rig<cuda_backend, G, gpu_only> t(L, small_spec_for(L, 1, 2), gpu_only{}, attention_options{2, true}, 13, gqa_scale);
+    auto& d = t.d;
     d.gen.value = [](int plane, int kvh, int, bf16_source& s) {
       return plane == G::value_plane ? bf16::from_float(float(kvh + 1)) : s.next();
     };
@@ -249,11 +235,10 @@ TEST_CASE("GQA head mapping on the GPU path: query head h reads KV head h / (Hq/
 
 TEST_CASE("recycled pool: end every sequence and decode new ones over the old blocks (K5/C8)") {
   const G L(8, 2);
-  cuda_backend be;
-  auto spec = small_spec(2, 3);
-  set_ping_pong_blocks(spec, L, 6);
-  device_cache<G, fixed_ratio> cache(be, L, spec, fixed_ratio(0.5), {}, cache_options{true});
-  device_decode_driver<decltype(cache)> d(cache, attention_options{2, true}, 17, gqa_scale);
+  test_rig<cuda_backend, G, fixed_ratio> t(L, small_spec_for(L, 2, 3), fixed_ratio(0.5), attention_options{2, true}, 17,
+                                          gqa_scale);
+  auto& cache = t.cache;
+  auto& d = t.d;
   for (int round = 0; round < 3; ++round) {
     CAPTURE(round);
     std::vector<sequence_id> batch{d.add(97 - 20 * round), d.add(1 + round), d.add(64)};

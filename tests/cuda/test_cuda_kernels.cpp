@@ -18,11 +18,9 @@ const double gqa_scale = 1.0 / std::sqrt(128.0);
 
 template <class Layout, class Policy>
 void small_loop(const Layout& L, Policy pol, const std::vector<index_t>& prompts, int steps, double scale) {
-  cuda_backend be;
-  auto spec = small_spec(1, int(prompts.size()));
-  set_ping_pong_blocks(spec, L, 6);
-  device_cache<Layout, Policy> cache(be, L, spec, pol, {}, cache_options{true});
-  device_decode_driver<decltype(cache)> d(cache, attention_options{2, true}, 7, scale);
+  test_rig<cuda_backend, Layout, Policy> t(L, small_spec_for(L, 1, int(prompts.size())), pol, attention_options{2, true},
+                                          7, scale);
+  auto& d = t.d;
   std::vector<sequence_id> batch;
   for (index_t p : prompts) batch.push_back(d.add(p));
   for (int s = 0; s < steps; ++s) {
@@ -55,11 +53,10 @@ TEST_CASE("quick: MLA 16 heads decode on the GPU backend matches fp64 (r = 0, 0.
 
 TEST_CASE("quick: each engine's partial is its own natural-log LSE; empty sides are exactly (0, -inf)") {
   const G L(8, 2);
-  cuda_backend be;
-  auto spec = small_spec(1, 3);
-  set_ping_pong_blocks(spec, L, 6);
-  device_cache<G, fixed_ratio> cache(be, L, spec, fixed_ratio(0.5), {}, cache_options{true});
-  device_decode_driver<decltype(cache)> d(cache, attention_options{2, true}, 11, gqa_scale);
+  const partition_spec spec = small_spec_for(L, 1, 3);
+  test_rig<cuda_backend, G, fixed_ratio> t(L, spec, fixed_ratio(0.5), attention_options{2, true}, 11, gqa_scale);
+  auto& cache = t.cache;
+  auto& d = t.d;
   // 1: D-window only (CPU and streamed sides empty); 64: one placed batch on
   // each side; 100: all three engines.
   std::vector<sequence_id> batch{d.add(1), d.add(64), d.add(100)};
@@ -94,11 +91,9 @@ TEST_CASE("quick: each engine's partial is its own natural-log LSE; empty sides 
 
 TEST_CASE("quick: L = 1 returns V of the only token, LSE = its score") {
   const G L(8, 2);
-  cuda_backend be;
-  auto spec = small_spec(1, 2);
-  set_ping_pong_blocks(spec, L, 4);
-  device_cache<G, fixed_ratio> cache(be, L, spec, fixed_ratio(0.5), {}, cache_options{true});
-  device_decode_driver<decltype(cache)> d(cache, attention_options{2, true}, 3, gqa_scale);
+  test_rig<cuda_backend, G, fixed_ratio> t(L, small_spec_for(L, 1, 2, 4), fixed_ratio(0.5), attention_options{2, true}, 3,
+                                          gqa_scale);
+  auto& d = t.d;
   std::vector<sequence_id> batch{d.add(1)};
   compare_result r;
   d.attend_layer(0, batch, true, r);
@@ -115,11 +110,9 @@ TEST_CASE("quick: L = 1 returns V of the only token, LSE = its score") {
 TEST_CASE("quick: reruns are bit-identical; a sequence alone equals itself inside a batch (K10)") {
   const G L(8, 2);
   auto run = [&](const std::vector<std::pair<index_t, std::uint64_t>>& seqs, int steps) {
-    cuda_backend be;
-    auto spec = small_spec(1, 4);
-    set_ping_pong_blocks(spec, L, 6);
-    device_cache<G, fixed_ratio> cache(be, L, spec, fixed_ratio(0.4), {}, cache_options{true});
-    device_decode_driver<decltype(cache)> d(cache, attention_options{3, true}, 5, gqa_scale);
+    test_rig<cuda_backend, G, fixed_ratio> t(L, small_spec_for(L, 1, 4), fixed_ratio(0.4), attention_options{3, true}, 5,
+                                            gqa_scale);
+    auto& d = t.d;
     std::vector<sequence_id> batch;
     for (const auto& [p, seed] : seqs) batch.push_back(d.add(p, seed));
     std::vector<std::vector<float>> first_rows;  // outputs of batch[0], every step

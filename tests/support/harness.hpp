@@ -504,6 +504,31 @@ struct backend_traits {
   using driver = decode_driver<Cache>;
 };
 
+/// small_spec(layers, max_seqs, block_tokens, d_window) with a ping-pong of
+/// `ping_pong_blocks` blocks of layout `L`.
+template <kv_layout Layout>
+partition_spec small_spec_for(const Layout& L, int layers, int max_seqs, index_t ping_pong_blocks = 6,
+                              int block_tokens = 16, int d_window = 32) {
+  partition_spec s = small_spec(layers, max_seqs, block_tokens, d_window);
+  set_ping_pong_blocks(s, L, ping_pong_blocks);
+  return s;
+}
+
+/// A backend, a cache on it (backend_traits::cache, with the cache's
+/// debug-poisoning on) and the backend's decode driver over the cache: the
+/// setup most tests open with, written once for every backend.
+template <class Backend, kv_layout Layout, routing_policy Policy>
+struct test_rig {
+  using cache_type = typename backend_traits<Backend>::template cache<Layout, Policy>;
+  using driver_type = typename backend_traits<Backend>::template driver<cache_type>;
+  Backend be;
+  cache_type cache;
+  driver_type d;
+  test_rig(const Layout& L, const partition_spec& spec, Policy pol, attention_options ao, std::uint64_t seed,
+           double scale)
+      : cache(be, L, spec, std::move(pol), {}, cache_options{true}), d(cache, ao, seed, scale) {}
+};
+
 /// A test policy routing by a function of the query; every query it answers is
 /// logged (shared between copies), so tests can check what the cache asked.
 struct scripted_policy {
