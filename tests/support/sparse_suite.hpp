@@ -68,6 +68,32 @@ struct sparse_loop_case {
   bool streams = true;
 };
 
+/// The setup of a sparse_loop_case on Backend: the spec of two layers with
+/// room for the case's sequences and a ping-pong of `ping_pong_blocks` blocks,
+/// the test_rig over it (seeded by the case), and the case's prompts.
+template <class Backend, class Layout, class Policy>
+struct sparse_rig {
+  partition_spec spec;
+  test_rig<Backend, Layout, Policy> rig;
+  const sparse_loop_case& c;
+  sparse_rig(const Layout& L, const sparse_loop_case& sc, index_t ping_pong_blocks, Policy pol, attention_options ao,
+             double scale)
+      : spec(spec_of(L, sc, ping_pong_blocks)), rig(L, spec, std::move(pol), ao, sc.seed, scale), c(sc) {}
+  /// Begins one sequence per prompt of the case; their ids in order.
+  std::vector<sequence_id> add_prompts() {
+    std::vector<sequence_id> batch;
+    for (index_t p : c.prompts) batch.push_back(rig.d.add(p));
+    return batch;
+  }
+
+ private:
+  static partition_spec spec_of(const Layout& L, const sparse_loop_case& sc, index_t ping_pong_blocks) {
+    partition_spec s = sparse_spec(2, int(sc.prompts.size()), sc.room + sc.steps);
+    set_ping_pong_blocks(s, L, ping_pong_blocks);
+    return s;
+  }
+};
+
 /// select_all against dense, step by step, every layer, with evictions, the
 /// ping-pong buffers NaN-poisoned before each sparse step (it must move every
 /// block itself): outputs, LSEs and every engine's partial bit-identical; the
@@ -76,15 +102,14 @@ struct sparse_loop_case {
 template <class Backend, class Layout, class Policy>
 void select_all_matches_dense(const Layout& L, Policy pol, double scale, const sparse_loop_case& c) {
   using traits = backend_traits<Backend>;
-  Backend be;
-  partition_spec spec = sparse_spec(2, int(c.prompts.size()), c.room + c.steps);
-  set_ping_pong_blocks(spec, L, 6);
-  typename traits::template cache<Layout, Policy> cache(be, L, spec, pol, {}, cache_options{true});
-  typename traits::template driver<decltype(cache)> d(cache, c.opts.attention(), c.seed, scale);
+  sparse_rig<Backend, Layout, Policy> t(L, c, 6, std::move(pol), c.opts.attention(), scale);
+  auto& cache = t.rig.cache;
+  using cache_type = typename test_rig<Backend, Layout, Policy>::cache_type;
+  auto& d = t.rig.d;
+  const partition_spec& spec = t.spec;
   if (c.opts.pull()) CHECK(d.attention().engine().sparse_staging_bytes() == 0);
-  std::vector<sequence_id> batch;
-  for (index_t p : c.prompts) batch.push_back(d.add(p));
-  step_runner<decltype(cache)> r(d);
+  const std::vector<sequence_id> batch = t.add_prompts();
+  step_runner<cache_type> r(d);
   select_all all;
   index_t gathered = 0, direct = 0, pulled = 0;
   for (int s = 0; s < c.steps; ++s)
@@ -145,15 +170,13 @@ void select_all_matches_dense(const Layout& L, Policy pol, double scale, const s
 /// bytes are the plan's gathered blocks in the configured mode.
 template <class Backend, class Layout, class Policy>
 void topk_loop(const Layout& L, Policy pol, double scale, top_k_selector sel, const sparse_loop_case& c) {
-  using traits = backend_traits<Backend>;
-  Backend be;
-  partition_spec spec = sparse_spec(2, int(c.prompts.size()), c.room + c.steps);
-  set_ping_pong_blocks(spec, L, 5);
-  typename traits::template cache<Layout, Policy> cache(be, L, spec, pol, {}, cache_options{true});
-  typename traits::template driver<decltype(cache)> d(cache, c.opts.attention(), c.seed, scale);
-  std::vector<sequence_id> batch;
-  for (index_t p : c.prompts) batch.push_back(d.add(p));
-  step_runner<decltype(cache)> r(d);
+  sparse_rig<Backend, Layout, Policy> t(L, c, 5, std::move(pol), c.opts.attention(), scale);
+  auto& cache = t.rig.cache;
+  using cache_type = typename test_rig<Backend, Layout, Policy>::cache_type;
+  auto& d = t.rig.d;
+  const partition_spec& spec = t.spec;
+  const std::vector<sequence_id> batch = t.add_prompts();
+  step_runner<cache_type> r(d);
   recording<top_k_selector> rec{sel, {}};
   const int hq = L.num_q_heads();
   index_t selected = 0, placed = 0, moved_bytes = 0;
@@ -202,14 +225,14 @@ void topk_loop(const Layout& L, Policy pol, double scale, top_k_selector sel, co
 template <class Backend>
 void empty_engine_partials(const gqa_layout<128>& L, int cpu_threads, double scale) {
   using G = gqa_layout<128>;
-  using traits = backend_traits<Backend>;
-  Backend be;
   partition_spec spec = sparse_spec(1, 3, 300);
   set_ping_pong_blocks(spec, L, 4);
-  typename traits::template cache<G, fixed_ratio> cache(be, L, spec, fixed_ratio(0.5), {}, cache_options{true});
-  typename traits::template driver<decltype(cache)> d(cache, attention_options{cpu_threads, true}, 21, scale);
+  test_rig<Backend, G, fixed_ratio> t(L, spec, fixed_ratio(0.5), attention_options{cpu_threads, true}, 21, scale);
+  auto& cache = t.cache;
+  auto& d = t.d;
+  using cache_type = typename test_rig<Backend, G, fixed_ratio>::cache_type;
   const std::vector<sequence_id> batch{d.add(128), d.add(32 * 5 + 3), d.add(31)};
-  step_runner<decltype(cache)> r(d);
+  step_runner<cache_type> r(d);
   const int hq = L.num_q_heads();
   const int rows = 3 * hq;
   const int bt = spec.block_tokens;
@@ -347,25 +370,23 @@ void selections_past_4gib(const std::vector<placement>& regions, int cpu_threads
 template <class Backend, class Layout, class Policy, class Selector>
 void pull_matches_gather(const Layout& L, Policy pol, double scale, const Selector& selector, const sparse_loop_case& c,
                          int pull_ctas) {
-  using traits = backend_traits<Backend>;
-  Backend be;
-  partition_spec spec = sparse_spec(2, int(c.prompts.size()), c.room + c.steps);
-  set_ping_pong_blocks(spec, L, 6);
-  typename traits::template cache<Layout, Policy> cache(be, L, spec, pol, {}, cache_options{true});
   sparse_case_options go = c.opts;
   go.reserve = true;
   go.transfer = sparse_transfer::host_gather;  // not the default
   const attention_options ao = go.attention();
-  typename traits::template driver<decltype(cache)> d(cache, ao, c.seed, scale);
+  sparse_rig<Backend, Layout, Policy> t(L, c, 6, std::move(pol), ao, scale);
+  auto& cache = t.rig.cache;
+  using cache_type = typename test_rig<Backend, Layout, Policy>::cache_type;
+  auto& d = t.rig.d;
+  const partition_spec& spec = t.spec;
   attention_options po = ao;
   po.sparse.transfer = sparse_transfer::device_pull;
   po.sparse.pull_ctas = pull_ctas;
-  hybrid_attention<decltype(cache)> pull(cache, po);
+  hybrid_attention<cache_type> pull(cache, po);
   CHECK(pull.engine().sparse_staging_bytes() == 0);  // no staging in pull mode
   CHECK(d.attention().engine().sparse_staging_bytes() > 0);
-  std::vector<sequence_id> batch;
-  for (index_t p : c.prompts) batch.push_back(d.add(p));
-  step_runner<decltype(cache)> r(d);
+  const std::vector<sequence_id> batch = t.add_prompts();
+  step_runner<cache_type> r(d);
   const index_t block_bytes = cache.format().block_bytes();
   index_t pulled = 0;
   for (int s = 0; s < c.steps; ++s)
