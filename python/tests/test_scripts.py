@@ -58,3 +58,31 @@ def test_bench_writes_json_and_table(checkpoint, tmp_path):
     assert all(r["decode_steps"] == 7 for r in doc["results"])
     assert doc["results"][1]["split"]["cpu_share"] == 0.5
     assert "decode tok/s" in out and "writescope:0.5" in out
+
+
+def test_bench_random_weights_from_config_json_and_summary(tmp_path):
+    """--config takes an HF config .json with --random-weights; --summarize tabulates the JSONs;
+    a context beyond max_position_embeddings is refused."""
+    from conftest import tiny_config
+
+    cfg = tmp_path / "tiny.json"
+    tiny_config("mixtral", num_hidden_layers=3, max_position_embeddings=128).to_json_file(cfg)
+    js = tmp_path / "bench.json"
+    common = ["--config", cfg, "--random-weights", "--layers", "1", "--batch", "2", "--new-tokens", "4",
+              "--caches", "writescope,offloaded,dynamic", "--policies", "0.5", "--block-tokens", "16",
+              "--d-window", "32", "--cpu-threads", "1", "--warmup-context", "16", "--device", "cpu"]
+    out = run([PY / "bench" / "bench_generate.py", *common, "--context", "96", "--json", js])
+    doc = json.loads(js.read_text())
+    assert doc["layers"] == 1 and doc["model"] == "MixtralForCausalLM" and doc["complete"]
+    assert [w["cache"] for w in doc["warmup"]] == ["writescope:0.5", "DynamicCache"]
+    assert [r["cache"] for r in doc["results"]] == ["writescope:0.5", "DynamicCache(offloading=True)", "DynamicCache"]
+    q = doc["ratios"]["writescope:0.5"]
+    ws, dyn = doc["results"][0], doc["results"][2]
+    assert q["prefill_x_dynamic"] == ws["prefill_tok_s"] / dyn["prefill_tok_s"]
+    assert q["decode_x_offloaded"] is None and 0 < q["python_overhead_share"] < 1
+    assert "prefill x DynamicCache" in out
+    table = run([PY / "bench" / "bench_generate.py", "--summarize", js])
+    assert "MixtralForCausalLM" in table and "writescope:0.5" in table and "offloading needs a CUDA device" in table
+    p = subprocess.run([sys.executable, PY / "bench" / "bench_generate.py", *map(str, common), "--context", "125"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 2 and "exceeds the config's max_position_embeddings 128" in p.stderr
