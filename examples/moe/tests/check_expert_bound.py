@@ -65,8 +65,10 @@ def main():
         fail(f"dram_read_gbps {b['dram_read_gbps']!r}")
     if b["dram_threads"] != a.cpu_threads:
         fail(f"dram_threads {b['dram_threads']} != the CPU experts' threads {a.cpu_threads}")
-    if b["dram_buffer_bytes"] < (1 << 30):
-        fail(f"dram_buffer_bytes {b['dram_buffer_bytes']} < 1 GiB")
+    # the emulated executor reads 64 MiB (device_decoder.hpp), the GPU path max(1 GiB, 8 x L3)
+    least = (64 << 20) if "emulated" in j.get("backend", "") else (1 << 30)
+    if b["dram_buffer_bytes"] < least:
+        fail(f"dram_buffer_bytes {b['dram_buffer_bytes']} < {least}")
 
     steps = len(j["step_seconds"])
     ps = b["per_step"]
