@@ -4,6 +4,11 @@
 // buffer far above the last-level cache with the widest vector loads the CPU
 // has (64-byte AVX-512, 32-byte AVX2, else scalar), summing the words so the
 // loads cannot be dropped; the best of a few full passes, in GB/s (1e9 bytes).
+// The AVX-512 path runs two variants and keeps the faster: hardware prefetch
+// alone, and software prefetch 2 KiB ahead (it crosses 4 KiB pages, where the
+// hardware prefetchers stop). measure_dram_ceiling asks for transparent huge
+// pages on its buffer (madvise; ignored where THP is off). A ceiling that a
+// kernel beats is a weak ceiling: both measures are there to keep it tight.
 //
 // Used by tools/bench_cpu_experts.cpp (the decode cases' ratio_dram) and by
 // the CUDA decoder (device_decoder.hpp), which measures it once at setup with
@@ -20,6 +25,7 @@
 #include <memory>
 #include <new>
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "cpu_experts.hpp"
@@ -28,9 +34,16 @@ namespace ws_moe::cpu {
 
 namespace dram_detail {
 #if defined(__x86_64__)
+template <bool Prefetch>
 __attribute__((target("avx512f"))) inline std::uint64_t read_avx512(const std::uint64_t* p, std::size_t n) {
   __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
   for (std::size_t i = 0; i + 32 <= n; i += 32) {
+    if constexpr (Prefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + i + 256), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p + i + 264), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p + i + 272), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p + i + 280), _MM_HINT_T0);
+    }
     a0 = _mm512_add_epi64(a0, _mm512_loadu_si512(p + i));
     a1 = _mm512_add_epi64(a1, _mm512_loadu_si512(p + i + 8));
     a2 = _mm512_add_epi64(a2, _mm512_loadu_si512(p + i + 16));
@@ -65,7 +78,9 @@ inline double dram_read_gbps(const std::uint64_t* p, std::size_t bytes, int thre
   const std::size_t words = bytes / 8;
   const isa_kind k = detail::probe_isa();
   double best = 0;
-  for (int r = 0; r < reps; ++r) {
+  // AVX-512: passes alternate between the two variants (r odd: software prefetch).
+  const int passes = k >= isa_kind::avx512 ? 2 * reps : reps;
+  for (int r = 0; r < passes; ++r) {
     std::uint64_t total = 0;
     const auto t0 = std::chrono::steady_clock::now();
 #pragma omp parallel num_threads(threads) reduction(+ : total)
@@ -78,7 +93,7 @@ inline double dram_read_gbps(const std::uint64_t* p, std::size_t bytes, int thre
       const std::size_t b = words * id / nt / 64 * 64, e = id + 1 == nt ? words : words * (id + 1) / nt / 64 * 64;
 #if defined(__x86_64__)
       if (k >= isa_kind::avx512)
-        total += dram_detail::read_avx512(p + b, e - b);
+        total += r % 2 ? dram_detail::read_avx512<true>(p + b, e - b) : dram_detail::read_avx512<false>(p + b, e - b);
       else if (k >= isa_kind::avx2)
         total += dram_detail::read_avx2(p + b, e - b);
       else
@@ -120,14 +135,19 @@ inline dram_ceiling measure_dram_ceiling(int threads, std::size_t bytes = 0, int
   const auto t0 = std::chrono::steady_clock::now();
   threads = detail::team_size(threads);
   if (bytes == 0) bytes = dram_ceiling_buffer_bytes();
-  bytes = std::max<std::size_t>(bytes / 4096 * 4096, 4096);
+  // 2 MiB-aligned (a whole number of huge pages) when large enough, else 4 KiB pages
+  const std::size_t align = bytes >= (std::size_t{2} << 20) ? std::size_t{2} << 20 : 4096;
+  bytes = std::max<std::size_t>(bytes / align * align, align);
   struct free_it {
     void operator()(void* p) const noexcept { std::free(p); }
   };
-  std::unique_ptr<std::uint64_t[], free_it> buf(static_cast<std::uint64_t*>(std::aligned_alloc(4096, bytes)));
+  std::unique_ptr<std::uint64_t[], free_it> buf(static_cast<std::uint64_t*>(std::aligned_alloc(align, bytes)));
   if (!buf) throw std::bad_alloc();
   const std::size_t words = bytes / 8;
   std::uint64_t* p = buf.get();
+#if defined(MADV_HUGEPAGE)
+  (void)madvise(p, bytes, MADV_HUGEPAGE);  // before the first touch; a refusal only costs TLB misses
+#endif
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (std::size_t i = 0; i < words; ++i) p[i] = i;
   dram_ceiling c;
