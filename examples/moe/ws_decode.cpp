@@ -90,7 +90,7 @@ struct cli {
   std::string device = "auto", precision = "bf16";
   double vram_budget_gib = 0.0, prefill_attn_mib = 2048.0;
   long long max_gpu_experts = -1, prefill_chunk_tokens = 32768;
-  bool skip_if_no_device = false, teacher_force = false, no_warmup = false;
+  bool skip_if_no_device = false, teacher_force = false, no_warmup = false, no_dram_ceiling = false;
   bool allow_long_context = false;
   double router_zipf = 0.0;
   std::string expert_placement = "id", migration = "swap";
@@ -455,7 +455,7 @@ int run(cli& a) {
         "--expert-staging-mib", "--flash-prefill",         "--batched-prefill-experts",   "--kv-write-bounce-mib",
         "--cudnn-prefill",    "--no-warmup",               "--router-zipf",               "--expert-placement",
         "--migrate-max-experts", "--migration",          "--prefill-expert-gemm",       "--prefill-expert-groups",
-        "--decode-routing"};
+        "--decode-routing",   "--no-dram-ceiling"};
     for (const char* opt : cuda_only)
       if (a.gave(opt))
         refuse(opt, "acts on the CUDA path only (--device cuda or emulated)",
@@ -644,6 +644,7 @@ int run(cli& a) {
   dopt.max_host_expert_gib = a.max_host_weights_gib;
   dopt.physical_memory_gib = physical_memory_gib();
   dopt.warmup = !a.no_warmup;
+  dopt.dram_ceiling = !a.no_dram_ceiling;
   dopt.eviction_bounce_bytes = writescope::index_t(a.eviction_bounce_mib * double(1 << 20));
   dopt.launch_thread = a.launch_thread == "on";
   dopt.grouped_experts = a.grouped_experts == "on";
@@ -852,6 +853,12 @@ int main(int argc, char** argv) {
                "CUDA path: skip the untimed warm-up before prefill (a decode step on throw-away sequences and one "
                "layer of the first prefill wave's shape on pseudo-random tokens; the timed prefill and first decode "
                "step then pay the first-call costs)")
+      ->group(g_dev);
+  app.add_flag("--no-dram-ceiling", a.no_dram_ceiling,
+               "CUDA path: skip the host DRAM read ceiling measured at setup when routed experts are in host memory "
+               "(all CPU-expert threads stream-read a buffer of max(1 GiB, 8 x L3), best of 5 passes; about a second): "
+               "the decode summary then gives the CPU experts' bytes per step but no bound; refused where every "
+               "routed expert is on the device")
       ->group(g_dev);
   app.add_flag("--skip-if-no-device", a.skip_if_no_device,
                "with --device cuda: exit 77 (ctest SKIPPED) instead of failing when there is no CUDA device")

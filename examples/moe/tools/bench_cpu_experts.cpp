@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "ws_moe/cpu_experts.hpp"
+#include "ws_moe/dram_ceiling.hpp"
 
 namespace cpux = ws_moe::cpu;
 using json = nlohmann::json;
@@ -134,66 +135,9 @@ options parse(int argc, char** argv) {
 // Ceilings
 // ---------------------------------------------------------------------------
 
-/// Streaming read of `bytes` of `p` by `threads` threads; seconds.
-#if defined(__x86_64__)
-__attribute__((target("avx512f"))) std::uint64_t read_avx512(const std::uint64_t* p, std::size_t n) {
-  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-  for (std::size_t i = 0; i + 32 <= n; i += 32) {
-    a0 = _mm512_add_epi64(a0, _mm512_loadu_si512(p + i));
-    a1 = _mm512_add_epi64(a1, _mm512_loadu_si512(p + i + 8));
-    a2 = _mm512_add_epi64(a2, _mm512_loadu_si512(p + i + 16));
-    a3 = _mm512_add_epi64(a3, _mm512_loadu_si512(p + i + 24));
-  }
-  return std::uint64_t(_mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3))));
-}
-__attribute__((target("avx2"))) std::uint64_t read_avx2(const std::uint64_t* p, std::size_t n) {
-  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-  for (std::size_t i = 0; i + 16 <= n; i += 16) {
-    a0 = _mm256_add_epi64(a0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
-    a1 = _mm256_add_epi64(a1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 4)));
-    a2 = _mm256_add_epi64(a2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 8)));
-    a3 = _mm256_add_epi64(a3, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 12)));
-  }
-  alignas(32) std::uint64_t t[4];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(t), _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3)));
-  return t[0] + t[1] + t[2] + t[3];
-}
-#endif
-std::uint64_t read_plain(const std::uint64_t* p, std::size_t n) {
-  std::uint64_t s = 0;
-  for (std::size_t i = 0; i < n; ++i) s += p[i];
-  return s;
-}
-
 std::uint64_t g_sink = 0;
 
-/// Best GB/s of `reps` full reads of p[0, bytes) with `threads` threads, static contiguous split.
-double dram_read_gbps(const std::uint64_t* p, std::size_t bytes, int threads, int reps) {
-  const std::size_t words = bytes / 8;
-  const cpux::isa_kind k = cpux::detail::probe_isa();
-  double best = 0;
-  for (int r = 0; r < reps; ++r) {
-    std::uint64_t total = 0;
-    const auto t0 = clock_type::now();
-#pragma omp parallel num_threads(threads) reduction(+ : total)
-    {
-      const std::size_t nt = std::size_t(omp_get_num_threads()), id = std::size_t(omp_get_thread_num());
-      const std::size_t b = words * id / nt / 64 * 64, e = id + 1 == nt ? words : words * (id + 1) / nt / 64 * 64;
-#if defined(__x86_64__)
-      if (k >= cpux::isa_kind::avx512)
-        total += read_avx512(p + b, e - b);
-      else if (k >= cpux::isa_kind::avx2)
-        total += read_avx2(p + b, e - b);
-      else
-#endif
-        total += read_plain(p + b, e - b);
-    }
-    best = std::max(best, double(bytes) / seconds_since(t0) / 1e9);
-    g_sink += total;
-  }
-  (void)k;
-  return best;
-}
+// The DRAM read ceiling: cpux::dram_read_gbps (ws_moe/dram_ceiling.hpp, shared with ws_decode).
 
 #if defined(__x86_64__)
 constexpr long peak_iters = 1 << 22;
@@ -527,7 +471,7 @@ int main(int argc, char** argv) {
   #pragma omp parallel for schedule(static) num_threads(o.threads)
             for (std::size_t i = 0; i < words; ++i) ceiling_buf[i] = i;
           }
-          dram = dram_read_gbps(ceiling_buf.get(), bytes, o.threads, 5);
+          dram = cpux::dram_read_gbps(ceiling_buf.get(), bytes, o.threads, 5);
         }
         struct variant {
           cpux::isa_kind isa;

@@ -151,6 +151,15 @@ struct device_report {
   std::vector<std::vector<int>> host_experts;  ///< per layer, the experts kept in host memory
   double cpu_expert_seconds = 0.0;   ///< host time in CPU experts
   index_t cpu_expert_rows = 0;       ///< token rows computed by CPU experts
+  /// The host's DRAM read ceiling measured at setup for the CPU experts'
+  /// bound (ws_moe/dram_ceiling.hpp): "measured", "skipped (--no-dram-ceiling)"
+  /// or "not measured (no host experts)"; GB/s, buffer, threads, passes and
+  /// the measurement's seconds (setup, in no other figure).
+  std::string dram_ceiling = "not measured (no host experts)";
+  double dram_read_gbps = 0.0;
+  index_t dram_buffer_bytes = 0;
+  int dram_threads = 0, dram_passes = 0;
+  double dram_seconds = 0.0;
   /// The device experts' kernels: "grouped" (one launch for gate‖up, one for
   /// down per MoE layer when few rows per expert) or why they run per expert.
   std::string expert_kernels;
@@ -247,6 +256,17 @@ struct generation_result {
   /// Per decode step: the LM head, the logits' way to the host and sampling
   /// (outside the layers; the rest of the step is the layers' model work).
   std::vector<double> step_head_seconds;
+  /// Per decode step, CUDA path with host experts (else empty): the host
+  /// expert bytes read (per MoE layer, each host expert with >= 1 row reads
+  /// its weights once, in their host precision), the CPU experts' wall
+  /// seconds, and the GPU timeline (events on the compute stream): the step's
+  /// span (first work to the logits on the host), its overlap windows (per
+  /// layer with host rows: the CPU experts' inputs on the host to their end)
+  /// and routing round trips (router's choices to the host, tables back).
+  /// docs/DECODER-INTERNALS.md, "CPU experts against their bound".
+  std::vector<index_t> step_host_expert_bytes;
+  std::vector<double> step_cpu_expert_seconds, step_gpu_span_seconds, step_overlap_window_seconds,
+      step_routing_trip_seconds;
   /// Per decode step, for the whole process (getrusage): minor page faults
   /// and involuntary context switches (a step's outlier on the host shows here).
   std::vector<long> step_minor_faults, step_involuntary_switches;

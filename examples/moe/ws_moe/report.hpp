@@ -159,6 +159,55 @@ inline std::string id_ranges(const std::vector<int>& ids) {
   return out;
 }
 
+/// The decode step's CPU experts against their bound (CUDA path with host
+/// experts; docs/DECODER-INTERNALS.md, "CPU experts against their bound"):
+/// means per step over the steady steps (every decode step but the first; the
+/// one step when there is one) of the per-step series of generation_result:
+///   cpu_bound  = host expert bytes read / the DRAM read ceiling measured at setup
+///   outside    = GPU span - overlap windows - routing round trips (the GPU
+///                timeline outside the CPU experts' windows: the work that must
+///                precede or follow them, and the host's issue gaps in it)
+///   step_bound = cpu_bound + outside
+/// Ratios: CPU expert seconds / cpu_bound, step seconds / step_bound (0 when
+/// the ceiling was not measured).
+struct expert_bound {
+  bool present = false;  ///< the per-step series exist (the run had host experts)
+  std::size_t first = 0, last = 0;  ///< the steps averaged, [first, last) (0-based)
+  double host_read_bytes = 0.0, dram_read_gbps = 0.0, cpu_bound_seconds = 0.0, cpu_expert_seconds = 0.0;
+  double gpu_span_seconds = 0.0, overlap_window_seconds = 0.0, routing_trip_seconds = 0.0, gpu_outside_seconds = 0.0;
+  double step_seconds = 0.0, step_bound_seconds = 0.0, cpu_ratio = 0.0, step_ratio = 0.0;
+  [[nodiscard]] int steps() const noexcept { return int(last - first); }
+};
+
+inline expert_bound expert_bound_of(const generation_result& r) {
+  expert_bound b;
+  const std::size_t n = r.step_host_expert_bytes.size();
+  if (n == 0 || r.step_cpu_expert_seconds.size() != n || r.step_gpu_span_seconds.size() != n ||
+      r.step_overlap_window_seconds.size() != n || r.step_routing_trip_seconds.size() != n || r.step_seconds.size() != n)
+    return b;
+  b.present = true;
+  b.first = n > 1 ? 1 : 0;
+  b.last = n;
+  const double k = double(b.last - b.first);
+  for (std::size_t i = b.first; i < b.last; ++i) {
+    b.host_read_bytes += double(r.step_host_expert_bytes[i]) / k;
+    b.cpu_expert_seconds += r.step_cpu_expert_seconds[i] / k;
+    b.gpu_span_seconds += r.step_gpu_span_seconds[i] / k;
+    b.overlap_window_seconds += r.step_overlap_window_seconds[i] / k;
+    b.routing_trip_seconds += r.step_routing_trip_seconds[i] / k;
+    b.step_seconds += r.step_seconds[i] / k;
+  }
+  b.gpu_outside_seconds = std::max(0.0, b.gpu_span_seconds - b.overlap_window_seconds - b.routing_trip_seconds);
+  b.dram_read_gbps = r.device.dram_read_gbps;
+  if (b.dram_read_gbps > 0) {
+    b.cpu_bound_seconds = b.host_read_bytes / (b.dram_read_gbps * 1e9);
+    b.step_bound_seconds = b.cpu_bound_seconds + b.gpu_outside_seconds;
+    b.cpu_ratio = b.cpu_bound_seconds > 0 ? b.cpu_expert_seconds / b.cpu_bound_seconds : 0.0;
+    b.step_ratio = b.step_bound_seconds > 0 ? b.step_seconds / b.step_bound_seconds : 0.0;
+  }
+  return b;
+}
+
 /// The CUDA path's lines of the summary: device memory by use, expert placement.
 inline void print_device(std::FILE* f, const generation_result& r) {
   const device_report& d = r.device;
@@ -172,6 +221,23 @@ inline void print_device(std::FILE* f, const generation_result& r) {
   std::fprintf(f, "experts    %d routed experts: %d on the GPU, %d in host memory (%s), CPU expert time %.3f s for %lld rows\n",
                d.experts_total, d.experts_gpu, d.experts_host, human_bytes(d.experts_host_bytes).c_str(), d.cpu_expert_seconds,
                static_cast<long long>(d.cpu_expert_rows));
+  if (const expert_bound b = expert_bound_of(r); b.present) {
+    if (b.dram_read_gbps > 0)
+      std::fprintf(f, "           CPU experts vs bound: %.3f GB/step read, DRAM ceiling %.1f GB/s -> bound %.3f ms/step; "
+                      "CPU experts %.3f ms (%.2fx); step %.3f ms against bound %.3f ms (%.2fx)\n",
+                   b.host_read_bytes / 1e9, b.dram_read_gbps, b.cpu_bound_seconds * 1e3, b.cpu_expert_seconds * 1e3,
+                   b.cpu_ratio, b.step_seconds * 1e3, b.step_bound_seconds * 1e3, b.step_ratio);
+    else
+      std::fprintf(f, "           CPU experts vs bound: %.3f GB/step read, DRAM ceiling %s -> no bound; CPU experts "
+                      "%.3f ms; step %.3f ms\n",
+                   b.host_read_bytes / 1e9, d.dram_ceiling.c_str(), b.cpu_expert_seconds * 1e3, b.step_seconds * 1e3);
+    std::fprintf(f, "           (means over decode steps %zu-%zu; GPU work outside the CPU experts %.3f ms/step = span "
+                    "%.3f - overlap windows %.3f - routing round trips %.3f; ceiling: %d threads, %s buffer, best of "
+                    "%d passes, %.2f s at setup)\n",
+                 b.first + 1, b.last, b.gpu_outside_seconds * 1e3, b.gpu_span_seconds * 1e3,
+                 b.overlap_window_seconds * 1e3, b.routing_trip_seconds * 1e3, d.dram_threads,
+                 human_bytes(d.dram_buffer_bytes).c_str(), d.dram_passes, d.dram_seconds);
+  }
   std::string groups;
   if (d.batched_moe_passes > 0 && d.prefill_expert_gemm == "batched")
     groups = ", " + d.prefill_expert_groups + " groups: " + std::to_string(d.batched_groups);
@@ -578,6 +644,36 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
                     {"grouped_passes", d.grouped_moe_passes},
                     {"device_routed_passes", d.device_routed_moe_passes},
                     {"per_expert_passes", d.per_expert_moe_passes}};
+    {  // the decode step's CPU experts against their bound (expert_bound_of); null: not measured
+      const expert_bound b = expert_bound_of(r);
+      const bool bounded = b.present && b.dram_read_gbps > 0;
+      auto num = [](bool ok, double v) { return ok ? nlohmann::json(v) : nlohmann::json(nullptr); };
+      j["cpu_expert_bound"] = {
+          {"dram_ceiling", d.dram_ceiling},
+          {"dram_read_gbps", num(d.dram_read_gbps > 0, d.dram_read_gbps)},
+          {"dram_buffer_bytes", d.dram_buffer_bytes},
+          {"dram_threads", d.dram_threads},
+          {"dram_passes", d.dram_passes},
+          {"dram_seconds", d.dram_seconds},
+          {"steps_first", b.present ? int(b.first) : 0},
+          {"steps", b.steps()},
+          {"host_read_bytes_per_step", num(b.present, b.host_read_bytes)},
+          {"cpu_bound_seconds_per_step", num(bounded, b.cpu_bound_seconds)},
+          {"cpu_expert_seconds_per_step", num(b.present, b.cpu_expert_seconds)},
+          {"cpu_ratio", num(bounded, b.cpu_ratio)},
+          {"gpu_span_seconds_per_step", num(b.present, b.gpu_span_seconds)},
+          {"overlap_window_seconds_per_step", num(b.present, b.overlap_window_seconds)},
+          {"routing_trip_seconds_per_step", num(b.present, b.routing_trip_seconds)},
+          {"gpu_outside_seconds_per_step", num(b.present, b.gpu_outside_seconds)},
+          {"step_seconds_per_step", num(b.present, b.step_seconds)},
+          {"step_bound_seconds_per_step", num(bounded, b.step_bound_seconds)},
+          {"step_ratio", num(bounded, b.step_ratio)},
+          {"per_step", {{"host_read_bytes", r.step_host_expert_bytes},
+                        {"cpu_expert_seconds", r.step_cpu_expert_seconds},
+                        {"gpu_span_seconds", r.step_gpu_span_seconds},
+                        {"overlap_window_seconds", r.step_overlap_window_seconds},
+                        {"routing_trip_seconds", r.step_routing_trip_seconds}}}};
+    }
   }
   j["tokens"] = r.tokens;
   return j;

@@ -71,6 +71,7 @@
 #include "../sampling.hpp"
 #include "../weights.hpp"
 #include "../cpu_experts.hpp"
+#include "../dram_ceiling.hpp"
 #include "device_weights.hpp"
 #include "cudnn_prefill.hpp"
 #include "flash_prefill.hpp"
@@ -190,6 +191,12 @@ struct device_options {
   /// their new places instead of swapping the loaded bytes: the same final
   /// placement by another route (the bit-identity test of the swap).
   bool migrate_reload = false;
+  /// Measure the host's DRAM read ceiling at setup (dram_ceiling.hpp; with the
+  /// CPU experts' threads, after the weights are loaded) when the run has host
+  /// experts: the denominator of the decode step's CPU expert bound. false
+  /// (--no-dram-ceiling) skips it; refused (config_error) where no expert is
+  /// on the host, since there is then nothing to skip.
+  bool dram_ceiling = true;
 };
 
 /// The Zipf router bias of one layer (--router-zipf): expert perm[r] (perm a
@@ -313,6 +320,7 @@ class device_decoder {
     check_decode_routing(B, res.device.expert_kernels);
     x_.sync();
     if (on_loaded) on_loaded();
+    measure_dram_ceiling(res.device);
     res.block_bytes = cache_->format().block_bytes();
     res.token_bytes = layout().token_bytes();
     const region_usage u0 = cache_->usage();
@@ -430,9 +438,23 @@ class device_decoder {
       double*& p;
       ~clear_on_exit() { p = nullptr; }
     } router_wait_guard{router_wait_ = &res.router_wait_seconds};
+    // With host experts, each step's CPU expert bytes and seconds and its GPU
+    // timeline marks (step start, routing round trips, overlap windows, LM
+    // head done): the CPU experts against their bound (report.hpp expert_bound).
+    const bool bound_marks = any_host_experts_;
     for (int s = 1; s <= steps && !live.empty(); ++s) {
       const auto t0 = std::chrono::steady_clock::now();
       const int n = live.size();  // row r = sequence live.rows()[r]
+      const index_t host_bytes0 = decode_host_expert_bytes_;
+      const double cpu_seconds0 = decode_cpu_expert_seconds_;
+      int span0 = -1, span1 = -1;
+      if (bound_marks) {
+        x_.reset_marks();
+        trip_marks_.clear();
+        window_marks_.clear();
+        span0 = x_.mark();
+        step_marking_ = true;
+      }
       for (int r = 0; r < n; ++r) {
         const int i = live.rows()[std::size_t(r)];
         ids[std::size_t(r)] = cur[std::size_t(i)];
@@ -451,11 +473,24 @@ class device_decoder {
       if (fr.evicted_sequences > 0) res.trajectory.push_back(share_of(*cache_, live.seqs(), s));
       const auto t_head = std::chrono::steady_clock::now();
       logits = head(x_buf_, n);
+      if (bound_marks) span1 = x_.mark();  // the logits are on the host: the step's GPU work is done
       take_tokens_rows(res, pick, live.rows(), logits, V, cur, o);
       res.step_head_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t_head).count());
       res.step_sequences.push_back(n);
       live.finish_stopped(*cache_, res, o);
       res.step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      if (bound_marks) {  // outside the step's time: the marks are read after a sync
+        step_marking_ = false;
+        x_.sync();
+        double trips = 0.0, windows = 0.0;
+        for (const auto& m : trip_marks_) trips += x_.seconds_between(m[0], m[1]);
+        for (const auto& m : window_marks_) windows += x_.seconds_between(m[0], m[1]);
+        res.step_gpu_span_seconds.push_back(x_.seconds_between(span0, span1));
+        res.step_routing_trip_seconds.push_back(trips);
+        res.step_overlap_window_seconds.push_back(windows);
+        res.step_host_expert_bytes.push_back(decode_host_expert_bytes_ - host_bytes0);
+        res.step_cpu_expert_seconds.push_back(decode_cpu_expert_seconds_ - cpu_seconds0);
+      }
       sample_used();
       if (o.progress) o.progress(phase::decode, s, steps);
     }
@@ -1486,6 +1521,8 @@ class device_decoder {
         streamed_slot_[std::size_t(stream_items_[std::size_t(i)].expert)] = int(i % staging_slots_);
     }
     device_routed_ = decode && device_routes_decode(l, n);
+    // a decode step's routing round trip: the router's choices to the host, its grouping, the tables back
+    const int trip0 = step_marking_ && decode && !device_routed_ ? x_.mark() : -1;
     if (device_routed_) {
       group_decode_on_device(n);
       if (counting_ == counting::decode) {  // every routed row is a device row, under the placement at load too
@@ -1501,6 +1538,7 @@ class device_decoder {
         group_on_host(L, n, decode);
       count_rows(L, l);
     }
+    if (trip0 >= 0) trip_marks_.push_back({trip0, x_.mark()});
     if (timed) moe_marks_.back()[1] = x_.mark();  // routed: the rows grouped by expert, the tables on the device
     moe_experts(L, l, n, decode, timed);
     if (ph_ != nullptr && !decode && batched_prefill_) ph_->moe_issue_seconds += seconds_since(moe_issue_from_);
@@ -1837,6 +1875,9 @@ class device_decoder {
         x_.d2h_async(stage_x_ + hr.stage_row * H, xg_ + hr.row * H, hr.rows * H * 4);
       x_.record();
     }
+    // a decode step's overlap window: from the CPU experts' inputs on the host
+    // to their end, the GPU running the device and shared experts meanwhile
+    const int window0 = step_marking_ && decode && host_rows > 0 ? x_.mark() : -1;
     // ... while the GPU runs its experts ...
     index_t most = 0;
     int active = 0;  // device experts with rows (host-grouped passes)
@@ -1906,8 +1947,14 @@ class device_decoder {
       x_.wait_recorded();
       const auto t0 = std::chrono::steady_clock::now();
       run_cpu_experts(L);
-      cpu_expert_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      cpu_expert_seconds_ += dt;
       cpu_expert_rows_ += host_rows;
+      if (window0 >= 0) window_marks_.push_back({window0, x_.mark()});
+      if (counting_ == counting::decode) {  // each host expert with rows reads its weights once
+        decode_cpu_expert_seconds_ += dt;
+        for (const host_run& hr : host_runs_) decode_host_expert_bytes_ += L.host_experts[std::size_t(hr.expert)].bytes();
+      }
       for (const host_run& hr : host_runs_)
         x_.h2d_async(yg_ + hr.row * H, stage_y_ + hr.stage_row * H, hr.rows * H * 4);
     }
@@ -2034,6 +2081,34 @@ class device_decoder {
       x_.run(gpu::convert_op{g_batch_, a16_, wtype::bf16}, np * I);
     }
     products(6, H, I);  // down
+  }
+
+  /// At setup, when the run has host experts: the DRAM read ceiling with the
+  /// CPU experts' thread count (dram_ceiling.hpp), unless d_.dram_ceiling is
+  /// off; that option is refused where every routed expert is on the device.
+  void measure_dram_ceiling(device_report& rep) {
+    if (!any_host_experts_) {
+      if (!d_.dram_ceiling)
+        throw writescope::config_error(
+            "--no-dram-ceiling: acts only where routed experts are in host memory (the ceiling is measured only "
+            "then), not with all " + std::to_string(rep.experts_total) + " routed experts on the device");
+      rep.dram_ceiling = "not measured (no host experts)";
+      return;
+    }
+    if (!d_.dram_ceiling) {
+      rep.dram_ceiling = "skipped (--no-dram-ceiling)";
+      return;
+    }
+    // The emulated executor (CI) reads 64 MiB: its bound describes no machine, and
+    // a buffer of max(1 GiB, 8 x L3) per test run would cost seconds and memory.
+    const std::size_t bytes = Exec::is_emulated ? std::size_t{64} << 20 : 0;  // 0: dram_ceiling_buffer_bytes()
+    const cpu::dram_ceiling m = cpu::measure_dram_ceiling(cpu::detail::team_size(cpu_threads_), bytes);
+    rep.dram_ceiling = "measured";
+    rep.dram_read_gbps = m.gbps;
+    rep.dram_buffer_bytes = index_t(m.buffer_bytes);
+    rep.dram_threads = m.threads;
+    rep.dram_passes = m.passes;
+    rep.dram_seconds = m.seconds;
   }
 
   /// The layer's CPU host runs (host_runs_, inputs in stage_x_, outputs to
@@ -2635,6 +2710,12 @@ class device_decoder {
   index_t batched_passes_ = 0;  ///< prefill MoE layers: start, routed, device experts, streamed, end
   double cpu_expert_seconds_ = 0.0;
   index_t cpu_expert_rows_ = 0;
+  // decode steps with host experts: the CPU experts' bytes and seconds, and
+  // the marks of the step being run (routing round trips, overlap windows)
+  index_t decode_host_expert_bytes_ = 0;
+  double decode_cpu_expert_seconds_ = 0.0;
+  bool step_marking_ = false;
+  std::vector<std::array<int, 2>> trip_marks_, window_marks_;
   // placement: routed rows per MoE layer and expert in the prefill, the
   // placement at load, the prefill / decode row counters (count_rows)
   enum class counting { off, prefill, decode };
