@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // examples/minimal.cpp — the smallest use of writescope from another engine:
 // one layer, one sequence, a prompt and one decode step, checked against fp64
 // attention. The part between README-BEGIN and README-END is the snippet shown

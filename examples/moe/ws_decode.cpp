@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ws_decode — generate tokens with a Qwen3-MoE, DeepSeek-V2 or Mixtral model
 // whose KV cache is split by writescope between the unpinned CPU region and the
 // GPU side. --device cuda: the model on the GPU (bf16 weights, cuBLAS), the
