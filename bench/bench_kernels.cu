@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // bench/bench_kernels.cu — the one .cu file of the CUDA benchmarks: explicit
 // instantiations of the GPU kernels' launchers (writescope/cuda/kernels.cuh)
 // for the layouts of the three presets (Qwen3-30B-A3B and Mixtral-8x7B: GQA

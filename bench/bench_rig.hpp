@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // bench/bench_rig.hpp — the decode rig every attention benchmark drives: an
 // inplace_kv_cache + hybrid_attention for a model preset, a batch of sequences
 // admitted with random bf16 KV (prefill routed at write time by the policy),

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // bench/bench_util.hpp — what every writescope benchmark binary shares: the
 // hand-written command line (the GPU machine stages only xsimd, Eigen, doctest
 // and nlohmann-json, so no CLI library), machine facts for the JSON, a time

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // bench/calibrate.cpp — roofline calibration of this machine in a few minutes
 // (paper §5.3): for every model preset × batch size it runs real decode steps of
 // hybrid_attention over an inplace_kv_cache at several sequence lengths and fits

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // bench/cpu_kernel_bench.cpp — the CPU decode kernel on ONE thread, timed with
 // the thread's CPU clock (CLOCK_THREAD_CPUTIME_ID), next to a one-thread
 // streaming read timed the same way. For kernel work on shared or virtualised

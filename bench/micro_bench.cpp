@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // bench/micro_bench.cpp — the paper's §3 microbenchmarks on this machine:
 //
 //   transfer   pinned vs pageable H2D of a single-layer KV buffer (DeepSeek-V2-Lite,

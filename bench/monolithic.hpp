@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // bench/monolithic.hpp — the baseline InplaceKVCache replaces (paper §3.3, §7.4
 // "Replace InplaceKVCache with DynamicCache"): one monolithic, pageable KV
 // buffer per layer, pre-allocated to a capacity and laid out per head,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // bench/sparse_bench.cpp — block-level sparse selection on cuda_backend
 // (paper §4.4, Fig. 6, §7.5; docs/SPARSE.md): attention step time against the
 // keep ratio, for the hybrid split and the two single-engine baselines on the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // bench/ws_bench.cpp — the writescope attention benchmarks of docs/BENCHMARKS.md,
 // each a mode of one binary (--mode, comma-separated), all writing one JSON
 // file rewritten after every row, a progress line per row on stderr and a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // examples/custom_policy.cpp — a routing policy written outside the library,
 // plugged into inplace_kv_cache as its fourth template parameter.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // examples/decode_loop.cpp — an engine-shaped decode loop over a split KV cache,
 // on the host backend (no GPU needed), checked against an fp64 reference.
 //

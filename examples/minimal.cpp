@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // examples/minimal.cpp — the smallest use of writescope from another engine:
 // one layer, one sequence, a prompt and one decode step, checked against fp64
 // attention. The part between README-BEGIN and README-END is the snippet shown
@@ -34,7 +35,7 @@ int main() {
   using layout = ws::gqa_layout<128>;  // K and V rows of 128 bf16 per KV head
   using cache_type = ws::inplace_kv_cache<layout, ws::host_backend, ws::pageable_allocator, ws::roofline_policy>;
 
-  ws::host_backend backend;         // the CUDA backend on a GPU machine
+  ws::host_backend backend;         // on a GPU: cuda_backend, examples/minimal_cuda.cpp
   const layout lay(32, 4);          // 32 query heads share 4 KV heads (Qwen3-30B-A3B)
   ws::partition_spec spec;          // per layer: block size, D, region capacities
   spec.num_layers = 1;

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The AMX-BF16 decode kernel (cpu/amx_attention.hpp) against the fp64
 // reference: its algorithm on the portable tile emulation (every machine),
 // and the hardware tiles where the CPU has AMX (the GPU machine's Xeon; other

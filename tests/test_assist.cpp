@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CPU assist (hybrid_attention, attention_options::assist; docs/DECISIONS.md):
 // the CPU engine attends some of each sequence's newest pinned blocks in place
 // and the GPU side streams the rest.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // block_pool: lowest-first allocation, contiguity, release and reuse, refused
 // double frees, growth (paper §4.1: the block is the unit of reuse). The
 // reference is a std::set of free ids.

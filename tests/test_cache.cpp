@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // InplaceKVCache + hybrid attention end to end (paper §4, §5; DESIGN.md §4-5):
 // full decode loops of ragged batches against fp64 attention for every
 // policy, lengths through every boundary, poisoned regions and workspaces;

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Calibration (paper §5.3) and online adaptation (§7.8) on the host backend:
 // the calibration file format and its loader errors, the linear fit of step
 // time against tokens, injected costs moving the routed share as eq. 2

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CPU engine's decode kernel (cpu/attention.hpp) on its own, against the
 // fp64 reference: every layout and head dim, group sizes 1..32 (head blocks
 // of 16/8/4/2/1), tile remainders, partial and empty segments with poisoned

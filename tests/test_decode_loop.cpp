@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // End-to-end decode loops over a split cache against the fp64 reference.
 #include <doctest/doctest.h>
 

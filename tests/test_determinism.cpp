@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Determinism and batch invariance (FAULT-KINDS K10), beyond test_faults.cpp
 // (reruns and thread counts in one process) and test_cache.cpp (one fixed
 // batch vs solo runs):

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // docs/ERRORS.md, entry by entry, where test_errors.cpp, test_block_pool.cpp,
 // test_merge.cpp, test_policy.cpp and test_layout.cpp do not already check it:
 // the remaining partition_spec rules, failed construction leaving nothing

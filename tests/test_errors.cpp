@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Bad input -> a typed exception (error.hpp) whose message names the offending
 // value and the rule; the cache is unchanged afterwards (strong guarantee:
 // same usage, same sequence state) and a following decode step still matches

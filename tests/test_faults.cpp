@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The fault kinds of shared/cases/FAULT-KINDS.md that the host pipeline can
 // show (K1-K6, K10; K7/K8/K9 need the CUDA backend and a GPU, see the note at
 // the end), each checked against the fp64 reference. Every step also checks

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Layout arithmetic at run time (the constexpr part is static_asserted in
 // layout.hpp), the block format's offsets, the model presets, bf16 rounding,
 // and the runtime -> compile-time head-dim dispatch.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // merge_states / merge_state_row: the exact LSE merge of partial attention
 // states (paper §4.2, §5.1; FAULT-KINDS K1/C1, K2, K4/C6). Expected values come
 // from fp64 attention over the union of the key subsets (reference.hpp).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // MLA (DeepSeek-V2-Lite geometry, absorbed form, paper §6.1) through the
 // split cache, against the NON-absorbed fp64 reference: random W_UK
 // [h][nope][rank] and W_UV [h][v][rank]; the test folds W_UK into the query

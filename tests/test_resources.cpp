@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Resource limits (FAULT-KINDS K8, K9) on the host: each refusal is a typed
 // error at init (or at region growth) with nothing half-built, and memory is
 // resident only where it must be.

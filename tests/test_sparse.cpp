@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Block-level sparse selection (paper §4.4, §7.5; docs/SPARSE.md) on the host
 // backend: with every block selected a sparse step is bit-identical to the
 // dense one (every policy, ragged batches, GQA and MLA, gathered and direct

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // stream_plan: how pinned blocks travel through the ping-pong buffers
 // (paper §4.2, §6). Checked against the plain list of each sequence's blocks:
 // every block streamed exactly once, in order; splits never straddle chunks;

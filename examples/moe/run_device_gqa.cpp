@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CUDA-path instantiations for GQA (Qwen3-MoE, Mixtral): head_dim 64 (the
 // transformers fixtures) and 128 (the public models), on the GPU (cuda_exec,
 // CUDA builds only) and emulated on the host (emulated_exec).

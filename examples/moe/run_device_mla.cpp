@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CUDA-path instantiations for MLA (DeepSeek-V2): (kv_lora_rank, rope) =
 // (512, 64) — DeepSeek-V2 and V2-Lite — and (128, 32) for the transformers
 // fixtures, on the GPU (cuda_exec, CUDA builds only) and emulated on the host.

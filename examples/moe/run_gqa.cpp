@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GQA instantiations of the decoder (Qwen3-MoE, Mixtral): head_dim 64, 128, 256.
 #include "ws_moe/run.hpp"
 

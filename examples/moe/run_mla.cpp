@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // MLA instantiations of the decoder (DeepSeek-V2): (kv_lora_rank, rope) =
 // (512, 64) — DeepSeek-V2 and V2-Lite — and (128, 32) for small test models.
 #include "ws_moe/run.hpp"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ws_decode — generate tokens with a Qwen3-MoE, DeepSeek-V2 or Mixtral model
 // whose KV cache is split by writescope between the unpinned CPU region and the
 // GPU side. --device cuda: the model on the GPU (bf16 weights, cuBLAS), the
@@ -239,6 +240,9 @@ std::vector<std::vector<int>> build_prompts(const cli& a, const model_config& c,
     if (k == 0) throw writescope::config_error("--prompt \"" + p + "\": no token ids");
   }
   if (!a.prompt_file.empty()) {
+    std::error_code file_ec;
+    if (!fs::is_regular_file(a.prompt_file, file_ec))
+      refuse("--prompt-file", "must be an existing file (one prompt per line)", a.prompt_file);
     const std::string text = read_text_file(a.prompt_file);
     std::stringstream ss(text);
     std::string line;
@@ -396,15 +400,58 @@ int run(cli& a) {
     refuse("--temperature", "must be 0 with --expect (the reference is greedy)", a.given["--temperature"]);
   if (a.quiet && a.gave("--per-sequence"))
     refuse("--per-sequence", "excluded by --quiet (lines of the text summary)", a.given["--per-sequence"]);
+  if (a.progress && a.no_progress) refuse("--no-progress", "excluded by --progress (one of them)", "both given");
+  if (a.gave("--ping-pong-blocks") && a.gave("--ping-pong-mib"))
+    refuse("--ping-pong-mib", "excluded by --ping-pong-blocks (one size of a ping-pong buffer)", a.given["--ping-pong-mib"]);
+  if (a.d_window % a.block_tokens != 0)
+    refuse("--d-window", "must be a multiple of --block-tokens " + std::to_string(a.block_tokens), a.given.count("--d-window")
+                                                                                                     ? a.given["--d-window"]
+                                                                                                     : std::to_string(a.d_window));
+  // sampling: top-p and top-k shape the distribution a temperature > 0 samples from; greedy ignores them
+  if (!(a.temperature > 0.0))
+    for (const char* opt : {"--top-p", "--top-k"})
+      if (a.gave(opt))
+        refuse(opt, "acts with --temperature > 0 only (0 is greedy)", a.given[opt] + " at --temperature " +
+                                                                           (a.gave("--temperature") ? a.given["--temperature"] : "0"));
+  // the seed acts on random weights, random prompts and sampling: refused where there is none of them
+  if (a.gave("--seed") && !a.random_weights && !(a.temperature > 0.0) &&
+      (a.gave("--prompt") || a.gave("--prompt-file") || !a.expect.empty()))
+    refuse("--seed", "acts on --random-weights, random prompts (--prompt-len) or --temperature > 0 only",
+           a.given["--seed"] + " with the checkpoint's weights, given prompts and greedy decoding");
+  // options of the comparison with a reference run
+  if (a.expect.empty())
+    for (const char* opt : {"--teacher-force", "--logit-tol", "--logit-tol-bf16-kv"})
+      if (a.gave(opt)) refuse(opt, "acts with --expect FILE only (a comparison with a reference run)", "no --expect");
+  if (!a.expect.empty() && a.gave("--batch"))
+    refuse("--batch", "excluded by --expect (the reference's prompts set the batch)", a.given["--batch"]);
+  // output files: a path that cannot be written is refused before the run, not after it
+  for (const char* opt : {"--json", "--logits-out"})
+    if (a.gave(opt)) {
+      const fs::path out(a.given[opt]);
+      const fs::path dir = out.has_parent_path() ? out.parent_path() : fs::path(".");
+      std::error_code dir_ec;
+      if (!fs::is_directory(dir, dir_ec) || ::access(dir.c_str(), W_OK) != 0 || fs::is_directory(out, dir_ec))
+        refuse(opt, "must be a file in an existing writable directory", a.given[opt]);
+    }
   // the costs act on the roofline only; the bandwidths also set the adaptive assist's first balance
   if (a.policy != "roofline") {
     (void)parse_policy(a.policy, writescope::roofline_params{});  // a bad --policy is named first
     const bool adaptive = parse_assist(a.cpu_assist).mode == writescope::assist_mode::adaptive;
     for (const char* opt : {"--placement-headroom", "--cpu-fixed-us", "--gpu-fixed-us", "--track-gpu-cost"})
       if (a.gave(opt)) refuse(opt, "acts on --policy roofline only", "--policy " + a.policy);
-    for (const char* opt : {"--cpu-bw-gbps", "--h2d-bw-gbps"})
+    for (const char* opt : {"--cpu-bw-gbps", "--h2d-bw-gbps", "--calibration", "--calibration-preset"})
       if (a.gave(opt) && !adaptive)
         refuse(opt, "acts on --policy roofline or --cpu-assist adaptive only", "--policy " + a.policy);
+  }
+  if (a.gave("--assist-max-fraction") && parse_assist(a.cpu_assist).mode != writescope::assist_mode::adaptive)
+    refuse("--assist-max-fraction", "acts with --cpu-assist adaptive only", "--cpu-assist " + a.cpu_assist);
+  // cpu_only places no block in the pinned region: nothing is streamed, nothing is there to assist
+  if (a.policy == "cpu_only") {
+    if (parse_assist(a.cpu_assist).mode != writescope::assist_mode::off)
+      refuse("--cpu-assist", "acts on pinned blocks, which --policy cpu_only never places", a.given["--cpu-assist"]);
+    if (a.gave("--first-chunk-mib"))
+      refuse("--first-chunk-mib", "acts on streamed pinned blocks, which --policy cpu_only never places",
+             a.given["--first-chunk-mib"]);
   }
 
   // ---- model -----------------------------------------------------------------
@@ -568,10 +615,7 @@ int run(cli& a) {
   const int threads = a.threads > 0 ? a.threads : std::max(1, int(std::thread::hardware_concurrency()));
   o.threads = std::max(1, threads - 1);  // CPU attention engine: one core stays with the thread driving the GPU side
   o.record_logits = expected.has_value() || !a.logits_out.empty();
-  if (a.teacher_force) {
-    if (!expected) throw writescope::config_error("--teacher-force needs --expect");
-    o.forced_tokens = &expected->tokens;
-  }
+  if (a.teacher_force) o.forced_tokens = &expected->tokens;  // --expect is there (refused above otherwise)
   if (a.stop_at_eos || !a.eos_token_ids.empty()) {
     o.eos_token_ids = a.eos_token_ids.empty() ? c.eos_token_ids : a.eos_token_ids;
     if (o.eos_token_ids.empty())
@@ -897,19 +941,24 @@ int main(int argc, char** argv) {
       ->allow_extra_args(false);
   auto* g_kv = "KV cache";
   app.add_option("--policy", a.policy, "roofline | fixed:R | gpu_only | cpu_only")->group(g_kv)->capture_default_str();
-  app.add_option("--block-tokens", a.block_tokens, "tokens per block (all regions)")->group(g_kv)->capture_default_str();
+  app.add_option("--block-tokens", a.block_tokens, "tokens per block (all regions)")
+      ->group(g_kv)->capture_default_str()->check(at_least(1, false));
   app.add_option("--d-window", a.d_window, "D: GPU window and eviction batch, a multiple of the block size")
-      ->group(g_kv)->capture_default_str();
+      ->group(g_kv)->capture_default_str()->check(at_least(1, false));
   app.add_option("--ping-pong-mib", a.ping_pong_mib, "bytes of one ping-pong buffer, MiB")->group(g_kv)->capture_default_str();
   app.add_option("--first-chunk-mib", a.first_chunk_mib,
                  "first ping-pong fill of a step, MiB; each next fill doubles up to a buffer (0: no ramp)")
       ->group(g_kv)
       ->check(at_least(0, false))
       ->capture_default_str();
-  app.add_option("--ping-pong-blocks", a.ping_pong_blocks, "blocks per ping-pong buffer (overrides --ping-pong-mib)")->group(g_kv);
-  app.add_option("--ping-pong-buffers", a.ping_pong_buffers, "ping-pong buffers (>= 2)")->group(g_kv)->capture_default_str();
-  app.add_option("--gpu-split-blocks", a.gpu_split_blocks, "streamed blocks per GPU partial")->group(g_kv)->capture_default_str();
-  app.add_option("--cpu-task-blocks", a.cpu_task_blocks, "blocks per CPU attention task")->group(g_kv)->capture_default_str();
+  app.add_option("--ping-pong-blocks", a.ping_pong_blocks, "blocks per ping-pong buffer (instead of --ping-pong-mib)")
+      ->group(g_kv)->check(at_least(1, false));
+  app.add_option("--ping-pong-buffers", a.ping_pong_buffers, "ping-pong buffers")
+      ->group(g_kv)->capture_default_str()->check(at_least(2, false));
+  app.add_option("--gpu-split-blocks", a.gpu_split_blocks, "streamed blocks per GPU partial")
+      ->group(g_kv)->capture_default_str()->check(at_least(1, false));
+  app.add_option("--cpu-task-blocks", a.cpu_task_blocks, "blocks per CPU attention task")
+      ->group(g_kv)->capture_default_str()->check(at_least(1, false));
   app.add_option("--kv-vram-budget-mib", a.kv_vram_budget_mib, "D-window + ping-pong must fit (0 = no limit)")->group(g_kv);
   auto* o_cal = app.add_option("--calibration", a.calibration,
                                "roofline A, B, C_CPU, C_GPU at init from this bench/calibrate --out file: the entry of the "

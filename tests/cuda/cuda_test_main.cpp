@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // tests/cuda/cuda_test_main.cpp — doctest main of the device tests. Without a
 // usable CUDA device (CI: nvcc but no GPU) it exits 77, which ctest reports as
 // SKIPPED (SKIP_RETURN_CODE), so CPU-only runs pass while still compiling and

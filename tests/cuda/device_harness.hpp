@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // tests/cuda/device_harness.hpp — device-side test machinery for cuda_backend:
 // the activation_io of tests/support/harness.hpp for device_space, so that the
 // one decode_driver and step_runner run on the GPU: KV and queries are

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // tests/cuda/kernels_instantiate.cu — the one .cu file of the device tests:
 // explicit instantiations of the GPU kernels' launchers (kernels.cuh) for the
 // layouts the tests use, and the slow-consumer kernels of the mutation tests'

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // End-to-end decode loops on cuda_backend against the fp64 reference, for the
 // three model geometries of the paper (Qwen3-30B-A3B GQA 32/4, Mixtral-8x7B
 // GQA 32/8, DeepSeek-V2-Lite MLA 16 heads), every routing policy (gpu_only

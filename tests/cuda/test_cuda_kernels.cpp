@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Quick device tests of cuda_backend — the set compute-sanitizer runs (with
 // WS_TEST_QUICK=1): small GQA and MLA decode loops on all three engines, each
 // engine's partial on its own (K1 empty partials, K2 natural-log LSE), L = 1,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // FAULT-KINDS K7 on cuda_backend: asynchronous copies and stream ordering.
 //
 //   C10  RAW on the caller stream (append / q before the GPU side reads them),

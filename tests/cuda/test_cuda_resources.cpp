@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Device memory exhausted at init (FAULT-KINDS K8/K9 on the device side,
 // docs/RELIABILITY.md): a cache or an attention engine asking for more device
 // memory than the card has fails in its constructor with resource_error naming

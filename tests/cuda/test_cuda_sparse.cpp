@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Block-level sparse selection on cuda_backend (docs/SPARSE.md; paper §4.4,
 // Fig. 6). The cases shared with tests/test_sparse.cpp run the same bodies
 // (support/sparse_suite.hpp, here on cuda_backend, there on host_backend);

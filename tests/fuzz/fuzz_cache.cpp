@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // libFuzzer target: inplace_kv_cache + hybrid_attention (host backend) driven
 // by random sequences of calls, checked against a simple model of the cache.
 //

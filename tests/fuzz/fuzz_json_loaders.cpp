@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // libFuzzer target: the JSON inputs of the examples/moe loader.
 //   first byte even: config.json -> ws_moe::parse_model_config (as
 //                    load_model_config reads it), with and without --arch

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // libFuzzer target: the safetensors parser of examples/moe
 // (ws_moe::parse_safetensors, rules H1-D3 of ws_moe/checkpoint.hpp), on whole
 // files as bytes: malformed length prefixes, headers, dtypes, shapes, offsets.

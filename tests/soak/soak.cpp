@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ws_soak — the soak loop of soak_core.hpp on the host backend (no GPU needed;
 // CI runs a 5,000-step version through ctest, test "soak_host").
 //   ws_soak --steps 100000 --json soak.json

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // tests/soak/soak_core.hpp — the soak loop shared by ws_soak (host backend)
 // and ws_soak_cuda (cuda_backend): N decode steps over one cache with
 // sequences arriving and leaving at random prompt and decode lengths (their

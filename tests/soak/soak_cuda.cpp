@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ws_soak_cuda — the soak loop of soak_core.hpp on cuda_backend (GPU machine):
 // pinned load region through cuda_host_alloc, inputs and outputs on the
 // device, device memory in use sampled with cudaMemGetInfo. Exits 77 (ctest:

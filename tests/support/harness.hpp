@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // tests/support/harness.hpp — shared test machinery: seeded bf16 KV, a
 // history of every token written (the reference's own copy, independent of
 // the cache), a decode-loop driver for any backend (activation_io), and

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Test support for the CPU decode kernels (test_cpu_kernel, test_amx_kernel):
 // KV blocks cut into segments with poisoned tails, random histories and
 // queries, and one call per KV head compared with the fp64 reference.

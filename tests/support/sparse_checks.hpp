@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // tests/support/sparse_checks.hpp — checks and selectors shared by the host
 // and device tests of block-level sparse selection (docs/SPARSE.md): the fp64
 // reference restricted to a selection (per KV head, plus the D-window), the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // tests/support/sparse_suite.hpp — the block-level sparse selection tests
 // (docs/SPARSE.md) written once, templated on the backend: tests/test_sparse.cpp
 // instantiates them on host_backend, tests/cuda/test_cuda_sparse.cpp on

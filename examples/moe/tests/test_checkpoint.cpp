@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Checkpoint loading: the safetensors rules H1–D3 of ws_moe/checkpoint.hpp, the
 // sharded index, config.json parsing (both spellings; the public configs), and
 // ws_decode's one-line error + non-zero exit on malformed checkpoints and

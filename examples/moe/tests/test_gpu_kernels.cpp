@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CUDA path's grouped-expert kernel (ops.cu launch_expert_gemv) on the
 // device against its host reference (gemm.hpp expert_gemv_reference, which
 // test_gpu_math pins to the per-expert GEMM path bit for bit). Label "gpu":

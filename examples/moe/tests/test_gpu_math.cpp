@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CUDA path's math on the host: the GEMM descriptors (cuBLAS column-major
 // semantics, checked against plain row-major loops and the host path's ops),
 // the element functors of kernel_math.hpp that the CUDA kernels run (router,

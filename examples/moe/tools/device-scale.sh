@@ -52,7 +52,7 @@
 # default all but the PEER pair), PEER=1 (add the PEER pair), NEW_TOKENS
 # (default 130), PEER_NEW_TOKENS (default 66: one eviction window; the
 # transformers run is the slow one), CALIBRATION (a bench/calibrate --out file:
-# --calibration for every ws_decode run; must be readable), PYTHON (default
+# --calibration for every roofline ws_decode run; must be readable), PYTHON (default
 # python3), EXTRA (more ws_decode arguments for every run).
 # Output: $OUT/scale.txt (table), $OUT/scale.json (every run's --json summary
 # in one array, with name/rc/seconds), $OUT/scale.log (each run's output).
@@ -154,7 +154,11 @@ for i in "${!names[@]}"; do
     cmd="$PYTHON $root/examples/moe/tools/hf_peer.py ${args[$i]} --json $tmp/$name.json"
   else
     cap=$(( left < RUN_CAP ? left : RUN_CAP ))
-    cmd="$WS_DECODE --device cuda ${args[$i]} $kv $cal $EXTRA --json $tmp/$name.json"
+    # --calibration sets roofline costs: ws_decode refuses it under another policy
+    # unless an adaptive CPU assist starts from them
+    c=$cal
+    case "${args[$i]} $EXTRA" in *"--policy roofline"* | *"--cpu-assist adaptive"*) ;; *) c="" ;; esac
+    cmd="$WS_DECODE --device cuda ${args[$i]} $kv $c $EXTRA --json $tmp/$name.json"
   fi
   # shellcheck disable=SC2086  # the command string is a word list
   timeout --kill-after=5 "$cap" $cmd >"$tmp/$name.out" 2>&1

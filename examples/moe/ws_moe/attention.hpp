@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ws_moe/attention.hpp — the model side of attention for the two layouts:
 // everything before the KV cache (projections, norms, RoPE; what the cache
 // stores and what the query is) and after it (output projection).

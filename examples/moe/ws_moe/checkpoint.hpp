@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ws_moe/checkpoint.hpp — Hugging Face checkpoint files: memory-mapped
 // *.safetensors (single file or sharded with model.safetensors.index.json).
 //

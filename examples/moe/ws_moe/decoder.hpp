@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ws_moe/decoder.hpp — a MoE transformer decoder over one writescope KV cache:
 // prefill and token-by-token decode on the host (fp32 compute, bf16 KV), the
 // cache split between its unpinned CPU region and the (emulated) GPU side.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ws_moe/model_config.hpp — the parts of a Hugging Face config.json that the
 // three decoders need (Qwen3-MoE, Mixtral, DeepSeek-V2), read from either
 // spelling in circulation: the Hub files (rope_theta + rope_scaling,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ws_moe/moe.hpp — routers and SiLU-gated experts, exactly as Hugging Face
 // transformers defines them for each model (fp32):
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ws_moe/ops.hpp — the host (fp32) building blocks of the decoders: linear
 // layers (Eigen), RMSNorm, SiLU, rotary embeddings (plain, linear, YaRN; the
 // rotate-half and interleaved conventions) and causal prefill attention.

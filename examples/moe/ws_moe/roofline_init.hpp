@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ws_moe/roofline_init.hpp — where ws_decode's roofline policy gets its costs
 // at init (paper eq. 1-2): A (CPU seconds per KV token), B (GPU seconds per
 // streamed token), C_CPU and C_GPU (fixed seconds per step of one layer).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ws_moe/run.hpp — load a model (checkpoint or random weights) and generate,
 // with the attention layout picked at run time from the config (STYLE.md §7):
 //   GQA head_dim in {64, 128, 256}                  (run_gqa.cpp)

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ws_moe/runtime_policy.hpp — a routing policy chosen on the command line:
 // one of the library's four policies held by value in a std::variant (no
 // virtual dispatch), so the decoder is instantiated once per layout rather

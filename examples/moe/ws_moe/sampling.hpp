@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ws_moe/sampling.hpp — next-token selection: greedy (temperature 0) or
 // temperature / top-k / top-p sampling with one seeded generator per sequence
 // (a sequence's tokens do not depend on its batchmates).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ws_moe/weights.hpp — model weights in fp32 host memory, loaded by Hugging
 // Face tensor name from a checkpoint (widened from bf16/f16 at load, shapes
 // checked against the config) or generated from the config alone

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ws_moe/gpu/cuda_exec.hpp — the executor of the CUDA path's decoder
 // (device_decoder.hpp) on a real GPU: one non-blocking stream on which every
 // model kernel, every cuBLAS call and writescope's cuda_backend (its "caller"

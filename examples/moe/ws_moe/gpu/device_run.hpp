@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ws_moe/gpu/device_run.hpp — the CUDA path behind ws_decode's --device:
 // runtime model config -> compile-time cache layout (STYLE.md §7) -> the
 // device decoder on an executor:

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ws_moe/gpu/device_weights.hpp — the model's weights for the CUDA path:
 // matrices on the device in the checkpoint's precision (BF16 stays bf16; F16
 // and F32 are widened exactly to fp32), routers always fp32, norms and biases

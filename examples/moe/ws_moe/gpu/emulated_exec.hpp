@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ws_moe/gpu/emulated_exec.hpp — the executor of the CUDA path's decoder
 // (device_decoder.hpp) on the host, for machines without a GPU (CI):
 // `ws_decode --device emulated`.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ws_moe/gpu/gemm.hpp — every matrix product of the CUDA path as a descriptor
 // with cuBLAS's column-major semantics, the builders of the five products the
 // decoders need, and a reference executor on the host.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ws_moe/gpu/kernel_math.hpp — the element-level math of the CUDA path's model
 // kernels, written once as host+device functors so that the very same code runs
 // in the CUDA kernels (ops.cu, nvcc) and in the host emulation of the CUDA path

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ws_moe/gpu/ops.cu — the CUDA path's model kernels (nvcc only): a grid-stride
 // launcher for the element-wise functors of kernel_math.hpp, the two row
 // reductions (RMSNorm, causal softmax of prefill scores) and the grouped

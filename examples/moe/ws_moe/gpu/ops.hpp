@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ws_moe/gpu/ops.hpp — host-visible declarations of the CUDA path's model
 // kernels (definitions in ops.cu, nvcc) and of the GEMM descriptor both
 // executors run (cuda_exec.hpp: cuBLAS; emulated_exec.hpp: a reference loop).
