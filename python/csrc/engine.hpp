@@ -356,17 +356,18 @@ class engine_impl final : public engine {
     const at::Tensor src = at::zeros({bt, layout_.kv_heads(), Layout::row_elems},
                                      at::TensorOptions().dtype(at::kBFloat16).device(c10::Device(
                                          c10::DeviceType::CUDA, c10::DeviceIndex(backend_.device()))));
-    std::vector<ws::bf16> dst(std::size_t(bb / ws::index_t(sizeof(ws::bf16))));
+    // a member: pending copies into it (if a throw leaves some) never outlive it
+    reserve_sink_.assign(std::size_t(bb / ws::index_t(sizeof(ws::bf16))), ws::bf16{});
     const ws::index_t n = (max_bytes + bb - 1) / bb;
-    std::vector<ws::block_write> writes(std::size_t(n),
-                                        ws::block_write{0, bt, 0, dst.data(), ws::memory_kind::pageable_host});
+    std::vector<ws::block_write> writes(
+        std::size_t(n), ws::block_write{0, bt, 0, reserve_sink_.data(), ws::memory_kind::pageable_host});
     kv_input kv;
     for (int p = 0; p < Layout::planes; ++p)
       kv.planes[std::size_t(p)] = reinterpret_cast<const ws::bf16*>(src.const_data_ptr<at::BFloat16>());
     kv.num_tokens = bt;
     kv.token_stride = 0;
     backend_.write_blocks(fmt, kv, writes);
-    backend_.synchronize();  // the copies into dst complete before it goes
+    backend_.synchronize();  // the copies into the sink complete here
   }
 
   void check_tensor(const at::Tensor& t, at::ScalarType dtype, std::initializer_list<int64_t> shape, const char* call,
@@ -426,6 +427,7 @@ class engine_impl final : public engine {
   attention_type attention_;
   std::vector<ws::sequence_id> ids_;
   std::vector<ws::index_t> firsts_;
+  std::vector<ws::bf16> reserve_sink_;  ///< reserve_deferred_writes' destination block
   ws::step_report last_{};
 };
 
