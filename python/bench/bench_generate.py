@@ -52,7 +52,7 @@ class StepClock(LogitsProcessor):
             torch.cuda.synchronize(self.device)
         self.times.append(time.perf_counter())
         if len(self.times) == 1 and self.meter is not None:
-            self.at_prefill = (self.meter.total, self.meter.ops)
+            self.at_prefill = (self.meter.total, self.meter.ops, self.meter.completion)
         return scores
 
 
@@ -60,7 +60,7 @@ class OverheadMeter:
     """Host seconds in WriteScopeCache.update/_decode (total) and in the KVCache ops they call."""
 
     def __init__(self):
-        self.total = self.ops = 0.0
+        self.total = self.ops = self.completion = 0.0
         self._patched = []
 
     def _wrap(self, owner, name, field):
@@ -79,8 +79,9 @@ class OverheadMeter:
     def __enter__(self):
         self._wrap(wshf.WriteScopeCache, "update", "total")
         self._wrap(wshf.WriteScopeCache, "_decode", "total")
-        for op in ("append", "attention", "flush", "append_prefill"):
+        for op in ("append", "attention", "flush", "append_prefill", "append_prefill_batch"):
             self._wrap(writescope.KVCache, op, "ops")
+        self._wrap(writescope.KVCache, "complete_writes", "completion")  # from a forward hook, outside update
         return self
 
     def __exit__(self, *exc):
@@ -233,9 +234,14 @@ def run_one(model, ids, args, name, make_cache, device):
         rec["peak_device_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     if isinstance(cache, wshf.WriteScopeCache):
         rec["split"] = cache.split()
-        total0, ops0 = clock.at_prefill or (0.0, 0.0)
+        total0, ops0, completion0 = clock.at_prefill or (0.0, 0.0, 0.0)
         decode_overhead = (meter.total - total0) - (meter.ops - ops0)
         rec["python_overhead_prefill_s"] = total0 - ops0
+        # host seconds inside the library's prefill ops (the batched writes, and completing the deferred
+        # pageable writes of the last layer at the end of the prefill forward): time the host thread
+        # could not enqueue model work
+        rec["prefill_ops_s"] = ops0 + completion0
+        rec["prefill_completion_s"] = completion0
         if steps:
             # host seconds outside the library's ops in the decode steps' update and attention calls
             rec["python_overhead_per_step_ms"] = decode_overhead / len(steps) * 1e3

@@ -5,6 +5,7 @@
 // TORCH_LIBRARY so that they go through torch's dispatcher:
 //
 //   writescope::append_prefill(Cache cache, int layer, int seq, Tensor k, Tensor? v) -> ()
+//   writescope::append_prefill_batch(Cache cache, int layer, int[] seqs, int[] first_tokens, Tensor k, Tensor? v) -> ()
 //   writescope::append(Cache cache, int layer, int[] seqs, Tensor k, Tensor? v) -> ()
 //   writescope::decode_attention(Cache cache, int layer, int[] seqs, Tensor q, float scale) -> (Tensor, Tensor)
 //   writescope::flush(Cache cache) -> int[]
@@ -102,6 +103,8 @@ engine_config parse_config(const std::string& layout, const std::string& policy,
     else if (k == "cost_window_samples") rp.cost_window_samples = as_int();
     else if (k == "track_gpu_cost") rp.track_gpu_cost = v != 0;
     else if (k == "track_launch_cost") rp.track_launch_cost = v != 0;
+    else if (k == "deferred_host_write_bytes") c.deferred_host_write_bytes = v;
+    else if (k == "staging_bytes") c.staging_bytes = v;
     else throw ws::config_error("Cache: unknown integer option '" + k + "'");
   }
   for (const auto& kv : reals) {
@@ -174,6 +177,10 @@ void op_append_prefill(const c10::intrusive_ptr<Cache>& c, int64_t layer, int64_
                        const std::optional<at::Tensor>& v) {
   c->locked([&] { c->impl->append_prefill(layer, seq, k, v); });
 }
+void op_append_prefill_batch(const c10::intrusive_ptr<Cache>& c, int64_t layer, std::vector<int64_t> seqs,
+                             std::vector<int64_t> first_tokens, const at::Tensor& k, const std::optional<at::Tensor>& v) {
+  c->locked([&] { c->impl->append_prefill_batch(layer, seqs, first_tokens, k, v); });
+}
 void op_append(const c10::intrusive_ptr<Cache>& c, int64_t layer, std::vector<int64_t> seqs, const at::Tensor& k,
                const std::optional<at::Tensor>& v) {
   c->locked([&] { c->impl->append(layer, seqs, k, v); });
@@ -224,12 +231,18 @@ TORCH_LIBRARY(writescope, m) {
            [](const c10::intrusive_ptr<Cache>& c, int64_t layer, int64_t seq, int64_t position) {
              return c->locked([&] { return c->impl->read_token(layer, seq, position); });
            })
+      .def("complete_host_writes",
+           [](const c10::intrusive_ptr<Cache>& c) { c->locked([&] { c->impl->complete_host_writes(); }); })
       .def("describe",
            [](const c10::intrusive_ptr<Cache>& c) { return c->locked([&] { return c->impl->describe(); }); })
       .def("backend", [](const c10::intrusive_ptr<Cache>& c) { return c->backend_name; });
 
   m.def("append_prefill(__torch__.torch.classes.writescope.Cache cache, int layer, int seq, Tensor k, Tensor? v) -> ()",
         &writescope_py::op_append_prefill);
+  m.def(
+      "append_prefill_batch(__torch__.torch.classes.writescope.Cache cache, int layer, int[] seqs, int[] first_tokens, "
+      "Tensor k, Tensor? v) -> ()",
+      &writescope_py::op_append_prefill_batch);
   m.def("append(__torch__.torch.classes.writescope.Cache cache, int layer, int[] seqs, Tensor k, Tensor? v) -> ()",
         &writescope_py::op_append);
   m.def(

@@ -58,6 +58,15 @@ class engine {
   virtual void announce_admission(int64_t prompt_tokens) = 0;
   /// k (and v, GQA) [tokens][kv_heads][row] bf16.
   virtual void append_prefill(int64_t layer, int64_t seq, const at::Tensor& k, const std::optional<at::Tensor>& v) = 0;
+  /// Several sequences' prompts of one layer in one backend write: k (and v)
+  /// [tokens][kv_heads][row] bf16, seqs[i]'s prompt its tokens [first_tokens[i],
+  /// first_tokens[i] + prompt tokens).
+  virtual void append_prefill_batch(int64_t layer, const std::vector<int64_t>& seqs,
+                                    const std::vector<int64_t>& first_tokens, const at::Tensor& k,
+                                    const std::optional<at::Tensor>& v) = 0;
+  /// Finishes the deferred pageable prefill writes (cuda backend; a no-op when
+  /// none is pending and on the host backend).
+  virtual void complete_host_writes() = 0;
   /// k (and v) [batch][kv_heads][row] bf16, row i for seqs[i].
   virtual void append(int64_t layer, const std::vector<int64_t>& seqs, const at::Tensor& k,
                       const std::optional<at::Tensor>& v) = 0;
@@ -87,6 +96,14 @@ struct engine_config {
   ws::attention_options options{};
   any_policy policy{ws::gpu_only{}};
   bool poison = false;
+  /// cuda backend: the most bytes of deferred pageable prefill writes
+  /// (cuda_backend::set_deferred_host_writes; 0 = synchronous writes). The
+  /// page-locked buffer is reserved at construction when the cache has an
+  /// unpinned region. Ignored by the host backend.
+  int64_t deferred_host_write_bytes = int64_t{512} << 20;
+  /// cuda backend: the device staging buffer of prefill writes to host blocks,
+  /// at most (cuda_backend::set_max_staging_bytes); 0 = the library's default.
+  int64_t staging_bytes = 0;
 };
 
 namespace detail {
@@ -133,13 +150,43 @@ class engine_impl final : public engine {
       : backend_(std::forward<BackendArgs>(backend_args)...),
         layout_(layout),
         cache_(backend_, layout, c.spec, c.policy, PinnedAllocator{}, ws::cache_options{c.poison}),
-        attention_(cache_, c.options) {}
+        attention_(cache_, c.options) {
+    if constexpr (has_deferred_writes) {
+      if (c.deferred_host_write_bytes < 0)
+        throw ws::config_error("Cache: deferred_host_write_bytes = " + std::to_string(c.deferred_host_write_bytes) +
+                               " must be >= 0 (0: synchronous prefill writes)");
+      if (c.staging_bytes < 0)
+        throw ws::config_error("Cache: staging_bytes = " + std::to_string(c.staging_bytes) +
+                               " must be >= 0 (0: the library's default)");
+      typename Traits::template scope<Backend> s(backend_);
+      if (c.staging_bytes > 0) backend_.set_max_staging_bytes(c.staging_bytes);
+      backend_.set_deferred_host_writes(c.deferred_host_write_bytes);
+      if (c.deferred_host_write_bytes > 0 && cache_.usage().cpu_capacity_blocks > 0)
+        reserve_deferred_writes(c.deferred_host_write_bytes);
+    }
+  }
+
+  // Deferred writes may still be pending (the last prefill layer's when no
+  // decode step followed): they land, and every stream is idle, before the
+  // cache frees its regions.
+  ~engine_impl() override {
+    try {
+      typename Traits::template scope<Backend> s(backend_);
+      backend_.synchronize_host_writes();
+    } catch (...) {
+    }
+  }
 
   int64_t begin_sequence(int64_t prompt_tokens) override {
     typename Traits::template scope<Backend> s(backend_);
     return cache_.begin_sequence(prompt_tokens);
   }
-  void end_sequence(int64_t seq) override { cache_.end_sequence(detail::to_int(seq, "end_sequence: sequence")); }
+  void end_sequence(int64_t seq) override {
+    const ws::sequence_id id = detail::to_int(seq, "end_sequence: sequence");
+    typename Traits::template scope<Backend> s(backend_);
+    backend_.complete_host_writes();  // no deferred write lands in a block after it was freed
+    cache_.end_sequence(id);
+  }
   void announce_admission(int64_t prompt_tokens) override { cache_.announce_admission(prompt_tokens); }
 
   void append_prefill(int64_t layer, int64_t seq, const at::Tensor& k, const std::optional<at::Tensor>& v) override {
@@ -148,6 +195,22 @@ class engine_impl final : public engine {
     typename Traits::template scope<Backend> s(backend_);
     cache_.append_prefill(detail::to_int(layer, "append_prefill: layer"), detail::to_int(seq, "append_prefill: sequence"),
                           make_kv(kk, vv, tokens));
+  }
+
+  void append_prefill_batch(int64_t layer, const std::vector<int64_t>& seqs, const std::vector<int64_t>& first_tokens,
+                            const at::Tensor& k, const std::optional<at::Tensor>& v) override {
+    const int64_t tokens = k.dim() > 0 ? k.size(0) : 0;
+    auto [kk, vv] = checked_kv(k, v, tokens, "append_prefill_batch");
+    ids_.resize(seqs.size());
+    for (std::size_t i = 0; i < seqs.size(); ++i) ids_[i] = detail::to_int(seqs[i], "append_prefill_batch: sequence");
+    firsts_.assign(first_tokens.begin(), first_tokens.end());
+    typename Traits::template scope<Backend> s(backend_);
+    cache_.append_prefill(detail::to_int(layer, "append_prefill_batch: layer"), ids_, firsts_, make_kv(kk, vv, tokens));
+  }
+
+  void complete_host_writes() override {
+    typename Traits::template scope<Backend> s(backend_);
+    backend_.complete_host_writes();
   }
 
   void append(int64_t layer, const std::vector<int64_t>& seqs, const at::Tensor& k,
@@ -201,7 +264,8 @@ class engine_impl final : public engine {
             {"block_tokens", sp.block_tokens},
             {"d_window_tokens", sp.d_window_tokens},
             {"num_layers", sp.num_layers},
-            {"total_placed_tokens", cache_.total_placed_tokens()}};
+            {"total_placed_tokens", cache_.total_placed_tokens()},
+            {"deferred_host_write_bytes", deferred_bytes()}};
   }
 
   std::vector<std::pair<std::string, int64_t>> sequence(int64_t seq) const override {
@@ -270,6 +334,42 @@ class engine_impl final : public engine {
  private:
   using kv_input = typename cache_type::kv_input;
 
+  static constexpr bool has_deferred_writes = requires(Backend& b) { b.set_deferred_host_writes(ws::index_t{}); };
+
+  int64_t deferred_bytes() const {
+    if constexpr (has_deferred_writes)
+      return backend_.deferred_host_writes();
+    else
+      return 0;
+  }
+
+  // The library page-locks its prefill bounce buffer on first use, growing it
+  // by doubling up to max_bytes (each growth completes what is pending), so a
+  // fresh cache's first prefill would page-lock up to ~2 x max_bytes inside
+  // its first layer. One throwaway write at construction grows it now: blocks'
+  // worth of zeros from a one-block device source into one pageable block of
+  // our own (no cache block is touched), max_bytes in all, then completed.
+  void reserve_deferred_writes(int64_t max_bytes) {
+    const auto& fmt = cache_.format();
+    const int bt = fmt.block_tokens;
+    const ws::index_t bb = fmt.block_bytes();
+    const at::Tensor src = at::zeros({bt, layout_.kv_heads(), Layout::row_elems},
+                                     at::TensorOptions().dtype(at::kBFloat16).device(c10::Device(
+                                         c10::DeviceType::CUDA, c10::DeviceIndex(backend_.device()))));
+    // a member: pending copies into it (if a throw leaves some) never outlive it
+    reserve_sink_.assign(std::size_t(bb / ws::index_t(sizeof(ws::bf16))), ws::bf16{});
+    const ws::index_t n = (max_bytes + bb - 1) / bb;
+    std::vector<ws::block_write> writes(
+        std::size_t(n), ws::block_write{0, bt, 0, reserve_sink_.data(), ws::memory_kind::pageable_host});
+    kv_input kv;
+    for (int p = 0; p < Layout::planes; ++p)
+      kv.planes[std::size_t(p)] = reinterpret_cast<const ws::bf16*>(src.const_data_ptr<at::BFloat16>());
+    kv.num_tokens = bt;
+    kv.token_stride = 0;
+    backend_.write_blocks(fmt, kv, writes);
+    backend_.synchronize();  // the copies into the sink complete here
+  }
+
   void check_tensor(const at::Tensor& t, at::ScalarType dtype, std::initializer_list<int64_t> shape, const char* call,
                     const char* what) {
     if (t.scalar_type() != dtype)
@@ -326,6 +426,8 @@ class engine_impl final : public engine {
   cache_type cache_;
   attention_type attention_;
   std::vector<ws::sequence_id> ids_;
+  std::vector<ws::index_t> firsts_;
+  std::vector<ws::bf16> reserve_sink_;  ///< reserve_deferred_writes' destination block
   ws::step_report last_{};
 };
 

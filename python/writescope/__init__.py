@@ -153,7 +153,7 @@ def mla(num_q_heads: int, kv_lora_rank: int = MLA_KV_LORA_RANK, rope_dim: int = 
 _POLICIES = ("roofline", "fixed_ratio", "gpu_only", "cpu_only")
 _INT_OPTIONS = ("ping_pong_buffers", "first_chunk_bytes", "gpu_split_blocks", "cpu_task_blocks",
                 "pinned_initial_tokens", "pinned_growth_tokens", "task_workspace_reserve_bytes",
-                "cost_window_samples")
+                "cost_window_samples", "deferred_host_write_bytes", "staging_bytes")
 _ROOFLINE_KEYS = ("cpu_cost_per_token_seconds", "gpu_cost_per_token_seconds", "cpu_fixed_seconds",
                   "gpu_fixed_seconds", "placement_headroom", "launch_cost_per_token_seconds")
 # An uncalibrated starting point for the roofline policy (A, B per KV token of 2 KiB); A is
@@ -242,6 +242,22 @@ class KVCache:
         """Writes the whole prompt of ``seq`` for ``layer``: k, v ``[prompt_tokens, kv_heads, row]`` bf16."""
         with _errors():
             torch.ops.writescope.append_prefill(self._c, int(layer), int(seq), k, v)
+
+    def append_prefill_batch(self, layer: int, seqs: Sequence[int], first_tokens: Sequence[int], k: torch.Tensor,
+                             v: torch.Tensor | None = None) -> None:
+        """Writes the prompts of several sequences for ``layer`` in one backend write: k, v
+        ``[tokens, kv_heads, row]`` bf16 hold them all, ``seqs[i]``'s prompt its tokens
+        ``[first_tokens[i], first_tokens[i] + prompt tokens)``. The same placement and bytes as one
+        append_prefill per sequence; nothing is written unless every sequence passes."""
+        with _errors():
+            torch.ops.writescope.append_prefill_batch(self._c, int(layer), [int(s) for s in seqs],
+                                                      [int(t) for t in first_tokens], k, v)
+
+    def complete_writes(self) -> None:
+        """Finishes the deferred prefill writes into the unpinned region (cuda backend,
+        ``deferred_host_write_bytes``); a no-op when none is pending and on the host backend."""
+        with _errors():
+            self._c.complete_host_writes()
 
     def append(self, layer: int, seqs: Sequence[int], k: torch.Tensor, v: torch.Tensor | None = None) -> None:
         """One decode token per sequence into its D-window: k, v ``[len(seqs), kv_heads, row]`` bf16."""

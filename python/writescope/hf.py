@@ -168,7 +168,9 @@ class WriteScopeCache(Cache):
         self._prefilling = False
         self._absorbed = {}  # MLA: id(attention module) -> (weight, version, W_UK, W_UV)
         self._valid = None
-        self._starts = None
+        self._firsts = None  # the prefill's first token of each row in the flattened [batch * tokens] K/V
+        self._gather = None  # rows that are no suffix of the prompt: the kept positions of the flattened K/V
+        self._writes_pending = False  # a prefill's deferred host writes are still pending (cuda)
         self.last_flush = None
         if set_attention and getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -200,6 +202,11 @@ class WriteScopeCache(Cache):
             if cache is not None:
                 cache._in_forward = False
                 cache._forward = None
+                if cache._writes_pending:
+                    # the end of a prefill forward: the last layer's deferred host writes land
+                    # here, while the device still runs that layer's attention and MLP
+                    cache._writes_pending = False
+                    cache.kv.complete_writes()
 
         handles = [model.register_forward_pre_hook(pre, with_kwargs=True),
                    model.register_forward_hook(post, with_kwargs=True, always_call=True)]
@@ -342,8 +349,7 @@ class WriteScopeCache(Cache):
         valid = self._valid_rows(b, t)
         counts = [t] * b if valid is None else [int(n) for n in valid.sum(dim=1).tolist()]
         self._valid = valid
-        if valid is not None:  # left padding (a suffix per row) slices; other masks gather
-            self._starts = [t - n if bool(valid[i, t - n:].all()) else None for i, n in enumerate(counts)]
+        self._firsts, self._gather = self._prefill_rows(valid, counts, b, t)
         self.kv.announce_admission(sum(counts))
         seqs = []
         try:
@@ -357,22 +363,40 @@ class WriteScopeCache(Cache):
         self._seqs = seqs
         self._prefilling = True
 
-    def _append_prefill(self, layer: int, key_states, value_states):
-        # token-major [batch, tokens, kv_heads, row] bf16, one copy for the batch
-        if self.layout.kind == "gqa":
-            k = key_states.to(torch.bfloat16).transpose(1, 2).contiguous()
-            v = value_states.to(torch.bfloat16).transpose(1, 2).contiguous()
+    def _prefill_rows(self, valid, counts, b: int, t: int):
+        """Where each row's prompt lies in the layer's K/V flattened to [b * t, ...]: (first tokens,
+        None) when every row's kept positions are one range (no mask, left padding: a suffix);
+        otherwise the kept positions of all rows, in order, as an index (the K/V is gathered, and
+        row i's prompt starts after the kept tokens of the rows before it)."""
+        if valid is None:
+            return [i * t for i in range(b)], None
+        firsts = []
+        for i, n in enumerate(counts):
+            start = int(valid[i].to(torch.int8).argmax()) if n else t
+            if not bool(valid[i, start:start + n].all()):
+                break
+            firsts.append(i * t + start)
         else:
-            k, v = self._latent_rows(key_states, value_states), None
-        for i, s in enumerate(self._seqs):
-            if self._valid is None:
-                ki, vi = k[i], v[i] if v is not None else None
-            elif self._starts[i] is not None:
-                ki, vi = k[i, self._starts[i]:], v[i, self._starts[i]:] if v is not None else None
-            else:
-                idx = self._valid[i].nonzero().flatten().to(k.device)
-                ki, vi = k[i].index_select(0, idx), v[i].index_select(0, idx) if v is not None else None
-            self.kv.append_prefill(layer, s, ki, vi)
+            return firsts, None
+        offsets = [0]
+        for n in counts[:-1]:
+            offsets.append(offsets[-1] + n)
+        gather = valid.reshape(-1).nonzero().flatten().to(self.device)
+        return offsets, gather
+
+    def _append_prefill(self, layer: int, key_states, value_states):
+        # token-major [batch * tokens, kv_heads, row] bf16, one copy for the batch, one write per layer
+        b, h, t, dh = key_states.shape
+        if self.layout.kind == "gqa":
+            k = key_states.to(torch.bfloat16).transpose(1, 2).contiguous().view(b * t, h, dh)
+            v = value_states.to(torch.bfloat16).transpose(1, 2).contiguous().view(b * t, h, dh)
+        else:
+            k, v = self._latent_rows(key_states, value_states).flatten(0, 1), None
+        if self._gather is not None:
+            k = k.index_select(0, self._gather)
+            v = v.index_select(0, self._gather) if v is not None else None
+        self.kv.append_prefill_batch(layer, self._seqs, self._firsts, k, v)
+        self._writes_pending = self.kv.backend == "cuda"
 
     @staticmethod
     def _latent_rows(c_kv, k_pe):
@@ -431,6 +455,7 @@ class WriteScopeCache(Cache):
         """Where the cached tokens are now (see KVCache.split), plus the policy's target share."""
         if self.kv is None:
             return {"cpu_tokens": 0, "pinned_tokens": 0, "cpu_share": 0.0, "live_sequences": 0}
+        self.kv.complete_writes()  # nothing is read from the blocks, but what split() counts has landed
         s = self.kv.split()
         s["target_share"] = self.kv.policy_state().get("target_share", 0.0)
         return s
