@@ -436,7 +436,7 @@ def gpu_resident(torch, F, p, b, L, layers, a, dev="cuda"):
     ts = event_ms(run, n)
     step()
     eager = event_ms(step, n)
-    del gr, best, kv
+    del gr, best
     return ts, {"path": name, "graph": tried[name]["graph"], "paths": tried, "step_ms_eager": median(eager),
                 "timing": "CUDA events around %s of a whole step (every layer) / layers" %
                           ("a CUDA graph replay" if tried[name]["graph"] else "the eager step"),
