@@ -13,12 +13,22 @@ as ws_bench (batch, tokens per sequence, heads, head dims), in the same run:
   torch_cpu_sdpa      torch.nn.functional.scaled_dot_product_attention on the CPU over
                       bf16 K/V in pageable memory (enable_gqa), --threads threads
                       (the CPU-centric way: FastDecode style)
+  torch_gpu_resident  the HBM-only engine: every layer's K and V already in GPU memory
+                      ([batch, kv heads, tokens, dim] bf16, one query token); the fastest
+                      of three PyTorch paths, chosen per shape and recorded as "path":
+                      SDPA with enable_gqa, SDPA with each KV head's query heads folded
+                      into the query length (flash/efficient kernels read every K/V row
+                      once), and matmul-softmax(fp32)-matmul. A step (every layer) is
+                      captured in a CUDA graph (launch overhead out, as an engine
+                      would) and timed with CUDA events; the eager step is recorded too.
+                      Not in the default --peers (bench/context-sweep.sh runs it).
 
 DeepSeek-V2-Lite is run in the absorbed MLA form writescope uses: one shared KV "head"
 whose row is c_kv[512] ‖ k_pe[64] (K = the row, V = its first 512 elements), 16 query
 heads of 576 — 1152 bytes per token and layer, the bytes writescope moves.
 
-Timing: a decode step runs every layer once and ends with torch.cuda.synchronize();
+Timing: a decode step runs every layer once and ends with torch.cuda.synchronize()
+(torch_gpu_resident: CUDA events around a graph replay of the step);
 step_ms is a decode step divided by its layers, median over --steps timed steps
 after --warmup. Layers are added until a step reads --rotation-mib of KV (as in
 ws_bench). Output: JSON (rewritten after every row), progress on stderr.
@@ -121,7 +131,8 @@ def main():
             "transformers": tf_version,
             "torch_threads": torch.get_num_threads(),
         },
-        "device": {"gpu": torch.cuda.get_device_name(0) if cuda else "none", "backend": "torch"},
+        "device": {"gpu": torch.cuda.get_device_name(0) if cuda else "none", "backend": "torch",
+                   "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else 0},
         "options": vars(a),
         "units": {"step_ms": "one layer: median decode step (every layer, then a sync) / layers",
                   "kv_gbps": "KV bytes of one layer (batch x tokens x bytes per token) / step_ms"},
@@ -275,6 +286,11 @@ def main():
                                     for k, v in kv:
                                         sdpa(q, k, v, p)
                                 ts = timed(step, layers, a.cpu_steps, 1)
+                        elif peer == "torch_gpu_resident":
+                            if not cuda:
+                                skip(what, "no CUDA device (the KV is resident in GPU memory)")
+                                continue
+                            ts, extra = gpu_resident(torch, F, p, b, L, layers, a)
                         elif peer == "hf_offloaded_cache":
                             if not cuda:
                                 skip(what, "no CUDA device (the offloaded cache streams to a GPU)")
@@ -309,6 +325,122 @@ def main():
     doc["elapsed_seconds"] = time.time() - t0
     out.write()
     log(t0, "done")
+
+
+def gpu_resident(torch, F, p, b, L, layers, a, dev="cuda"):
+    """The HBM-only engine: every layer's KV in GPU memory; returns (timings, extra).
+
+    Three PyTorch paths are checked against an fp32 reference on the first
+    layer and timed; the fastest is timed for the row (CUDA graph of a whole step, CUDA
+    events, median of the replays / layers)."""
+    hq, hkv, dk, dv = p["hq"], p["hkv"], p["dk"], p["dv"]
+    g = hq // hkv
+    kv = []
+    for _ in range(layers):
+        k = torch.empty(b, hkv, L, dk, device=dev, dtype=torch.bfloat16).uniform_(-2, 2)
+        v = None if p["mla"] else torch.empty(b, hkv, L, dv, device=dev, dtype=torch.bfloat16).uniform_(-2, 2)
+        kv.append((k, v))
+    q = torch.randn(b, hq, 1, dk, device=dev, dtype=torch.bfloat16)
+    qg = q.view(b, hkv, g, dk)  # query heads h = kv head h // g (enable_gqa's grouping)
+    qs = (qg.float() * p["scale"]).to(torch.bfloat16)
+
+    def vof(k, v):
+        return k[..., :dv] if v is None else v  # MLA: V is the first dv elements of the K row
+
+    def sdpa_gqa(k, v):
+        return F.scaled_dot_product_attention(q, k, vof(k, v), scale=p["scale"], enable_gqa=hkv != hq)
+
+    def sdpa_folded(k, v):
+        # Each KV head's g query heads as g query rows (no mask: one decode token),
+        # so the fused kernels read every K/V row once; no enable_gqa needed.
+        return F.scaled_dot_product_attention(qg, k, vof(k, v), scale=p["scale"]).reshape(b, hq, 1, dv)
+
+    def matmul(k, v):
+        # bf16 GEMMs (fp32 accumulation); softmax over bf16 scores accumulates in fp32.
+        s = torch.matmul(qs, k.transpose(-1, -2))  # [b, hkv, g, L]
+        return torch.matmul(torch.softmax(s, dim=-1), vof(k, v)).reshape(b, hq, 1, dv)
+
+    paths = {"matmul_softmax_matmul": matmul, "sdpa_folded_gqa": sdpa_folded}
+    if not p["mla"]:
+        # enable_gqa with a 576-wide K has no fused kernel: the math path repeats K/V per query head.
+        paths["sdpa_enable_gqa"] = sdpa_gqa
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def event_ms(run, n):
+        ts = []
+        for _ in range(n):
+            e0.record()
+            run()
+            e1.record()
+            e1.synchronize()
+            ts.append(e0.elapsed_time(e1) / layers)
+        return ts
+
+    def stepper(fn):
+        def step():
+            for k, v in kv:
+                fn(k, v)
+        return step
+
+    def graphed(step):
+        """A CUDA graph of the step (None when capture fails: timed eagerly then)."""
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                step()
+                step()
+            torch.cuda.current_stream().wait_stream(s)
+            gr = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gr):
+                step()
+            gr.replay()
+            torch.cuda.synchronize()
+            return gr
+        except Exception:  # noqa: BLE001 - an uncapturable path is timed eagerly
+            torch.cuda.synchronize()
+            return None
+
+    k0, v0 = kv[0]
+    # fp32 reference on the first layer (a check of every path, not timed)
+    ref = torch.matmul(torch.softmax(torch.matmul(qg.float(), k0.float().transpose(-1, -2)) * p["scale"], dim=-1),
+                       vof(k0, v0).float()).reshape(b, hq, 1, dv)
+    tol = 3e-2 * float(ref.abs().max()) + 1e-6
+    tried, best = {}, None
+    for name, fn in paths.items():
+        try:
+            err = float((fn(k0, v0).float() - ref).abs().max())
+            if not err <= tol:
+                tried[name] = {"error": "differs from the fp32 reference by %.3g (tolerance %.3g)" % (err, tol)}
+                continue
+            step = stepper(fn)
+            gr = graphed(step)
+            run = gr.replay if gr is not None else step
+            run()
+            ms = median(event_ms(run, 3))
+            tried[name] = {"probe_ms": ms, "graph": gr is not None, "max_abs_diff": err}
+            if best is None or ms < best[1]:
+                best = (name, ms, step, gr)
+            else:
+                del gr
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory on one path
+            tried[name] = {"error": "%s: %s" % (type(e).__name__, str(e)[:200])}
+            torch.cuda.synchronize()
+    if best is None:
+        raise RuntimeError("no resident attention path ran: %s" % tried)
+    name, probe, step, gr = best
+    run = gr.replay if gr is not None else step
+    n = max(1, min(max(a.steps, 10), int(a.row_seconds / max(probe * layers * 1e-3, 1e-6))))
+    for _ in range(max(1, a.warmup)):
+        run()
+    ts = event_ms(run, n)
+    step()
+    eager = event_ms(step, n)
+    del gr, best
+    return ts, {"path": name, "graph": tried[name]["graph"], "paths": tried, "step_ms_eager": median(eager),
+                "timing": "CUDA events around %s of a whole step (every layer) / layers" %
+                          ("a CUDA graph replay" if tried[name]["graph"] else "the eager step"),
+                "note": "whole KV resident in GPU memory (HBM-only engine); no token append"}
 
 
 def hf_offloaded(torch, sdpa, p, b, L, layers, a, transformers):
