@@ -403,7 +403,8 @@ def main():
                     return wshf.WriteScopeCache(model, policy=p, calibration=calibration if p == "roofline" else None,
                                                 max_batch_size=args.batch, max_cache_len=max_len,
                                                 block_tokens=args.block_tokens, d_window_tokens=args.d_window,
-                                                cpu_threads=args.cpu_threads, pinned_initial_tokens=-1)
+                                                cpu_threads=args.cpu_threads, pinned_initial_tokens=-1,
+                                                cpu_prefault_tokens=-1)
                 runs.append((f"writescope:{pol}", make))
         elif name == "dynamic":
             runs.append((DYNAMIC, lambda max_len: DynamicCache(config=cfg)))

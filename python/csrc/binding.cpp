@@ -105,6 +105,7 @@ engine_config parse_config(const std::string& layout, const std::string& policy,
     else if (k == "track_launch_cost") rp.track_launch_cost = v != 0;
     else if (k == "deferred_host_write_bytes") c.deferred_host_write_bytes = v;
     else if (k == "staging_bytes") c.staging_bytes = v;
+    else if (k == "cpu_prefault_tokens") c.cpu_prefault_tokens = v;
     else throw ws::config_error("Cache: unknown integer option '" + k + "'");
   }
   for (const auto& kv : reals) {

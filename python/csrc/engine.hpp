@@ -104,6 +104,11 @@ struct engine_config {
   /// cuda backend: the device staging buffer of prefill writes to host blocks,
   /// at most (cuda_backend::set_max_staging_bytes); 0 = the library's default.
   int64_t staging_bytes = 0;
+  /// Tokens per layer of the unpinned CPU region whose pages are made resident
+  /// at construction (inplace_kv_cache::prefault_cpu_region, by all cores), so
+  /// that the prefill's writes into it do not fault page by page: -1 = the
+  /// whole region, 0 = none (pages become resident as they are first written).
+  int64_t cpu_prefault_tokens = 0;
 };
 
 namespace detail {
@@ -163,6 +168,16 @@ class engine_impl final : public engine {
       backend_.set_deferred_host_writes(c.deferred_host_write_bytes);
       if (c.deferred_host_write_bytes > 0 && cache_.usage().cpu_capacity_blocks > 0)
         reserve_deferred_writes(c.deferred_host_write_bytes);
+    }
+    if (c.cpu_prefault_tokens < -1)
+      throw ws::config_error("Cache: cpu_prefault_tokens = " + std::to_string(c.cpu_prefault_tokens) +
+                             " must be >= -1 (-1: the whole unpinned region, 0: none)");
+    if (c.cpu_prefault_tokens != 0) {
+      const int64_t bt = cache_.spec().block_tokens;
+      const int64_t blocks =
+          c.cpu_prefault_tokens < 0 ? int64_t(cache_.usage().cpu_capacity_blocks) : (c.cpu_prefault_tokens + bt - 1) / bt;
+      typename Traits::template scope<Backend> s(backend_);
+      cpu_prefaulted_bytes_ = cache_.prefault_cpu_region(ws::index_t(blocks));
     }
   }
 
@@ -250,7 +265,8 @@ class engine_impl final : public engine {
   std::vector<std::pair<std::string, int64_t>> usage() const override {
     const ws::region_usage u = cache_.usage();
     const ws::partition_spec& sp = cache_.spec();
-    return {{"cpu_used_blocks", u.cpu_used_blocks},
+    return {{"cpu_prefaulted_bytes", cpu_prefaulted_bytes_},
+            {"cpu_used_blocks", u.cpu_used_blocks},
             {"cpu_capacity_blocks", u.cpu_capacity_blocks},
             {"pinned_used_blocks", u.pinned_used_blocks},
             {"pinned_capacity_blocks", u.pinned_capacity_blocks},
@@ -333,6 +349,8 @@ class engine_impl final : public engine {
 
  private:
   using kv_input = typename cache_type::kv_input;
+
+  int64_t cpu_prefaulted_bytes_ = 0;  ///< bytes of the unpinned region made resident at construction
 
   static constexpr bool has_deferred_writes = requires(Backend& b) { b.set_deferred_host_writes(ws::index_t{}); };
 

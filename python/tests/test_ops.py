@@ -155,6 +155,19 @@ def test_errors_name_the_value(backend):
             make(lay, "cuda")
 
 
+def test_cpu_prefault_tokens_makes_the_unpinned_region_resident(backend):
+    """cpu_prefault_tokens: -1 the whole unpinned region, n its first ceil(n / block) blocks, 0 none;
+    below -1 refused naming the value. The bytes are every layer's blocks made resident."""
+    lay = ws.gqa(4, 2, 64)
+    block_bytes = 16 * lay.token_bytes
+    whole = make(lay, backend, layers=2, cpu_prefault_tokens=-1).usage()
+    assert whole["cpu_prefaulted_bytes"] == whole["cpu_capacity_blocks"] * block_bytes * 2
+    assert make(lay, backend, layers=2, cpu_prefault_tokens=40).usage()["cpu_prefaulted_bytes"] == 3 * block_bytes * 2
+    assert make(lay, backend, layers=2).usage()["cpu_prefaulted_bytes"] == 0
+    with pytest.raises(ws.ConfigError, match=r"cpu_prefault_tokens = -2 must be >= -1"):
+        make(lay, backend, cpu_prefault_tokens=-2)
+
+
 def test_error_classes_are_python_exceptions():
     assert issubclass(ws.ConfigError, ValueError) and issubclass(ws.ShapeError, ValueError)
     assert issubclass(ws.StateError, RuntimeError) and issubclass(ws.CapacityError, RuntimeError)
