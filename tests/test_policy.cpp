@@ -38,8 +38,10 @@ double eq2(double a, double b, double delta, double L) {
 // The marginal-share rule: the side leaving the cumulative share closest to
 // the target, measured in tokens after the batch; exact ties to the GPU.
 bool to_cpu(double target, index_t placed, index_t cpu, index_t batch) {
-  const double want = target * double(placed + batch);  // CPU tokens on target
-  return std::abs(double(cpu + batch) - want) < std::abs(double(cpu) - want);
+  // |cpu + batch - want| < |cpu - want| with want = target·(placed + batch),
+  // i.e. cpu + batch/2 < want: compared without a subtraction that an FMA
+  // contraction could fuse with the product (ties to the GPU).
+  return batch > 0 && double(2 * cpu + batch) < 2.0 * (target * double(placed + batch));
 }
 
 }  // namespace

@@ -76,8 +76,10 @@ struct block_write {
   }
 };
 
-/// One eviction copy: `bytes` from device memory at `src` to host memory at
-/// `dst` (in the space `dst_kind` names). Made by evict(), device to host only.
+/// One eviction copy: `bytes` from device memory at `src` to `dst` (in the
+/// space `dst_kind` names). Made by evict() (device to host: the backend's
+/// copy_blocks_to_host) or within_device() (device to device, a D-window into
+/// the HBM-resident region: copy_blocks_on_device).
 struct block_copy {
   const bf16* src = nullptr;
   bf16* dst = nullptr;
@@ -90,6 +92,13 @@ struct block_copy {
   [[nodiscard]] static constexpr block_copy evict(const mem_span<T, device_space>& src,
                                                   const mem_span<bf16, S>& dst) noexcept {
     return {src.data(), dst.data(), src.size() * index_t(sizeof(bf16)), kind_of_space<S>};
+  }
+  /// Copies all of `src` (device) to the start of `dst` (device: blocks of the
+  /// HBM-resident region).
+  template <class T>
+  [[nodiscard]] static constexpr block_copy within_device(const mem_span<T, device_space>& src,
+                                                          const mem_span<bf16, device_space>& dst) noexcept {
+    return {src.data(), dst.data(), src.size() * index_t(sizeof(bf16)), memory_kind::device};
   }
 };
 
@@ -117,7 +126,9 @@ struct gpu_step_args {
   int batch = 0;
   mem_span<const float, ActSpace> q;          ///< [batch][Hq][q_dim], fp32
   const stream_plan* plan = nullptr;          ///< pinned blocks to stream (host memory); a sparse plan needs
-                                              ///< the engine's reserve_sparse() first
+                                              ///< the engine's reserve_sparse() first. Its resident_splits
+                                              ///< name blocks of `resident`, attended in place first
+  device_region<Layout> resident{};           ///< the layer's HBM-resident region (device)
   std::span<const window_ref<Layout>> windows;  ///< [batch] D-window of each sequence
   ping_pong_view<Layout> ping_pong;           ///< device buffers, plan chunk c uses buffer chunk.buffer
   bool poison_workspaces = false;             ///< fill partial workspaces with NaN first (tests)
@@ -142,14 +153,18 @@ struct completed_gpu_cost {
   double critical_seconds = 0.0;
   index_t streamed_tokens = 0;  ///< KV tokens that launch streamed through ping-pong
   bool sparse = false;          ///< that launch was a sparse step's (selected blocks)
+  index_t resident_tokens = 0;  ///< KV tokens that launch attended in the HBM-resident region
 };
 
 /// The GPU side of a decode step for one layout, as hybrid_attention drives it
 /// once per step from one thread: launch(args) starts it (the engine may work
-/// asynchronously until finish); host_queries() gives the step's queries in
+/// asynchronously until finish): it attends the plan's resident splits in the
+/// HBM-resident region in place, then streams and attends the chunks, folding
+/// every split in plan order (resident first) into one running state per
+/// sequence, then the D-window; host_queries() gives the step's queries in
 /// host memory ([batch][Hq][q_dim] fp32, for the CPU engine); the CPU engine
 /// writes its merged partial into cpu_partial(batch) (host memory, dense);
-/// finish(out) merges streamed ⊕ D-window ⊕ CPU into `out` (activation space)
+/// finish(out) merges (HBM ⊕ streamed) ⊕ D-window ⊕ CPU into `out` (activation space)
 /// and returns the GPU side's seconds; reserve_sparse / last_gather serve
 /// sparse steps (sparse_pipeline.hpp). `E::asynchronous` declares whether the
 /// engine's timing is of an earlier launch: then take_completed_gpu_cost()
@@ -192,7 +207,14 @@ using gpu_engine_for_t = typename gpu_engine_for<B, Layout, CpuKernel>::type;
 /// page-locked bounce buffer; a backend without one makes it a no-op); the
 /// cache calls it at init when its pinned region is page-locked at init and
 /// from prefault_cpu_region(), between steps, on the owning thread; it never
-/// throws (a refusal leaves evictions on their direct path). Layout-dependent
+/// throws (a refusal leaves evictions on their direct path).
+/// copy_blocks_on_device(copies) makes device-to-device copies (evictions of
+/// D-windows into the HBM-resident region) ordered after the appends that
+/// wrote their sources and before any later step's reads of their
+/// destinations and any later append into their sources (cuda_backend: on the
+/// caller stream); device_free_bytes() is the device memory free now (the
+/// cache checks its HBM-resident region against it at init; host_backend:
+/// an emulated figure, set_device_free_bytes). Layout-dependent
 /// operations (write_blocks, gpu_attention_engine) are checked where they are
 /// instantiated.
 template <class B>
@@ -205,6 +227,8 @@ concept backend = std::same_as<typename B::backend_concept, backend_tag> &&
                     { b.allocate_staging(bytes) } -> std::same_as<host_allocation>;
                     { b.fill_device(dev, bytes, pattern) } -> std::same_as<void>;
                     { b.copy_blocks_to_host(copies) } -> std::same_as<void>;
+                    { b.copy_blocks_on_device(copies) } -> std::same_as<void>;
+                    { cb.device_free_bytes() } -> std::same_as<index_t>;
                     { b.copy_to_host_sync(dst, src, bytes) } -> std::same_as<void>;
                     { b.synchronize_host_writes() } -> std::same_as<void>;
                     { b.complete_host_writes() } -> std::same_as<void>;

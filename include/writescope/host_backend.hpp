@@ -12,7 +12,11 @@
 // executes exactly the order the CUDA backend enqueues: for each chunk, copy
 // its runs into its ping-pong buffer, attend its splits, fold each split into
 // the sequence's running streamed state in split order; then attend the
-// D-window. Activations (appended KV, queries, outputs) are pageable host memory.
+// D-window. The HBM-resident region is emulated like the rest of the device:
+// host memory typed device_space, its resident splits attended in place by the
+// worker before the first chunk and folded first into the same running state;
+// its free memory is a figure the test sets (set_device_free_bytes). Activations
+// (appended KV, queries, outputs) are pageable host memory.
 // Sparse plans (docs/SPARSE.md) run the same pipeline as cuda_backend, in
 // order on the worker: a gathered chunk is memcpy'd block by block into staging
 // buffer (chunk serial % 2), then copied whole into its ping-pong buffer; each
@@ -100,6 +104,16 @@ class host_backend {
   void copy_blocks_to_host(std::span<const block_copy> copies) {
     for (const block_copy& c : copies) std::memcpy(c.dst, c.src, static_cast<std::size_t>(c.bytes));
   }
+  /// Eviction into the HBM-resident region: device -> device copies, complete on return.
+  void copy_blocks_on_device(std::span<const block_copy> copies) {
+    for (const block_copy& c : copies) std::memcpy(c.dst, c.src, static_cast<std::size_t>(c.bytes));
+  }
+
+  /// The emulated device's free memory: what set_device_free_bytes() said
+  /// (default: unlimited). The cache checks its HBM-resident region against it.
+  [[nodiscard]] index_t device_free_bytes() const noexcept { return device_free_bytes_; }
+  /// Sets the emulated device's free memory (tests of the init refusal).
+  void set_device_free_bytes(index_t bytes) noexcept { device_free_bytes_ = bytes; }
 
   void copy_to_host_sync(void* dst, const std::byte* src, index_t bytes) {
     std::memcpy(dst, src, static_cast<std::size_t>(bytes));
@@ -116,6 +130,9 @@ class host_backend {
   /// CpuKernel: gpu_engine_for below).
   template <kv_layout Layout, cpu_attention_kernel<Layout> Kernel = cpu::decode_kernel<Layout>>
   class gpu_engine;
+
+ private:
+  index_t device_free_bytes_ = std::numeric_limits<index_t>::max();
 };
 
 /// hybrid_attention<Cache, CpuKernel> on host_backend: the emulated device runs
@@ -203,7 +220,7 @@ class host_backend::gpu_engine {
                                            Layout::v_dim);
   }
 
-  /// Waits for the GPU side, merges streamed ⊕ D-window ⊕ CPU into `o`; returns
+  /// Waits for the GPU side, merges (HBM ⊕ streamed) ⊕ D-window ⊕ CPU into `o`; returns
   /// the GPU side's seconds (streaming + attention, merge excluded).
   double finish(const step_outputs<pageable_host_space>& o) {
     std::unique_lock lk(mu_);
@@ -271,6 +288,13 @@ class host_backend::gpu_engine {
     const block_format<Layout>& f = a.format;
     const float* q = a.q.data();
     std::vector<cpu::kv_segment>& segs = segs_;
+    // Resident splits: the HBM-resident region's blocks, in place, first.
+    for (const stream_split& sp : a.plan->resident_splits) {
+      segs.clear();
+      for (int b = 0; b < sp.num_blocks; ++b)
+        segs.push_back(emulated_segment(a.resident, sp.first_block + b, f.block_tokens));
+      for (int kvh = 0; kvh < layout_.kv_heads(); ++kvh) attend_split(a, sp.batch_index, kvh, segs);
+    }
     if (a.plan->sparse) {
       stream_sparse(a);
     } else {

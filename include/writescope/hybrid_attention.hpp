@@ -5,13 +5,15 @@
 //
 // Per step, for a batch of sequences:
 //   1. the stream plan cuts each sequence's pinned blocks into splits and packs
-//      them into ping-pong chunks (stream_plan.hpp);
-//   2. the backend's GPU engine starts: it streams the chunks through ping-pong
-//      and attends them, and attends the D-window — asynchronously;
+//      them into ping-pong chunks, and its HBM-resident blocks into resident
+//      splits (stream_plan.hpp);
+//   2. the backend's GPU engine starts: it attends the resident splits in
+//      place, streams the chunks through ping-pong and attends them, and
+//      attends the D-window — asynchronously;
 //   3. meanwhile the CPU engine's threads attend the unpinned blocks in place,
 //      split into tasks of (sequence, KV head, cpu_task_blocks blocks), and
 //      merge each (sequence, head)'s task partials in task order;
-//   4. the GPU engine merges streamed ⊕ D-window ⊕ CPU into the output;
+//   4. the GPU engine merges (HBM ⊕ streamed) ⊕ D-window ⊕ CPU into the output;
 //   5. the measured cost of both sides goes to the routing policy (online A; B and, for
 //      an asynchronous engine, the host enqueue K per streamed token — roofline_policy).
 //
@@ -105,6 +107,7 @@ struct step_report {
   index_t cpu_tokens = 0;        ///< KV tokens attended by the CPU engine (assisted pinned tokens included)
   index_t assist_tokens = 0;     ///< of which pinned tokens the CPU engine attended in place (CPU assist)
   index_t streamed_tokens = 0;   ///< KV tokens streamed through ping-pong
+  index_t resident_tokens = 0;   ///< KV tokens attended in place in the HBM-resident region
   index_t window_tokens = 0;     ///< KV tokens attended in the D-window
   index_t copies = 0;            ///< H2D copies issued (after coalescing)
   index_t chunks = 0;            ///< ping-pong fills
@@ -200,6 +203,13 @@ class hybrid_attention {
         },
         [&](block_id id) { return v.pinned.block(id); }, block_elems, v.ping_pong_blocks, spec.gpu_split_blocks,
         int(v.ping_pong.size()), v.first_chunk_blocks);
+    plan_.add_resident(
+        batch,
+        [&](int i) {
+          const auto& hbm = v.sequences[std::size_t(seqs[std::size_t(i)])].hbm_blocks;
+          return std::span<const block_id>(hbm.data(), hbm.size());
+        },
+        spec.gpu_split_blocks, spec.window_blocks());
     step_report rep;
     launch_cpu_merge(v, layer, seqs, q, scale, out, t_start, rep, [&] { build_cpu_tasks(v, seqs, rep); });
     return rep;
@@ -226,8 +236,10 @@ class hybrid_attention {
   /// With select_all the output is bit-identical to step(). Task and split
   /// boundaries depend only on each sequence's own selection (K10). The first
   /// sparse step reserves the pipeline unless attention_options::sparse.reserve.
-  /// Throws what step() throws, config_error for more than 64 KV heads, and
-  /// whatever the selector throws (before any work); the reservation's errors
+  /// Throws what step() throws, config_error for more than 64 KV heads,
+  /// state_error for a sequence with blocks in the HBM-resident region (the
+  /// sparse path does not attend them: its summaries and gathers read host
+  /// blocks), and whatever the selector throws (before any work); the reservation's errors
   /// (see reserve_sparse()); cuda_backend with sparse_transfer::device_pull:
   /// pinned_memory_error, before any work, for a block to pull outside the
   /// page-locked ranges.
@@ -244,6 +256,12 @@ class hybrid_attention {
     if (hkv > max_sparse_kv_heads)
       throw config_error("step: a sparse step supports at most " + std::to_string(max_sparse_kv_heads) +
                          " KV heads; the layout has " + std::to_string(hkv));
+    for (const sequence_id s : seqs)
+      if (const index_t n = cache_->sequence(s).hbm_placed_tokens; n > 0)
+        throw state_error("step: a sparse step over sequence " + std::to_string(s) + ", which has " +
+                          std::to_string(n) +
+                          " tokens in the HBM-resident region: the sparse path attends host-placed blocks only "
+                          "(use the dense step, or partition_spec::hbm_capacity_tokens = 0 for sparse decoding)");
     reserve_sparse();
 
     const layer_views<layout_type> v = cache_->views(layer);
@@ -388,6 +406,7 @@ class hybrid_attention {
     args.batch = batch;
     args.q = q;
     args.plan = &plan_;
+    args.resident = v.hbm;
     args.windows = windows_;
     args.ping_pong = v.ping_pong;
     args.poison_workspaces = options_.poison_workspaces;
@@ -407,6 +426,7 @@ class hybrid_attention {
 
     rep.gpu_seconds = engine_.finish(out);
     rep.streamed_tokens = plan_.streamed_blocks * cache_->spec().block_tokens;
+    rep.resident_tokens = plan_.resident_blocks * cache_->spec().block_tokens;
     rep.copies = index_t(plan_.runs.size());
     rep.chunks = index_t(plan_.chunks.size());
     rep.cpu_tasks = int(tasks_.size());
@@ -419,6 +439,7 @@ class hybrid_attention {
     s.cpu_tokens = rep.cpu_tokens;
     s.gpu_seconds = rep.gpu_seconds;
     s.gpu_streamed_tokens = rep.streamed_tokens;
+    s.gpu_resident_tokens = rep.resident_tokens;
     double gpu_critical = 0.0;  // the GPU side's critical seconds where the engine reports them
     bool gpu_sample_sparse = sparse_tasks_;  // whether the GPU sample is a sparse launch's
     if constexpr (engine_type::asynchronous) {
@@ -428,6 +449,7 @@ class hybrid_attention {
       const completed_gpu_cost c = engine_.take_completed_gpu_cost();
       s.gpu_seconds = c.seconds;
       s.gpu_streamed_tokens = c.streamed_tokens;
+      s.gpu_resident_tokens = c.resident_tokens;
       gpu_critical = c.critical_seconds;
       gpu_sample_sparse = c.sparse;
       // This step's enqueue (the roofline's K): host time on the CPU side's

@@ -1,11 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 // writescope/inplace_kv_cache.hpp — the InplaceKVCache format (paper §4).
 //
-// Every cached token of every sequence lives in exactly one of three places,
-// chosen when it is written and never moved afterwards:
+// Every cached token of every sequence lives in exactly one of three places
+// (four with the HBM tier), chosen when it is written and never moved afterwards:
 //
 //   unpinned compute region  host, pageable; attended in place by the CPU engine
 //   pinned load region       host, page-locked; streamed to the GPU through ping-pong
+//   HBM-resident region      device (partition_spec::hbm_capacity_tokens, optional);
+//                            attended in place by the GPU engine, filled first
 //   D-window                 device; the newest < D tokens of each sequence
 //
 // plus the fourth region, ping-pong: fixed device buffers the streamed blocks
@@ -23,7 +25,8 @@
 //             sequence in the D-window
 //   views   — zero-copy views of a layer's regions and block tables
 //   flush   — evicts every full D-window (D tokens, all layers) whole to the
-//             region the policy picks
+//             region the policy picks (into the HBM-resident region by a
+//             device-to-device copy, else to the host)
 //
 // Ragged batches: each sequence has its own length, block table and share.
 // end_sequence() returns its blocks and D-window slot for in-place reuse.
@@ -68,12 +71,16 @@ struct block_ref {
 struct sequence_state {
   bool live = false;
   index_t prompt_tokens = 0;
-  index_t placed_tokens = 0;          ///< tokens in the two host regions (a multiple of D)
+  index_t placed_tokens = 0;          ///< tokens placed out of the D-window, every region (a multiple of D)
   index_t cpu_placed_tokens = 0;      ///< of which in the unpinned compute region
+  index_t hbm_placed_tokens = 0;      ///< of which in the HBM-resident region
   int window_slot = -1;               ///< D-window slot
   std::vector<block_ref> block_table; ///< placed blocks in token order
   std::vector<block_id> cpu_blocks;   ///< unpinned compute blocks, token order
   std::vector<block_id> pinned_blocks;///< pinned load blocks, token order
+  /// HBM-resident blocks, token order; each eviction batch's window_blocks ids
+  /// are consecutive (the region is allocated in whole batches).
+  std::vector<block_id> hbm_blocks;
   std::vector<int> window_tokens;     ///< [layer] valid D-window rows
   std::vector<std::uint8_t> layer_ready;  ///< [layer] prompt written (or no prompt)
   /// Distinct for every begin_sequence() of the cache (from 1): a sequence id
@@ -109,6 +116,7 @@ struct layer_views {
   cpu_region<Layout> cpu;              ///< unpinned compute region (pageable host), block ids of cpu_blocks
   pinned_region<Layout> pinned;        ///< pinned load region (page-locked slabs), block ids of pinned_blocks
   device_region<Layout> window;        ///< D-window (device): slot s is blocks [s*window_blocks, (s+1)*window_blocks)
+  device_region<Layout> hbm;           ///< HBM-resident region (device), block ids of hbm_blocks (empty without one)
   ping_pong_view<Layout> ping_pong;    ///< ping-pong buffers (device)
   index_t ping_pong_blocks = 0;        ///< blocks per ping-pong buffer
   index_t first_chunk_blocks = 0;      ///< ramp start (partition_spec::first_chunk_bytes; 0: none)
@@ -116,7 +124,8 @@ struct layer_views {
   /// Host-readable start of unpinned block `id` / pinned block `id`.
   [[nodiscard]] const bf16* cpu_block(block_id id) const noexcept { return cpu.block(id).data(); }
   [[nodiscard]] const bf16* pinned_block(block_id id) const noexcept { return pinned.block(id).data(); }
-  /// Host-readable start of a placed block, in whichever host region it lives.
+  /// Host-readable start of a placed block, in whichever host region it lives
+  /// (`b` must not be an HBM-resident block: device memory).
   [[nodiscard]] const bf16* host_block(const block_ref& b) const noexcept {
     return b.region == placement::cpu_compute ? cpu_block(b.id) : pinned_block(b.id);
   }
@@ -132,15 +141,18 @@ struct layer_views {
 struct region_usage {
   index_t cpu_used_blocks = 0, cpu_capacity_blocks = 0;
   index_t pinned_used_blocks = 0, pinned_capacity_blocks = 0, pinned_max_blocks = 0;
+  index_t hbm_used_blocks = 0, hbm_capacity_blocks = 0;  ///< HBM-resident region (whole batches)
   int live_sequences = 0, max_sequences = 0;
   index_t cpu_region_bytes = 0, pinned_region_bytes = 0, d_window_bytes = 0, ping_pong_bytes = 0;
+  index_t hbm_region_bytes = 0;
 };
 
 /// What one flush() did.
 struct flush_report {
   int evicted_sequences = 0;
   int cpu_batches = 0;
-  int gpu_batches = 0;
+  int gpu_batches = 0;  ///< into the pinned load region
+  int hbm_batches = 0;  ///< into the HBM-resident region
 };
 
 /// The cache's axes (docs/ARCHITECTURE.md): the KV layout, the backend that
@@ -162,9 +174,13 @@ class inplace_kv_cache {
 
   /// init (§4.3): validates `spec`, allocates the unpinned compute region
   /// (reserved, resident on first write), the pinned load region's initial
-  /// slabs (page-locked now, off the step path), the D-window and ping-pong.
+  /// slabs (page-locked now, off the step path), the D-window, ping-pong and
+  /// the HBM-resident region (partition_spec::hbm_capacity_tokens).
   /// Throws config_error for an invalid spec, resource_error /
-  /// pinned_memory_error when memory is refused (nothing stays allocated).
+  /// pinned_memory_error when memory is refused (nothing stays allocated);
+  /// resource_error before anything is allocated when the HBM-resident region
+  /// and the other device regions need more than backend.device_free_bytes(),
+  /// naming the region's bytes, the other device bytes and the free bytes.
   inplace_kv_cache(Backend& backend, const Layout& layout, const partition_spec& spec, Policy policy,
                    PinnedAllocator pinned_allocator = {}, cache_options options = {})
       : backend_(&backend),
@@ -177,12 +193,30 @@ class inplace_kv_cache {
     const index_t block_bytes = format_.block_bytes();
     const index_t cap_cpu = spec_.cpu_capacity_blocks();
     const index_t cap_pin = spec_.pinned_capacity_blocks();
+    const index_t window_bytes = index_t(spec_.max_sequences) * spec_.window_blocks() * block_bytes * spec_.num_layers;
+    pp_blocks_ = spec_.ping_pong_blocks(layout_);
+    const index_t pp_bytes = pp_blocks_ * block_bytes * spec_.ping_pong_buffers;
+    const index_t hbm_bytes = spec_.hbm_capacity_blocks() * block_bytes * spec_.num_layers;
+    if (hbm_bytes > 0) {  // before anything is allocated
+      const index_t free_bytes = backend.device_free_bytes();
+      if (hbm_bytes > free_bytes || window_bytes + pp_bytes > free_bytes - hbm_bytes)
+        throw resource_error("inplace_kv_cache: the HBM-resident region needs " + format_bytes(hbm_bytes) + " (" +
+                             std::to_string(hbm_bytes) + " bytes: partition_spec::hbm_capacity_tokens " +
+                             std::to_string(spec_.hbm_capacity_tokens) + " per layer, " +
+                             std::to_string(spec_.hbm_capacity_batches()) + " eviction batches, " +
+                             std::to_string(spec_.num_layers) + " layers) and the D-window and ping-pong " +
+                             std::to_string(window_bytes + pp_bytes) + " bytes more, but the device (" +
+                             std::string(backend.name()) + ") has " + std::to_string(free_bytes) +
+                             " bytes free; lower partition_spec::hbm_capacity_tokens");
+    }
     slab_blocks_ = spec_.pinned_growth_tokens > 0
                        ? (spec_.pinned_growth_tokens + spec_.block_tokens - 1) / spec_.block_tokens
                        : index_t(spec_.window_blocks()) * spec_.max_sequences;
     slab_blocks_ = std::max<index_t>(1, std::min<index_t>(slab_blocks_, std::max<index_t>(cap_pin, 1)));
     cpu_pool_ = BlockAllocator(cap_cpu, cap_cpu, "unpinned compute region", "partition_spec::cpu_capacity_tokens");
     pinned_pool_ = BlockAllocator(0, cap_pin, "pinned load region", "partition_spec::pinned_capacity_tokens");
+    const index_t hbm_batches = spec_.hbm_capacity_batches();
+    hbm_pool_ = BlockAllocator(hbm_batches, hbm_batches, "HBM-resident region", "partition_spec::hbm_capacity_tokens");
 
     cpu_mem_ = detail::map_pageable(cap_cpu * block_bytes * spec_.num_layers, "unpinned compute region");
     const index_t initial_pin = spec_.pinned_initial_tokens < 0
@@ -193,10 +227,11 @@ class inplace_kv_cache {
     // (nothing is page-locked inside a step; never throws).
     if (spec_.pinned_initial_tokens < 0 && cap_cpu > 0) backend.reserve_eviction_bounce();
 
-    const index_t window_bytes = index_t(spec_.max_sequences) * spec_.window_blocks() * block_bytes * spec_.num_layers;
     d_window_ = backend_->allocate_device(window_bytes, "D-window");
-    pp_blocks_ = spec_.ping_pong_blocks(layout_);
-    ping_pong_mem_ = backend_->allocate_device(pp_blocks_ * block_bytes * spec_.ping_pong_buffers, "ping-pong");
+    ping_pong_mem_ = backend_->allocate_device(pp_bytes, "ping-pong");
+    if (hbm_bytes > 0) hbm_mem_ = backend_->allocate_device(hbm_bytes, "HBM-resident region");
+    // end_sequence() releases HBM batches through this list: no allocation there.
+    tmp_slots_.reserve(std::size_t(hbm_batches));
     // The free lists hold at most max_sequences entries each: reserved here,
     // after the regions (a refused region allocates none of it), so that
     // end_sequence() never allocates.
@@ -206,6 +241,7 @@ class inplace_kv_cache {
     if (options_.poison) {
       backend_->fill_device(d_window_.data(), d_window_.size_bytes(), poison_bf16_bits);
       backend_->fill_device(ping_pong_mem_.data(), ping_pong_mem_.size_bytes(), poison_bf16_bits);
+      if (hbm_bytes > 0) backend_->fill_device(hbm_mem_.data(), hbm_mem_.size_bytes(), poison_bf16_bits);
       auto* c = reinterpret_cast<std::uint16_t*>(cpu_mem_.data());
       std::fill(c, c + cpu_mem_.size_bytes() / 2, poison_bf16_bits);
     }
@@ -237,7 +273,8 @@ class inplace_kv_cache {
   [[nodiscard]] index_t announced_tokens() const noexcept { return announced_tokens_; }
 
   /// Admits a sequence whose prompt has `prompt_tokens` tokens: routes its
-  /// floor(P/D) whole eviction batches by the policy (write-time routing),
+  /// floor(P/D) whole eviction batches by the policy (write-time routing; the
+  /// HBM-resident region first while it has room, then the host regions),
   /// allocates their blocks in every layer and reserves a D-window slot for
   /// the remaining P mod D tokens and the decode tokens to come. The KV itself
   /// arrives through append_prefill(), layer by layer.
@@ -275,7 +312,7 @@ class inplace_kv_cache {
     const index_t announced_after = std::max<index_t>(0, announced_tokens_ - prompt_tokens);
     try {
       for (index_t k = 0; k < batches; ++k)
-        place_batch(id, st, total_placed_tokens_, live_count_ + 1,
+        place_batch(id, st, total_placed_tokens_, total_hbm_placed_tokens_, live_count_ + 1,
                     announced_after + (batches - 1 - k) * spec_.d_window_tokens,
                     [&] {
                       return "begin_sequence: a prompt of " + std::to_string(prompt_tokens) + " tokens (eviction batch " +
@@ -292,6 +329,7 @@ class inplace_kv_cache {
     free_slots_.pop_back();
     if (reuse_id) free_ids_.pop_back();
     total_placed_tokens_ += st.placed_tokens;
+    total_hbm_placed_tokens_ += st.hbm_placed_tokens;
     announced_tokens_ = announced_after;
     seqs_[std::size_t(id)] = std::move(st);
     ++live_count_;
@@ -308,6 +346,7 @@ class inplace_kv_cache {
     free_slots_.push_back(st.window_slot);  // capacity reserved at init: cannot throw
     free_ids_.push_back(seq);
     total_placed_tokens_ -= st.placed_tokens;
+    total_hbm_placed_tokens_ -= st.hbm_placed_tokens;
     st = sequence_state{};
     --live_count_;
   }
@@ -317,8 +356,8 @@ class inplace_kv_cache {
   // ---------------------------------------------------------------------------
 
   /// Writes the prompt KV of `seq` for `layer` (kv.num_tokens == prompt tokens)
-  /// straight to its final regions: placed batches to their unpinned / pinned
-  /// blocks, the last P mod D tokens to the D-window. Input in the backend's
+  /// straight to its final regions: placed batches to their unpinned / pinned /
+  /// HBM-resident blocks, the last P mod D tokens to the D-window. Input in the backend's
   /// activation space (host for host_backend, device for cuda_backend).
   /// Throws shape_error (layer, sequence, token count, null plane) or
   /// state_error (layer already written). Strong guarantee.
@@ -509,6 +548,7 @@ class inplace_kv_cache {
     flush_report rep;
     std::vector<std::pair<sequence_id, sequence_state>> staged;
     index_t total = total_placed_tokens_;
+    index_t total_hbm = total_hbm_placed_tokens_;
     const int wb = spec_.window_blocks();
     // Stage (route + allocate), copy, then commit: every step that can throw
     // (policy, pools, pinned growth, std::bad_alloc, the backend's copies)
@@ -521,26 +561,33 @@ class inplace_kv_cache {
         sequence_state copy;  // only the fields place_batch touches
         copy.placed_tokens = st.placed_tokens;
         copy.cpu_placed_tokens = st.cpu_placed_tokens;
+        copy.hbm_placed_tokens = st.hbm_placed_tokens;
         // `total` already counts this sequence's placed tokens; place_batch adds
         // them again, so pass the other sequences' share (route_query contract:
         // all live sequences' placed tokens before this batch, counted once).
-        place_batch(sequence_id(id), copy, total - copy.placed_tokens, live_count_, 0, [&] {
-          return "flush: the full D-window of sequence " + std::to_string(id) + " (" +
-                 std::to_string(copy.placed_tokens + spec_.d_window_tokens) + " tokens with this eviction)";
-        });
+        place_batch(sequence_id(id), copy, total - copy.placed_tokens, total_hbm - copy.hbm_placed_tokens, live_count_,
+                    0, [&] {
+                      return "flush: the full D-window of sequence " + std::to_string(id) + " (" +
+                             std::to_string(copy.placed_tokens + spec_.d_window_tokens) + " tokens with this eviction)";
+                    });
         total += spec_.d_window_tokens;
+        if (copy.block_table[0].region == placement::gpu_resident) total_hbm += spec_.d_window_tokens;
         staged.emplace_back(sequence_id(id), std::move(copy));
         // Room for the commit's push_backs (capacity only: not observable).
         reserve_more(st.block_table, wb);
-        reserve_more(staged.back().second.block_table[0].region == placement::cpu_compute ? st.cpu_blocks
-                                                                                          : st.pinned_blocks,
-                     wb);
+        reserve_more(region_list(st, staged.back().second.block_table[0].region), wb);
       }
       copies_.clear();
+      device_copies_.clear();
       for (auto& [id, c] : staged) {
         const sequence_state& st = seqs_[std::size_t(id)];
         for (int layer = 0; layer < spec_.num_layers; ++layer) {
           const device_region<Layout> slot = slot_region(layer, st.window_slot);
+          if (c.block_table[0].region == placement::gpu_resident) {  // one batch: wb consecutive blocks
+            device_copies_.push_back(
+                block_copy::within_device(slot.blocks(0, wb), hbm_region_at(layer).blocks(c.block_table[0].id, wb)));
+            continue;
+          }
           const cpu_region<Layout> cpu = cpu_region_at(layer);
           const pinned_region<Layout> pinned = pinned_region_at(layer);
           for (int k = 0; k < wb;) {  // coalesce destination runs of consecutive blocks
@@ -559,6 +606,7 @@ class inplace_kv_cache {
         }
       }
       backend_->copy_blocks_to_host(copies_);
+      if (!device_copies_.empty()) backend_->copy_blocks_on_device(device_copies_);
     } catch (...) {
       for (auto& [id, c] : staged) release_blocks(c);
       throw;
@@ -568,15 +616,18 @@ class inplace_kv_cache {
       sequence_state& st = seqs_[std::size_t(id)];
       for (const block_ref& b : c.block_table) {
         st.block_table.push_back(b);
-        (b.region == placement::cpu_compute ? st.cpu_blocks : st.pinned_blocks).push_back(b.id);
+        region_list(st, b.region).push_back(b.id);
       }
-      ++(c.cpu_placed_tokens > st.cpu_placed_tokens ? rep.cpu_batches : rep.gpu_batches);
+      const placement r = c.block_table[0].region;
+      ++(r == placement::cpu_compute ? rep.cpu_batches : r == placement::gpu_load ? rep.gpu_batches : rep.hbm_batches);
       st.cpu_placed_tokens = c.cpu_placed_tokens;
+      st.hbm_placed_tokens = c.hbm_placed_tokens;
       st.placed_tokens = c.placed_tokens;
       std::fill(st.window_tokens.begin(), st.window_tokens.end(), 0);
       ++rep.evicted_sequences;
     }
     total_placed_tokens_ = total;
+    total_hbm_placed_tokens_ = total_hbm;
     return rep;
   }
 
@@ -595,6 +646,7 @@ class inplace_kv_cache {
     v.cpu = cpu_region_at(layer);
     v.pinned = pinned_region_at(layer);
     v.window = window_region_at(layer);
+    v.hbm = hbm_region_at(layer);
     v.ping_pong = {device_region<Layout>{format_, arena_storage{ping_pong_base(), 0}, 0}, spec_.ping_pong_buffers,
                    pp_blocks_};
     v.ping_pong_blocks = pp_blocks_;
@@ -615,6 +667,8 @@ class inplace_kv_cache {
   [[nodiscard]] const cache_options& options() const noexcept { return options_; }
   [[nodiscard]] int live_sequences() const noexcept { return live_count_; }
   [[nodiscard]] index_t total_placed_tokens() const noexcept { return total_placed_tokens_; }
+  /// Of total_placed_tokens(), those in the HBM-resident region.
+  [[nodiscard]] index_t total_hbm_placed_tokens() const noexcept { return total_hbm_placed_tokens_; }
   /// Free-list entries (D-window slots and sequence ids) that begin_sequence()
   /// has examined, summed over the cache's life, refused calls included: two
   /// per call that gets past the prompt-length check, one when no slot is free.
@@ -626,10 +680,12 @@ class inplace_kv_cache {
     return const_cast<inplace_kv_cache*>(this)->live_state(seq, "sequence");
   }
 
-  /// The block allocator of a host region (placement::cpu_compute: the
-  /// unpinned compute region; placement::gpu_load: the pinned load region).
+  /// The block allocator of a region (placement::cpu_compute: the unpinned
+  /// compute region; placement::gpu_load: the pinned load region;
+  /// placement::gpu_resident: the HBM-resident region, whose ids are whole
+  /// eviction batches: batch slot s holds blocks [s·window_blocks, (s+1)·window_blocks)).
   [[nodiscard]] const BlockAllocator& region_allocator(placement region) const noexcept {
-    return region == placement::cpu_compute ? cpu_pool_ : pinned_pool_;
+    return region == placement::cpu_compute ? cpu_pool_ : region == placement::gpu_load ? pinned_pool_ : hbm_pool_;
   }
 
   [[nodiscard]] region_usage usage() const noexcept {
@@ -639,6 +695,9 @@ class inplace_kv_cache {
     u.pinned_used_blocks = pinned_pool_.used_blocks();
     u.pinned_capacity_blocks = pinned_pool_.capacity();
     u.pinned_max_blocks = pinned_pool_.max_capacity();
+    u.hbm_used_blocks = hbm_pool_.used_blocks() * spec_.window_blocks();
+    u.hbm_capacity_blocks = hbm_pool_.capacity() * spec_.window_blocks();
+    u.hbm_region_bytes = hbm_mem_.size_bytes();
     u.live_sequences = live_count_;
     u.max_sequences = spec_.max_sequences;
     u.cpu_region_bytes = cpu_mem_.size_bytes();
@@ -684,8 +743,10 @@ class inplace_kv_cache {
       const block_ref& b = st.block_table[std::size_t(position / bt)];
       if (b.region == placement::cpu_compute)
         copy_rows(cpu_region_at(layer), b.id, int(position % bt));
-      else
+      else if (b.region == placement::gpu_load)
         copy_rows(pinned_region_at(layer), b.id, int(position % bt));
+      else
+        copy_rows(hbm_region_at(layer), b.id, int(position % bt));
     } else {
       const index_t w = position - st.placed_tokens;
       copy_rows(slot_region(layer, st.window_slot), w / bt, int(w % bt));
@@ -754,26 +815,43 @@ class inplace_kv_cache {
   // later batches and announced prompts), counted into L for the routing only.
   // `context()`: the call and the batch, for a capacity_error's message (built
   // only on that error).
+  // `total_hbm`: of total_placed, those in the HBM-resident region. A policy
+  // answering gpu_resident while the region has no free batch is asked again
+  // with hbm_free_tokens = 0; a second gpu_resident becomes gpu_load (a full
+  // region falls through to the host tiers, policy.hpp).
   template <class Context>
-  void place_batch(sequence_id id, sequence_state& st, index_t total_placed, int live, index_t coming_tokens,
-                   const Context& context) {
+  void place_batch(sequence_id id, sequence_state& st, index_t total_placed, index_t total_hbm, int live,
+                   index_t coming_tokens, const Context& context) {
     const int wb = spec_.window_blocks();
     route_query q;
     q.seq = id;
     q.placed_tokens = st.placed_tokens;
     q.cpu_placed_tokens = st.cpu_placed_tokens;
+    q.hbm_placed_tokens = st.hbm_placed_tokens;
     q.batch_tokens = spec_.d_window_tokens;
     q.total_placed_tokens = total_placed + st.placed_tokens;
+    q.total_hbm_placed_tokens = total_hbm + st.hbm_placed_tokens;
+    q.hbm_free_tokens = hbm_pool_.free_blocks() * spec_.d_window_tokens;
     q.coming_tokens = coming_tokens;
     q.live_sequences = live;
-    const route_decision d = policy_.route(q);
+    route_decision d = policy_.route(q);
+    if (d.region == placement::gpu_resident && hbm_pool_.free_blocks() < 1) {
+      q.hbm_free_tokens = 0;
+      d = policy_.route(q);
+      if (d.region == placement::gpu_resident) d.region = placement::gpu_load;
+    }
     tmp_ids_.clear();
     // Reserve first: once blocks are taken from a pool nothing may throw, or they leak.
     reserve_more(tmp_ids_, wb);
     reserve_more(st.block_table, wb);
-    reserve_more(d.region == placement::cpu_compute ? st.cpu_blocks : st.pinned_blocks, wb);
+    reserve_more(region_list(st, d.region), wb);
     try {
-      if (d.region == placement::cpu_compute) {
+      if (d.region == placement::gpu_resident) {
+        hbm_pool_.allocate(1, tmp_ids_);  // one batch slot: blocks [slot*wb, slot*wb + wb)
+        const block_id slot = tmp_ids_[0];
+        tmp_ids_.clear();
+        for (int k = 0; k < wb; ++k) tmp_ids_.push_back(block_id(index_t(slot) * wb + k));
+      } else if (d.region == placement::cpu_compute) {
         cpu_pool_.allocate(wb, tmp_ids_);
       } else {
         if (pinned_pool_.free_blocks() < wb)
@@ -782,15 +860,25 @@ class inplace_kv_cache {
         pinned_pool_.allocate(wb, tmp_ids_);
       }
     } catch (const capacity_error& e) {  // the pool's message names the region and the field; add the call
-      const index_t now = d.region == placement::cpu_compute ? spec_.cpu_capacity_tokens : spec_.pinned_capacity_tokens;
+      const index_t now = d.region == placement::cpu_compute ? spec_.cpu_capacity_tokens
+                          : d.region == placement::gpu_load  ? spec_.pinned_capacity_tokens
+                                                             : spec_.hbm_capacity_tokens;
       throw capacity_error(context() + ": " + e.what() + ", now " + std::to_string(now) + " tokens per layer");
     }
     for (block_id b : tmp_ids_) {
       st.block_table.push_back({d.region, b});
-      (d.region == placement::cpu_compute ? st.cpu_blocks : st.pinned_blocks).push_back(b);
+      region_list(st, d.region).push_back(b);
     }
     st.placed_tokens += spec_.d_window_tokens;
     if (d.region == placement::cpu_compute) st.cpu_placed_tokens += spec_.d_window_tokens;
+    if (d.region == placement::gpu_resident) st.hbm_placed_tokens += spec_.d_window_tokens;
+  }
+
+  // The list of `st`'s blocks in `region`.
+  static std::vector<block_id>& region_list(sequence_state& st, placement region) noexcept {
+    return region == placement::cpu_compute ? st.cpu_blocks
+           : region == placement::gpu_load  ? st.pinned_blocks
+                                            : st.hbm_blocks;
   }
 
   // Capacity for `n` more elements, growing geometrically (a push_back after it cannot throw).
@@ -802,8 +890,13 @@ class inplace_kv_cache {
   void release_blocks(sequence_state& st) {
     cpu_pool_.release(st.cpu_blocks.data(), st.cpu_blocks.size());
     pinned_pool_.release(st.pinned_blocks.data(), st.pinned_blocks.size());
+    const std::size_t wb = std::size_t(spec_.window_blocks());
+    tmp_slots_.clear();  // capacity: every batch of the region (reserved at init)
+    for (std::size_t k = 0; k < st.hbm_blocks.size(); k += wb) tmp_slots_.push_back(block_id(st.hbm_blocks[k] / block_id(wb)));
+    hbm_pool_.release(tmp_slots_.data(), tmp_slots_.size());
     st.cpu_blocks.clear();
     st.pinned_blocks.clear();
+    st.hbm_blocks.clear();
     st.block_table.clear();
   }
 
@@ -848,14 +941,18 @@ class inplace_kv_cache {
   [[nodiscard]] device_region<Layout> slot_region(int layer, int slot) const noexcept {
     return window_region_at(layer).sub(index_t(slot) * spec_.window_blocks(), spec_.window_blocks());
   }
+  [[nodiscard]] device_region<Layout> hbm_region_at(int layer) const noexcept {
+    return {format_, arena_storage{reinterpret_cast<bf16*>(hbm_mem_.data()), spec_.hbm_capacity_blocks()}, layer};
+  }
   [[nodiscard]] bf16* ping_pong_base() const noexcept {
     return reinterpret_cast<bf16*>(ping_pong_mem_.data());
   }
-  // A write of input tokens into placed block `b` of `layer`, in its host region.
+  // A write of input tokens into placed block `b` of `layer`, in its region.
   [[nodiscard]] block_write placed_write(int layer, const block_ref& b, index_t src_token, int tokens) const noexcept {
-    return b.region == placement::cpu_compute
-               ? block_write::into(cpu_region_at(layer).block(b.id), src_token, tokens, 0)
-               : block_write::into(pinned_region_at(layer).block(b.id), src_token, tokens, 0);
+    return b.region == placement::cpu_compute ? block_write::into(cpu_region_at(layer).block(b.id), src_token, tokens, 0)
+           : b.region == placement::gpu_load
+               ? block_write::into(pinned_region_at(layer).block(b.id), src_token, tokens, 0)
+               : block_write::into(hbm_region_at(layer).block(b.id), src_token, tokens, 0);
   }
   Backend* backend_;
   Layout layout_;
@@ -868,12 +965,14 @@ class inplace_kv_cache {
   BlockAllocator cpu_pool_;     ///< block ids of the unpinned compute region
   index_t cpu_prefaulted_blocks_ = 0;  ///< ids [0, this) of the unpinned region were made resident (prefault_cpu_region)
   BlockAllocator pinned_pool_;  ///< block ids of the pinned load region
+  BlockAllocator hbm_pool_;     ///< batch slots of the HBM-resident region (one id = window_blocks blocks)
   index_t slab_blocks_ = 1;
   host_allocation cpu_mem_;
   std::vector<host_allocation> pinned_slabs_;
   std::vector<bf16*> pinned_slab_ptrs_;
   typename Backend::device_buffer d_window_;
   typename Backend::device_buffer ping_pong_mem_;
+  typename Backend::device_buffer hbm_mem_;  ///< the HBM-resident region (empty without one)
   index_t pp_blocks_ = 0;
 
   std::vector<sequence_state> seqs_;
@@ -882,13 +981,16 @@ class inplace_kv_cache {
   std::uint64_t admission_probes_ = 0;  // admission_probes()
   int live_count_ = 0;
   index_t total_placed_tokens_ = 0;
+  index_t total_hbm_placed_tokens_ = 0;  // of total_placed_tokens_, in the HBM-resident region
   index_t announced_tokens_ = 0;  // announce_admission(): prompt tokens still to be admitted
   std::uint64_t generations_ = 0;  // sequences begun so far (sequence_state::generation)
 
   std::vector<block_write> writes_;
   std::vector<char> seen_;  ///< append_prefill (several sequences): which sequences the call names
   std::vector<block_copy> copies_;
+  std::vector<block_copy> device_copies_;  // flush: D-windows into the HBM-resident region
   std::vector<block_id> tmp_ids_;
+  std::vector<block_id> tmp_slots_;  // release_blocks: HBM batch slots
 };
 
 }  // namespace writescope

@@ -20,9 +20,9 @@
 // CPU kernel streams — and each block is contiguous as a whole, which is what a
 // DMA engine moves. Eviction and streaming are therefore whole-block copies.
 //
-// `placement` names the host region a placed block lives in (unpinned compute
-// or pinned load); routing policies (policy.hpp) choose it, the cache's block
-// tables record it.
+// `placement` names the region a placed block lives in (unpinned compute,
+// pinned load, or the HBM-resident region on the device); routing policies
+// (policy.hpp) choose it, the cache's block tables record it.
 #pragma once
 
 #include <array>
@@ -211,17 +211,18 @@ static_assert(mla_layout<512, 64>(16).token_bytes() == 1152);  // DeepSeek-V2-Li
 // Host regions
 // -----------------------------------------------------------------------------
 
-/// The host region a placed block lives in, chosen for good when its eviction
-/// batch is written (the write-time principle, paper §4.1, §5). Both regions
-/// hold blocks in the block format above; a block's id indexes its region.
+/// The region a placed block lives in, chosen for good when its eviction batch
+/// is written (the write-time principle, paper §4.1, §5). Every region holds
+/// blocks in the block format above; a block's id indexes its region.
 enum class placement : std::uint8_t {
-  cpu_compute = 0,  ///< unpinned compute region, attended in place by the CPU engine
-  gpu_load = 1,     ///< pinned load region, streamed to the GPU through ping-pong
+  cpu_compute = 0,   ///< unpinned compute region, attended in place by the CPU engine
+  gpu_load = 1,      ///< pinned load region, streamed to the GPU through ping-pong
+  gpu_resident = 2,  ///< HBM-resident region (device memory), attended in place by the GPU engine
 };
 
-/// "cpu_compute" / "gpu_load".
+/// "cpu_compute" / "gpu_load" / "gpu_resident".
 [[nodiscard]] constexpr const char* to_string(placement p) noexcept {
-  return p == placement::cpu_compute ? "cpu_compute" : "gpu_load";
+  return p == placement::cpu_compute ? "cpu_compute" : p == placement::gpu_load ? "gpu_load" : "gpu_resident";
 }
 
 // -----------------------------------------------------------------------------

@@ -29,6 +29,15 @@ struct partition_spec {
   /// gpu_only the second).
   index_t cpu_capacity_tokens = 0;     ///< unpinned compute region, tokens per layer (all sequences)
   index_t pinned_capacity_tokens = 0;  ///< pinned load region at most, tokens per layer
+  /// The HBM-resident region (device memory, attended in place by the GPU
+  /// engine), tokens per layer, all sequences together; counted in whole
+  /// eviction batches (rounded down to a multiple of d_window_tokens), so that
+  /// one batch's blocks are contiguous. 0 (the default): no such region, the
+  /// cache is the paper's three-region one. Allocated at init, checked first
+  /// against the backend's free device memory (resource_error naming both
+  /// byte counts). While it has room the built-in policies route every batch
+  /// there; when it is full the batches fall through to the host regions.
+  index_t hbm_capacity_tokens = 0;
   index_t pinned_initial_tokens = -1;  ///< pinned tokens pinned at init; -1 = all of pinned_capacity_tokens
   index_t pinned_growth_tokens = 0;    ///< tokens added per growth of the pinned region (0 = one D·max_sequences)
   index_t ping_pong_bytes = index_t{64} << 20;  ///< bytes of one ping-pong buffer (rounded down to whole blocks)
@@ -56,6 +65,12 @@ struct partition_spec {
   [[nodiscard]] index_t pinned_capacity_blocks() const noexcept {
     return (pinned_capacity_tokens + block_tokens - 1) / block_tokens;
   }
+  /// Eviction batches the HBM-resident region holds (hbm_capacity_tokens / D, rounded down).
+  [[nodiscard]] index_t hbm_capacity_batches() const noexcept {
+    return d_window_tokens > 0 ? std::max<index_t>(hbm_capacity_tokens, 0) / d_window_tokens : 0;
+  }
+  /// Blocks of the HBM-resident region (whole batches).
+  [[nodiscard]] index_t hbm_capacity_blocks() const noexcept { return hbm_capacity_batches() * window_blocks(); }
 
   /// Throws config_error naming the first field that breaks its rule (both
   /// region capacities 0 included).
@@ -68,14 +83,15 @@ struct partition_spec {
       fail("D (d_window_tokens) " + std::to_string(d_window_tokens) + " is not a positive multiple of the block size " +
            std::to_string(block_tokens));
     if (max_sequences < 1) fail("max_sequences " + std::to_string(max_sequences) + " must be >= 1");
-    if (cpu_capacity_tokens < 0 || pinned_capacity_tokens < 0)
+    if (cpu_capacity_tokens < 0 || pinned_capacity_tokens < 0 || hbm_capacity_tokens < 0)
       fail("region capacities must be >= 0 (cpu " + std::to_string(cpu_capacity_tokens) + ", pinned " +
-           std::to_string(pinned_capacity_tokens) + ")");
-    if (cpu_capacity_tokens == 0 && pinned_capacity_tokens == 0)
-      fail("cpu_capacity_tokens and pinned_capacity_tokens are both 0: no token could leave the D-window, so a "
-           "sequence could never hold d_window_tokens (" + std::to_string(d_window_tokens) +
+           std::to_string(pinned_capacity_tokens) + ", hbm " + std::to_string(hbm_capacity_tokens) + ")");
+    if (cpu_capacity_tokens == 0 && pinned_capacity_tokens == 0 && hbm_capacity_batches() == 0)
+      fail("cpu_capacity_tokens and pinned_capacity_tokens are both 0 and hbm_capacity_tokens (" +
+           std::to_string(hbm_capacity_tokens) + ") holds no whole eviction batch: no token could leave the "
+           "D-window, so a sequence could never hold d_window_tokens (" + std::to_string(d_window_tokens) +
            ") tokens; set either (tokens per layer, all sequences together)");
-    if (cpu_capacity_blocks() > INT32_MAX || pinned_capacity_blocks() > INT32_MAX)
+    if (cpu_capacity_blocks() > INT32_MAX || pinned_capacity_blocks() > INT32_MAX || hbm_capacity_blocks() > INT32_MAX)
       fail("a region holds more than 2^31-1 blocks; raise block_tokens");
     if (pinned_initial_tokens > pinned_capacity_tokens)
       fail("pinned_initial_tokens " + std::to_string(pinned_initial_tokens) + " exceeds pinned_capacity_tokens " +

@@ -4,9 +4,18 @@
 //
 // A routing policy is a small value type. The cache asks it once per eviction
 // batch (D tokens of one sequence, all layers) whether the batch goes to the
-// unpinned compute region (attended by the CPU in place) or to the pinned load
-// region (streamed to the GPU); hybrid_attention reports the measured cost of
-// every step back to it. A policy changes where work runs, never what it
+// HBM-resident region (device memory, attended by the GPU in place; only when
+// partition_spec::hbm_capacity_tokens is set), the unpinned compute region
+// (attended by the CPU in place) or the pinned load region (streamed to the
+// GPU); hybrid_attention reports the measured cost of every step back to it.
+//
+// Three destinations (docs/ARCHITECTURE.md, "The HBM tier"): every built-in
+// policy sends a batch to the HBM-resident region while it has room for it
+// (route_query::hbm_free_tokens >= batch_tokens) and otherwise applies its
+// two-way rule to the host tiers, whose share (CPU tokens / host tokens) keeps
+// the meaning it has without the HBM tier. A policy that answers gpu_resident
+// when the region is full is asked once more with hbm_free_tokens = 0, and a
+// second gpu_resident is taken as gpu_load: a full region never fails a step. A policy changes where work runs, never what it
 // computes: every policy gives the same attention output up to fp32 rounding.
 //
 // Threading: the cache calls route() and observe() from the thread that calls
@@ -37,8 +46,9 @@ inline std::string format_double(double v) {
 }
 }  // namespace detail
 
-/// Target shares of placed tokens per engine; they sum to 1. A plan rather than
-/// one scalar, so that a third tier (GPU-resident blocks) is an added field.
+/// Target shares of the host-placed tokens per engine; they sum to 1. The
+/// HBM-resident region has no target share: it is filled first (see the file
+/// comment), so these split what lies in the two host regions.
 struct share_plan {
   double cpu_compute = 0.0;
   double gpu_load = 1.0;
@@ -47,16 +57,27 @@ struct share_plan {
 /// What the policy knows when it routes one eviction batch.
 struct route_query {
   sequence_id seq = 0;
-  index_t placed_tokens = 0;        ///< this sequence's tokens already placed (L), before this batch
+  index_t placed_tokens = 0;        ///< this sequence's tokens already placed (L, every region), before this batch
   index_t cpu_placed_tokens = 0;    ///< of which in the unpinned compute region
+  index_t hbm_placed_tokens = 0;    ///< of which in the HBM-resident region
   index_t batch_tokens = 0;         ///< tokens in this batch (D)
   index_t total_placed_tokens = 0;  ///< placed tokens summed over all live sequences, before this batch
+  index_t total_hbm_placed_tokens = 0;  ///< of which in the HBM-resident region
+  /// Tokens the HBM-resident region can still take now (whole batches; the
+  /// batches of this flush or prompt routed before this one already taken).
+  /// 0 without the region, or when it is full.
+  index_t hbm_free_tokens = 0;
   /// Tokens known to be placed right after this batch, before the next step:
   /// the later whole batches of the prompt being admitted and the prompts
   /// announced with inplace_kv_cache::announce_admission(). 0 during decode.
   index_t coming_tokens = 0;
   int live_sequences = 0;
 };
+
+/// Whether the HBM-resident region has room for the batch `q` describes.
+[[nodiscard]] constexpr bool hbm_has_room(const route_query& q) noexcept {
+  return q.batch_tokens > 0 && q.hbm_free_tokens >= q.batch_tokens;
+}
 
 struct route_decision {
   placement region = placement::gpu_load;
@@ -69,6 +90,9 @@ struct cost_sample {
   index_t cpu_tokens = 0;           ///< KV tokens the CPU engine attended, summed over sequences
   double gpu_seconds = 0.0;         ///< time of the GPU side (stream + attend), excluding the merge
   index_t gpu_streamed_tokens = 0;  ///< KV tokens streamed through ping-pong (D-window tokens excluded)
+  /// KV tokens of the same GPU side attended in place in the HBM-resident
+  /// region (in gpu_seconds, at roofline_params::hbm_cost_per_token_seconds each).
+  index_t gpu_resident_tokens = 0;
   int batch_size = 0;
   /// Host seconds the step spent before its CPU engine could start, building
   /// and enqueueing the GPU side (step_report::launch_seconds), and the KV
@@ -92,41 +116,51 @@ concept routing_policy =
       { p.observe(s) } -> std::same_as<void>;
     };
 
-/// Marginal-share routing (paper §5.3): sends the batch to the side that leaves
-/// the sequence's cumulative CPU share closest to `target`; ties go to the GPU.
-/// The cumulative share thus stays within D/(2L) of a constant target. The
-/// errors are compared in tokens (scaled by the length after the batch), so an
-/// exact tie (r = 0.5 after an odd number of batches) is exact in floating
-/// point too and goes to the GPU, as documented.
+/// Marginal-share routing (paper §5.3): sends the batch to the host side that
+/// leaves the sequence's cumulative CPU share of its host-placed tokens
+/// (placed − HBM-resident) closest to `target`; ties go to the GPU (pinned).
+/// The cumulative share thus stays within D/(2L) of a constant target. With
+/// w = target·(host tokens after the batch), the CPU error |cpu + D − w| is
+/// below the GPU's |cpu − w| exactly when cpu + D/2 < w; that is compared as
+/// 2·cpu + D < 2·w, integers against one rounded product, so an exact tie
+/// (r = 0.5 after an odd number of batches) goes to the GPU whatever the
+/// compiler contracts (no fused multiply-add can shift it). Never answers
+/// gpu_resident.
 [[nodiscard]] constexpr placement route_toward(double target, const route_query& q) noexcept {
-  const double want = target * double(q.placed_tokens + q.batch_tokens);  // CPU tokens on target after the batch
-  const double err_cpu = double(q.cpu_placed_tokens + q.batch_tokens) - want;
-  const double err_gpu = double(q.cpu_placed_tokens) - want;
-  return (err_cpu < 0 ? -err_cpu : err_cpu) < (err_gpu < 0 ? -err_gpu : err_gpu) ? placement::cpu_compute
-                                                                                  : placement::gpu_load;
+  if (q.batch_tokens <= 0) return placement::gpu_load;
+  const index_t host_placed = q.placed_tokens - q.hbm_placed_tokens;
+  const double want2 = 2.0 * (target * double(host_placed + q.batch_tokens));  // 2 x CPU tokens on target after the batch
+  return double(2 * q.cpu_placed_tokens + q.batch_tokens) < want2 ? placement::cpu_compute : placement::gpu_load;
 }
 
-/// Everything streamed to the GPU (r = 0): the GPU-centric baseline (FlexGen / SolidAttention style).
+/// Everything streamed to the GPU (r = 0): the GPU-centric baseline (FlexGen /
+/// SolidAttention style). The HBM-resident region first while it has room.
 struct gpu_only {
   using policy_concept = routing_policy_tag;
-  [[nodiscard]] route_decision route(const route_query&) const noexcept {
-    return {placement::gpu_load, {0.0, 1.0}};
+  [[nodiscard]] route_decision route(const route_query& q) const noexcept {
+    return {hbm_has_room(q) ? placement::gpu_resident : placement::gpu_load, {0.0, 1.0}};
   }
   void observe(const cost_sample&) noexcept {}
 };
 
-/// Everything attended in place by the CPU (r = 1): the CPU-centric baseline (FastDecode style).
+/// Everything on the host attended in place by the CPU (r = 1): the
+/// CPU-centric baseline (FastDecode style). The HBM-resident region first
+/// while it has room (none without partition_spec::hbm_capacity_tokens).
 struct cpu_only {
   using policy_concept = routing_policy_tag;
-  [[nodiscard]] route_decision route(const route_query&) const noexcept {
-    return {placement::cpu_compute, {1.0, 0.0}};
+  [[nodiscard]] route_decision route(const route_query& q) const noexcept {
+    return {hbm_has_room(q) ? placement::gpu_resident : placement::cpu_compute, {1.0, 0.0}};
   }
   void observe(const cost_sample&) noexcept {}
 };
 
-/// A static CPU share r per sequence (HGCA-style static split), routed by
-/// marginal share. Placement depends only on the sequence's own length: this is
-/// the deterministic mode (split points do not depend on batchmates or load).
+/// A static CPU share r of each sequence's host-placed tokens (HGCA-style
+/// static split), routed by marginal share; the HBM-resident region first
+/// while it has room. Without that region placement depends only on the
+/// sequence's own length: this is the deterministic mode (split points do not
+/// depend on batchmates or load). With it, whether a batch finds room in HBM
+/// depends on the other sequences too; a test that needs a fixed placement
+/// gives each sequence its room (or none).
 class fixed_ratio {
  public:
   using policy_concept = routing_policy_tag;
@@ -136,7 +170,7 @@ class fixed_ratio {
       throw config_error("fixed_ratio: CPU share " + detail::format_double(cpu_share) + " is outside [0, 1]");
   }
   [[nodiscard]] route_decision route(const route_query& q) const noexcept {
-    return {route_toward(r_, q), {r_, 1.0 - r_}};
+    return {hbm_has_room(q) ? placement::gpu_resident : route_toward(r_, q), {r_, 1.0 - r_}};
   }
   void observe(const cost_sample&) noexcept {}
   [[nodiscard]] double cpu_share() const noexcept { return r_; }
@@ -167,6 +201,11 @@ struct roofline_params {
   /// thread: cuda_backend::set_launch_thread).
   double launch_cost_per_token_seconds = 0.0;
   bool track_launch_cost = true;  ///< re-measure K online from the samples that include it
+  /// H: GPU seconds per token attended in place in the HBM-resident region.
+  /// HBM tokens are placed first and never move, so for the host split they
+  /// are a fixed cost of the GPU side: eq. 2's Δ becomes Δ + H·L_hbm
+  /// (roofline_policy). 0 = HBM attention taken as free next to the host tiers.
+  double hbm_cost_per_token_seconds = 0.0;
 
   /// Δ = C_GPU − C_CPU.
   [[nodiscard]] double fixed_overhead_gap_seconds() const noexcept { return gpu_fixed_seconds - cpu_fixed_seconds; }
@@ -184,6 +223,11 @@ struct roofline_params {
 /// The roofline policy (paper §5.2–5.3, eq. 2):
 ///
 ///     r(L) = clamp( B'/(A+B') + Δ/((A+B')·L), 0, 1 ),   B' = B − K
+///
+/// With the HBM-resident region (docs/ARCHITECTURE.md, "The HBM tier"): a
+/// batch goes there while it has room; otherwise r is eq. 2 over the host
+/// tokens, L = L_host, with the HBM tokens' attention a fixed cost of the GPU
+/// side: Δ' = Δ + H·L_hbm (H = roofline_params::hbm_cost_per_token_seconds).
 ///
 /// with L the placed tokens of all live sequences after the batch and the
 /// admissions in progress (route_query::coming_tokens: the length the next
@@ -221,15 +265,20 @@ class roofline_policy {
     if (!(p.launch_cost_per_token_seconds >= 0.0 && std::isfinite(p.launch_cost_per_token_seconds)))
       throw config_error("roofline_policy: launch_cost_per_token_seconds (K) " +
                          detail::format_double(p.launch_cost_per_token_seconds) + " must be >= 0 and finite");
+    if (!(p.hbm_cost_per_token_seconds >= 0.0 && std::isfinite(p.hbm_cost_per_token_seconds)))
+      throw config_error("roofline_policy: hbm_cost_per_token_seconds (H) " +
+                         detail::format_double(p.hbm_cost_per_token_seconds) + " must be >= 0 and finite");
   }
 
-  /// r(L) of eq. 2 for L placed tokens (L <= 0 gives the Δ-limited extreme),
-  /// less roofline_params::placement_headroom, clamped to [0, 1].
-  [[nodiscard]] double target_share(index_t total_placed_tokens) const noexcept {
+  /// r(L) of eq. 2 for L host-placed tokens (L <= 0 gives the Δ-limited
+  /// extreme), with `hbm_tokens` in the HBM-resident region adding H each to
+  /// the GPU side's fixed cost (Δ' = Δ + H·hbm_tokens), less
+  /// roofline_params::placement_headroom, clamped to [0, 1].
+  [[nodiscard]] double target_share(index_t total_placed_tokens, index_t hbm_tokens = 0) const noexcept {
     double r = roofline_converged_share(a_, b_, k_);  // 0 or 1 where the paths do not cross
     if (k_ < a_ && k_ < b_) {
       const double ab = a_ + b_ - k_;
-      const double delta = p_.fixed_overhead_gap_seconds();
+      const double delta = p_.fixed_overhead_gap_seconds() + p_.hbm_cost_per_token_seconds * double(hbm_tokens);
       if (total_placed_tokens > 0)
         r += delta / (ab * double(total_placed_tokens));
       else if (delta != 0.0)
@@ -242,8 +291,9 @@ class roofline_policy {
   [[nodiscard]] double converged_share() const noexcept { return roofline_converged_share(a_, b_, k_); }
 
   [[nodiscard]] route_decision route(const route_query& q) const noexcept {
-    const double r = target_share(q.total_placed_tokens + q.batch_tokens + q.coming_tokens);
-    return {route_toward(r, q), {r, 1.0 - r}};
+    const index_t host = q.total_placed_tokens - q.total_hbm_placed_tokens;
+    const double r = target_share(host + q.batch_tokens + q.coming_tokens, q.total_hbm_placed_tokens);
+    return {hbm_has_room(q) ? placement::gpu_resident : route_toward(r, q), {r, 1.0 - r}};
   }
 
   /// Feeds one measured step. Samples without CPU tokens leave A unchanged.
@@ -251,7 +301,10 @@ class roofline_policy {
     if (s.cpu_tokens > 0 && std::isfinite(s.cpu_seconds))
       push(cpu_window_, cpu_sum_, std::max(0.0, s.cpu_seconds - p_.cpu_fixed_seconds), s.cpu_tokens, a_);
     if (p_.track_gpu_cost && s.gpu_streamed_tokens > 0 && std::isfinite(s.gpu_seconds))
-      push(gpu_window_, gpu_sum_, std::max(0.0, s.gpu_seconds - p_.gpu_fixed_seconds), s.gpu_streamed_tokens, b_);
+      push(gpu_window_, gpu_sum_,
+           std::max(0.0, s.gpu_seconds - p_.gpu_fixed_seconds -
+                             p_.hbm_cost_per_token_seconds * double(s.gpu_resident_tokens)),
+           s.gpu_streamed_tokens, b_);
     if (p_.track_launch_cost && s.launch_streamed_tokens > 0 && std::isfinite(s.launch_seconds))
       push(launch_window_, launch_sum_, std::max(0.0, s.launch_seconds), s.launch_streamed_tokens, k_);
   }

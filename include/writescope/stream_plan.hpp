@@ -28,6 +28,12 @@
 // and the chunk moves as ONE copy. With every block selected, splits, chunks
 // and runs are exactly the dense ones.
 //
+// Resident splits (add_resident): a sequence's blocks in the HBM-resident
+// region are attended in place, without a copy, before the first streamed
+// chunk; they are cut at every eviction batch (one batch's blocks are
+// contiguous, two batches' need not be) and every `split_blocks` blocks
+// inside one, so their boundaries too depend only on the sequence itself.
+//
 // Vectors are reused across steps: no allocation in steady state.
 #pragma once
 
@@ -92,6 +98,13 @@ class stream_plan {
   std::vector<std::int32_t> block_lists;  ///< per-split, per-KV-head block lists (see stream_split)
   index_t max_chunk_list_ints = 0;        ///< largest list_end - list_begin of a chunk
   index_t gathered_blocks = 0;            ///< blocks of chunks with gathered == true
+  /// Splits over blocks of the HBM-resident region (add_resident), attended in
+  /// place before the first chunk, in this order: first_block is the block id
+  /// in that region, the split's blocks are ids [first_block, first_block +
+  /// num_blocks) (contiguous). list_offset -1. Empty after build() /
+  /// build_sparse() until add_resident().
+  std::vector<stream_split> resident_splits;
+  index_t resident_blocks = 0;
 
   /// Most blocks chunk `k` of a step may hold: `chunk_blocks`, or with a ramp
   /// (first_chunk_blocks > 0) max(first_chunk_blocks, split_blocks) * 2^k,
@@ -129,6 +142,28 @@ class stream_plan {
   /// chunk_blocks, buffers >= 1, 1 <= kv_heads <= 64. A chunk's lists hold at
   /// most 2 * kv_heads * chunk_blocks entries. `first_chunk_blocks` ramps the
   /// chunk sizes as in build().
+  /// Adds the resident splits of `batch` sequences: `blocks_of(i)` returns
+  /// sequence i's blocks in the HBM-resident region (std::span<const
+  /// block_id>, logical order, each eviction batch's `batch_blocks` ids
+  /// consecutive), cut at every batch and every `split_blocks` blocks inside
+  /// one. Requires split_blocks >= 1 and batch_blocks >= 1.
+  template <class BlocksOf>
+  void add_resident(int batch, BlocksOf&& blocks_of, int split_blocks, int batch_blocks) {
+    resident_splits.clear();
+    resident_blocks = 0;
+    for (int i = 0; i < batch; ++i) {
+      const auto ids = blocks_of(i);
+      const index_t n = index_t(ids.size());
+      for (index_t b0 = 0; b0 < n;) {
+        const index_t batch_end = (b0 / batch_blocks + 1) * batch_blocks;
+        const int nb = int(std::min<index_t>({index_t(split_blocks), n - b0, batch_end - b0}));
+        resident_splits.push_back({i, index_t(ids[std::size_t(b0)]), nb});
+        resident_blocks += nb;
+        b0 += nb;
+      }
+    }
+  }
+
   template <class SelectedOf, class BlockPtr>
   void build_sparse(int batch, SelectedOf&& selected_of, BlockPtr&& block_ptr, index_t block_elems,
                     index_t chunk_blocks, int split_blocks, int buffers, int kv_heads, index_t direct_run_blocks,
@@ -152,6 +187,8 @@ class stream_plan {
     splits.clear();
     chunks.clear();
     block_lists.clear();
+    resident_splits.clear();
+    resident_blocks = 0;
     streamed_blocks = 0;
     max_run_blocks = 0;
     max_chunk_list_ints = 0;

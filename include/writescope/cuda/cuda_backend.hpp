@@ -17,13 +17,14 @@
 //   sparse_engine.hpp  the sparse gather pipeline
 //
 // Memory spaces: activation_space = device_space. Appended KV, queries and
-// outputs are device pointers; the D-window and ping-pong buffers are device
-// memory; the unpinned compute region is pageable host memory, the pinned load
+// outputs are device pointers; the D-window, ping-pong buffers and the
+// HBM-resident region are device memory; the unpinned compute region is pageable host memory, the pinned load
 // region page-locked host memory (cuda_host_alloc / cuda_host_register).
 //
 // Streams (one backend, one device, driven from one host thread):
 //   caller  the caller's stream (given at construction, or created): appends,
-//           prefill scatter, the final merge. Everything a step produces is
+//           prefill scatter (the HBM-resident region's too), evictions into
+//           the HBM-resident region (device to device), the final merge. Everything a step produces is
 //           ordered before work the caller enqueues on it afterwards.
 //   h2d     streamed copies pinned -> ping-pong (shared by all engines).
 //   d2h     eviction and prefill copies device -> host.
@@ -182,6 +183,24 @@ class basic_cuda_backend {
   /// them before its next append (WAR). Returns once pageable destinations are
   /// complete (through the page-locked bounce buffer).
   void copy_blocks_to_host(std::span<const block_copy> copies) { writes_.copy_blocks_to_host(copies); }
+  /// Eviction into the HBM-resident region: device -> device copies on the
+  /// caller stream, so after the appends that wrote the D-window (RAW), before
+  /// the next append into it (WAR) and before any later launch, whose compute
+  /// stream waits for the caller's work so far (K7: the write of an HBM block
+  /// is ordered before the kernel that reads it). Does not block the host.
+  void copy_blocks_on_device(std::span<const block_copy> copies) {
+    for (const block_copy& c : copies)
+      if (c.bytes > 0)
+        WS_CUDA_TRY(cudaMemcpyAsync(c.dst, c.src, static_cast<std::size_t>(c.bytes), cudaMemcpyDeviceToDevice,
+                                    ctx_.caller));
+  }
+  /// Free device memory now (cudaMemGetInfo); the cache checks its
+  /// HBM-resident region against it at init.
+  [[nodiscard]] index_t device_free_bytes() const {
+    std::size_t free_bytes = 0, total_bytes = 0;
+    WS_CUDA_TRY(cudaMemGetInfo(&free_bytes, &total_bytes));
+    return index_t(free_bytes);
+  }
   /// The eviction bounce buffer's largest size (default 32 MiB; 0 = direct
   /// copies into pageable memory). Between steps; never throws.
   void set_eviction_bounce_bytes(index_t bytes) noexcept { writes_.set_eviction_bounce_bytes(bytes); }
@@ -239,7 +258,8 @@ using cuda_backend = basic_cuda_backend<no_hooks>;
 /// dense_engine.hpp); a sparse plan (stream_plan::build_sparse, after
 /// reserve_sparse()) runs the gather pipeline of sparse_engine.hpp through the
 /// same phases. finish(): CPU partial H2D, then on the caller stream
-///   out = (streamed ⊕ D-window) ⊕ CPU  (merge_state_row semantics).
+///   out = (streamed ⊕ D-window) ⊕ CPU  (merge_state_row semantics),
+/// the streamed state holding the HBM-resident splits, folded first.
 /// Deterministic and batch-invariant: partial boundaries come from the plan
 /// (each sequence's own blocks) and every merge runs in a fixed order.
 ///

@@ -10,6 +10,11 @@
 // Per dense launch, on the engine's compute stream unless noted:
 //   q D2H into pinned staging (q stream, after the caller's event);
 //   streamed state := empty;
+//   resident splits (blocks of the HBM-resident region, written on the caller
+//   stream before the launch: the caller event orders them, K7): attended in
+//   place with the dense kernel, max_attend_items per launch, each launch
+//   folded in order into the streamed state — before the first chunk's
+//   attention, while its H2D copy runs;
 //   for each plan chunk c, buffer b = chunk.buffer:
 //     h2d: wait consumed[b]; copy the chunk's runs into ping-pong[b] (one copy
 //          per piece of the Hooks' copy policy); record filled[b]
@@ -18,7 +23,8 @@
 //              running streamed state, in split order
 //   record h2d_done on h2d (C9); D-window attention (only the valid rows are read);
 // merge(): CPU partial H2D, then on the caller stream
-//   out = (streamed ⊕ D-window) ⊕ CPU  (merge_state_row semantics).
+//   out = (streamed ⊕ D-window) ⊕ CPU  (merge_state_row semantics), the
+//   streamed state holding the HBM-resident splits folded first.
 //
 // Shapes: partial states are fp32, [max_batch][Hq][v_dim] and [max_batch][Hq]
 // (device); the split workspace holds gpu::max_attend_items splits; q staging
@@ -273,6 +279,47 @@ class dense_engine {
     }
   }
 
+  // Step 3a of a dense launch: the plan's resident splits (blocks of the
+  // HBM-resident region `a.resident`, contiguous per split) attended in place
+  // on the compute stream, max_attend_items per launch, each launch folded in
+  // order into the streamed state. The compute stream waits for the caller's
+  // event (begin_step), after which every write into those blocks (prefill
+  // scatter, evictions by copy_blocks_on_device: both on the caller stream) is
+  // complete (K7). Nothing to do for a plan without resident splits.
+  void attend_resident(const args_type& a, const switches& dbg) {
+    const std::vector<stream_split>& rs = a.plan->resident_splits;
+    if (rs.empty()) return;
+    cudaStream_t comp = compute_.get();
+    gpu::attend_params& ap = attend_;
+    ap.block_lists = nullptr;
+    const index_t n = index_t(rs.size());
+    for (index_t s0 = 0; s0 < n; s0 += gpu::max_attend_items) {
+      const index_t s1 = std::min<index_t>(n, s0 + gpu::max_attend_items);
+      ap.out_o = split_o_.as<float>();
+      ap.out_lse = split_lse_.as<float>();
+      ap.num_items = int(s1 - s0);
+      gpu::fold_params& fp = fold_;
+      fp.state_o = streamed_o_.as<float>();
+      fp.state_lse = streamed_lse_.as<float>();
+      fp.split_o = split_o_.as<float>();
+      fp.split_lse = split_lse_.as<float>();
+      fp.hq = hq_;
+      fp.num_segments = 0;
+      for (index_t s = s0; s < s1; ++s) {
+        const stream_split& sp = rs[std::size_t(s)];
+        const int local = int(s - s0);
+        ap.items[local] = {a.resident.block(sp.first_block).data(), sp.num_blocks * a.format.block_tokens,
+                           sp.batch_index, local, 0};
+        if (fp.num_segments > 0 && fp.segments[fp.num_segments - 1].batch_index == sp.batch_index)
+          fp.segments[fp.num_segments - 1].split_end = local + 1;
+        else
+          fp.segments[fp.num_segments++] = {sp.batch_index, local, local + 1};
+      }
+      attend_streamed(ap, false, dbg, comp);
+      gpu::launch_fold<Layout>(fp, comp);
+    }
+  }
+
   // Step 4 of a launch: the copy stream's end recorded for later D2H writes
   // (C9); the D-window attended with the dense kernel; the step's end and the
   // compute-done event recorded; the timing slot handed over.
@@ -296,6 +343,7 @@ class dense_engine {
     record(compute_done_, comp);
     timing_pending_[std::size_t(slot)] = true;
     slot_tokens_[std::size_t(slot)] = a.plan->streamed_blocks * a.format.block_tokens;
+    slot_resident_[std::size_t(slot)] = a.plan->resident_blocks * a.format.block_tokens;
     slot_sparse_[std::size_t(slot)] = a.plan->sparse;
     last_slot_ = slot;
     timing_slot_ = slot ^ 1;
@@ -399,8 +447,10 @@ class dense_engine {
   }
 
  private:
-  // Step 3 of a dense launch with the copy policy of `abl` (chosen here, once).
+  // Step 3 of a dense launch with the copy policy of `abl` (chosen here, once),
+  // after the resident splits (3a).
   void run_chunks(const args_type& a, const switches& dbg, const ablation& abl) {
+    attend_resident(a, dbg);
     visit_copy_policy(abl, [&]<class Copy>() { stream_chunks<Copy>(a, dbg, abl); });
   }
 
@@ -524,7 +574,8 @@ class dense_engine {
     float critical_ms = 0.0f;
     WS_CUDA_TRY(cudaEventElapsedTime(&critical_ms, t_ready_[s].get(), t_end_[s].get()));
     timing_pending_[s] = false;
-    fresh_cost_ = {last_seconds_, std::max(0.0, double(critical_ms) * 1e-3), slot_tokens_[s], slot_sparse_[s]};
+    fresh_cost_ = {last_seconds_, std::max(0.0, double(critical_ms) * 1e-3), slot_tokens_[s], slot_sparse_[s],
+                   slot_resident_[s]};
     fresh_ = true;
   }
 
@@ -578,6 +629,7 @@ class dense_engine {
   int last_slot_ = 0;
   double last_seconds_ = 0.0;
   std::array<index_t, 2> slot_tokens_{0, 0};
+  std::array<index_t, 2> slot_resident_{0, 0};
   std::array<bool, 2> slot_sparse_{false, false};
   completed_gpu_cost fresh_cost_{};
   bool fresh_ = false;

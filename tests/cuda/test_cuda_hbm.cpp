@@ -1,0 +1,229 @@
+// The HBM tier on cuda_backend (partition_spec::hbm_capacity_tokens,
+// placement::gpu_resident; docs/ARCHITECTURE.md "The HBM tier"). The shared
+// bodies of support/hbm_suite.hpp (run on host_backend by tests/test_hbm.cpp)
+// on the device: every subset of the four partials, boundary lengths, the
+// region full mid-prefill and mid-decode, a sequence ending and another
+// re-using its HBM blocks, batch-vs-solo bit identity, a failing flush that
+// releases its staged HBM batch. Device-only: the init refusal against
+// cudaMemGetInfo; the stream ordering of HBM writes (K7): a prefill scatter and
+// an eviction into HBM blocks (both on the caller stream, behind a long spin)
+// are read by the next step's kernels only after they land, and the
+// skip_caller_event mutation falsifies that guard; a recycled HBM batch
+// written by the next prompt's prefill while a slow step still reads it (WAR:
+// the merge orders the caller stream after the step's kernels); the resident
+// splits' own tokens in step_report and in the policy's samples.
+#include <doctest/doctest.h>
+
+#include "device_harness.hpp"
+#include "support/hbm_suite.hpp"
+
+using namespace wstest;
+using namespace wstest::dev;
+using namespace wstest::hbm;
+
+namespace {
+
+using G = gqa_layout<128>;
+using M = mla_layout<512, 64>;
+const double gqa_scale = 1.0 / std::sqrt(128.0);
+const double mla_scale = 1.0 / std::sqrt(192.0);
+constexpr long long long_spin = 100'000'000;     // ~50 ms at 2 GHz
+constexpr long long slow_consumer = 20'000'000;  // ~10 ms per CTA
+
+template <class F>
+bool detected(F&& attempt, int tries = 3) {
+  for (int i = 0; i < tries; ++i)
+    if (attempt()) return true;
+  return false;
+}
+
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return {};
+}
+
+}  // namespace
+
+TEST_CASE("HBM (device): every subset of the four partials, solo and in one ragged batch") {
+  SUBCASE("GQA 32/4") { every_subset_of_partials<cuda_backend>(G(32, 4), gqa_scale, 4); }
+  SUBCASE("MLA 16 heads") { every_subset_of_partials<cuda_backend>(M(16), mla_scale, 4); }
+}
+
+TEST_CASE("HBM (device): boundary lengths") { boundary_lengths<cuda_backend>(G(32, 4), gqa_scale, 4); }
+
+TEST_CASE("HBM (device): full mid-prefill and mid-decode falls through") {
+  full_mid_prefill_and_decode<cuda_backend>(G(32, 4), gqa_scale, 4);
+}
+
+TEST_CASE("HBM (device): ending a sequence frees its HBM batches for reuse") {
+  end_and_reuse<cuda_backend>(G(32, 4), gqa_scale, 4);
+}
+
+TEST_CASE("HBM (device): batch-vs-solo bit identity at fixed shares") {
+  SUBCASE("GQA") { batch_vs_solo<cuda_backend>(G(32, 4), gqa_scale, 4, scaled(70, 35, 8)); }
+  SUBCASE("MLA") { batch_vs_solo<cuda_backend>(M(16), mla_scale, 4, scaled(40, 20, 8)); }
+}
+
+TEST_CASE("HBM (device): a failing flush releases its staged HBM batch") {
+  failing_flush_releases_hbm<cuda_backend>(G(32, 4), gqa_scale, 4);
+}
+
+TEST_CASE("HBM (device): init refused when the region exceeds the free device memory, naming both byte counts") {
+  const G L(32, 4);
+  cuda_backend be;
+  partition_spec s = hbm_spec(L, 2, 2, 0);
+  const index_t token_bytes = L.token_bytes() * 2;  // per token, both layers
+  const index_t free_now = be.device_free_bytes();
+  const index_t batches = free_now / (token_bytes * s.d_window_tokens) + 8;
+  s.hbm_capacity_tokens = batches * s.d_window_tokens;
+  const index_t hbm = batches * s.d_window_tokens * token_bytes;
+  using cache_t = device_cache<G, gpu_only>;
+  const std::string what = error_of([&] { cache_t c(be, L, s, gpu_only{}); });
+  INFO(what);
+  CHECK(mentions(what, {"HBM-resident region", std::to_string(hbm), "bytes free", "partition_spec::hbm_capacity_tokens"}));
+  CHECK_THROWS_AS(cache_t(be, L, s, gpu_only{}), resource_error);
+  CHECK(be.device_free_bytes() >= free_now - (index_t{64} << 20));  // nothing stayed allocated
+  // 64 MiB of HBM per layer is accepted and reported
+  s.hbm_capacity_tokens = (index_t{64} << 20) / L.token_bytes();
+  cache_t ok(be, L, s, gpu_only{});
+  CHECK(ok.usage().hbm_region_bytes == s.hbm_capacity_batches() * s.d_window_tokens * token_bytes);
+}
+
+TEST_CASE("HBM (device) K7: prefill and evictions into HBM behind a long spin on the caller stream are read in order") {
+  const G L(32, 4);
+  cuda_backend be;
+  device_cache<G, gpu_only> cache(be, L, hbm_spec(L, 2, 2, 64), gpu_only{}, {}, cache_options{true});
+  device_decode_driver<decltype(cache)> d(cache, attention_options{4, true}, 91, gqa_scale);
+  d.before_append = [&](int) { spin(be.caller_stream(), long_spin); };
+  // the prompts' batches are scattered into HBM on the caller stream, behind the spin of their upload
+  spin(be.caller_stream(), long_spin);
+  std::vector<sequence_id> batch{d.add(3 * 32 + 31), d.add(32 - 1)};
+  for (int s = 0; s < 3; ++s) {
+    const auto placed = d.placed(batch);
+    const compare_result r = d.step(batch);  // the first evicts both windows into HBM
+    INFO("step " << s << ": rel_l2 " << r.max_rel_l2 << " lse " << r.max_lse_err);
+    REQUIRE(r.ok());
+    REQUIRE(d.check_evicted(batch, placed) == 0);
+    if (s == 0) CHECK(d.last_flush.hbm_batches == 2);
+  }
+  CHECK(cache.sequence(batch[0]).hbm_placed_tokens == 4 * 32);
+}
+
+namespace {
+
+/// One sequence whose next append fills its window: append, queries uploaded
+/// and landed, then a long spin on the caller stream and the flush (its
+/// eviction into HBM, a device-to-device copy, queued behind the spin), then a
+/// dense step that reads the new HBM blocks. Returns whether the output was
+/// wrong; `mutate` sets the backend's switches before the step.
+template <class Mutate>
+bool eviction_then_step(Mutate&& mutate) {
+  const G L(32, 4);
+  mutation_backend be;
+  device_cache<G, gpu_only, cuda_host_alloc, mutation_backend> cache(be, L, hbm_spec(L, 1, 2, 8), gpu_only{}, {},
+                                                                     cache_options{true});
+  device_decode_driver<decltype(cache)> d(cache, attention_options{4, true}, 93, gqa_scale);
+  std::vector<sequence_id> batch{d.add(32 + 31), d.add(31)};
+  step_runner<decltype(cache)> r(d);
+  d.append_layer(0, batch);
+  r.make_queries(batch);
+  WS_CUDA_TRY(cudaStreamSynchronize(be.caller_stream()));
+  spin(be.caller_stream(), long_spin);
+  const flush_report f = cache.flush();
+  CHECK(f.hbm_batches == 2);
+  mutate(be);
+  r.dense(0, batch);
+  be.debug() = {};
+  be.synchronize();
+  d.out = r.out;
+  d.lse = r.lse;
+  compare_result cr;
+  d.compare(0, batch, cr);
+  CHECK(r.rep.resident_tokens == 3 * 32);
+  CHECK(r.rep.window_tokens == 0);
+  return !cr.ok();
+}
+
+}  // namespace
+
+TEST_CASE("HBM (device) K7: an eviction into HBM is ordered before the kernel that reads it") {
+  CHECK_FALSE(eviction_then_step([](mutation_backend&) {}));
+}
+
+TEST_CASE("HBM (device) K7 mutation: skip_caller_event -> the resident splits read HBM blocks before the eviction lands "
+          "(expected wrong)") {
+  CHECK(detected([] { return eviction_then_step([](mutation_backend& be) { be.debug().skip_caller_event = true; }); }));
+}
+
+TEST_CASE("HBM (device) K7: a recycled HBM batch rewritten by the next prefill while a slow step still reads it (WAR)") {
+  const G L(32, 4);
+  mutation_backend be;
+  device_cache<G, gpu_only, cuda_host_alloc, mutation_backend> cache(be, L, hbm_spec(L, 1, 2, 2), gpu_only{}, {},
+                                                                     cache_options{true});
+  device_decode_driver<decltype(cache)> d(cache, attention_options{4, true}, 95, gqa_scale);
+  const sequence_id a = d.add(2 * 32 + 3);  // both batches in HBM
+  const sequence_id b = d.add(32 + 1);      // pinned
+  CHECK(cache.sequence(a).hbm_placed_tokens == 64);
+  step_runner<decltype(cache)> r(d);
+  const std::vector<sequence_id> ab{a, b};
+  r.make_queries(ab);
+  be.debug().consumer_delay_cycles = slow_consumer;  // the resident splits' kernel spins first
+  r.dense(0, ab);  // fetch() waits for the outputs: take them from the device afterwards instead
+  be.debug() = {};
+  d.out = r.out;
+  d.lse = r.lse;
+  compare_result cr;
+  d.compare(0, ab, cr);
+  CHECK(cr.ok());
+  // the same again, but the HBM batches are recycled into a new prompt right after the step
+  r.make_queries(ab);
+  be.debug().consumer_delay_cycles = slow_consumer;
+  auto& attn = d.attention();
+  std::vector<float> out, lse;
+  activation_io<device_space, decltype(cache)> io(cache);
+  const auto so = io.outputs(out, lse, ab.size() * std::size_t(L.num_q_heads()), G::v_dim, nullptr);
+  (void)attn.step(0, ab, r.qa, float(gqa_scale), so);
+  be.debug() = {};
+  std::vector<std::vector<kv_history<G>>> keep{{d.history(a, 0)}, {d.history(b, 0)}};
+  d.remove(a);
+  const sequence_id c = d.add(2 * 32);  // its prefill scatter rewrites a's HBM blocks on the caller stream
+  CHECK(cache.sequence(c).hbm_placed_tokens == 64);
+  io.fetch(out, lse);
+  // a's output of that step against the reference over a's kept history
+  std::vector<double> ro, rl;
+  compare_result wr;
+  const int hq = L.num_q_heads();
+  reference_attention(L, keep[0][0], d.q.data(), gqa_scale, ro, rl);
+  compare_rows(hq, G::v_dim, out.data(), lse.data(), ro, rl, wr);
+  reference_attention(L, keep[1][0], d.q.data() + std::size_t(hq) * G::q_dim, gqa_scale, ro, rl);
+  compare_rows(hq, G::v_dim, out.data() + std::size_t(hq) * G::v_dim, lse.data() + hq, ro, rl, wr);
+  INFO("rel_l2 " << wr.max_rel_l2 << " lse " << wr.max_lse_err);
+  CHECK(wr.ok());
+  CHECK(d.count_mismatches(c, 0, 0, 64) == 0);
+}
+
+TEST_CASE("HBM (device): the policy's samples carry the resident tokens of the launch they time") {
+  const G L(32, 4);
+  roofline_params rp;
+  rp.cpu_cost_per_token_seconds = 2e-9;
+  rp.gpu_cost_per_token_seconds = 1.4e-9;
+  rp.hbm_cost_per_token_seconds = 0.01e-9;
+  rp.track_gpu_cost = true;
+  test_rig<cuda_backend, G, roofline_policy> rig(L, hbm_spec(L, 1, 2, 4), roofline_policy(rp), attention_options{4, true},
+                                                 97, gqa_scale);
+  const sequence_id a = rig.d.add(6 * 32 + 7);  // 4 batches in HBM, 2 on the host
+  const std::vector<sequence_id> one{a};
+  for (int s = 0; s < 6; ++s) {
+    REQUIRE(rig.d.step(one).ok());
+    CHECK(rig.d.last_report.resident_tokens == 4 * 32);
+  }
+  CHECK(rig.cache.sequence(a).hbm_placed_tokens == 4 * 32);
+  const double b = rig.cache.policy().gpu_cost_per_token_seconds();
+  CHECK(std::isfinite(b));
+  CHECK(b > 0.0);
+}

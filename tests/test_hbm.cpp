@@ -1,0 +1,280 @@
+// The HBM tier on host_backend (partition_spec::hbm_capacity_tokens,
+// placement::gpu_resident; docs/ARCHITECTURE.md "The HBM tier"): the shared
+// bodies of support/hbm_suite.hpp (the same run on cuda_backend in
+// tests/cuda/test_cuda_hbm.cpp), plus the host-only cases: the three-way
+// routing of every built-in policy, the roofline's generalised eq. 2 and its
+// online B with HBM time removed, the fall-through of a policy that insists on
+// a full region, the resident splits of the stream plan, the init refusal
+// against the (emulated) free device memory, the spec rules, and the sparse
+// path's refusal of sequences with HBM blocks.
+#include <doctest/doctest.h>
+
+#include "support/hbm_suite.hpp"
+
+using namespace wstest;
+using namespace wstest::hbm;
+
+namespace {
+
+using G = gqa_layout<64>;
+using M = mla_layout<512, 64>;
+const double g_scale = 1.0 / std::sqrt(64.0);
+const double m_scale = 1.0 / std::sqrt(192.0);
+
+route_query query(index_t placed, index_t cpu, index_t hbm, index_t hbm_free, index_t total = 0, index_t total_hbm = 0) {
+  route_query q;
+  q.placed_tokens = placed;
+  q.cpu_placed_tokens = cpu;
+  q.hbm_placed_tokens = hbm;
+  q.batch_tokens = 32;
+  q.total_placed_tokens = total > 0 ? total : placed;
+  q.total_hbm_placed_tokens = total > 0 ? total_hbm : hbm;
+  q.hbm_free_tokens = hbm_free;
+  q.live_sequences = 1;
+  return q;
+}
+
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return {};
+}
+
+}  // namespace
+
+// -----------------------------------------------------------------------------
+// The shared bodies
+// -----------------------------------------------------------------------------
+
+TEST_CASE("HBM: every subset of the four partials (HBM, streamed, CPU, D-window), solo and in one ragged batch") {
+  SUBCASE("GQA 4/2") { every_subset_of_partials<host_backend>(G(4, 2), g_scale, 1); }
+  SUBCASE("MLA 8 heads") { every_subset_of_partials<host_backend>(M(8), m_scale, 2); }
+}
+
+TEST_CASE("HBM: boundary lengths (exactly full, one token past, one batch past; capacity rounded down)") {
+  boundary_lengths<host_backend>(G(4, 2), g_scale, 1);
+}
+
+TEST_CASE("HBM: full mid-prefill and mid-decode falls through to the host tiers by their own share") {
+  full_mid_prefill_and_decode<host_backend>(G(4, 2), g_scale, 1);
+}
+
+TEST_CASE("HBM: ending a sequence frees its HBM batches; the next sequence re-uses the same blocks") {
+  end_and_reuse<host_backend>(G(4, 2), g_scale, 1);
+}
+
+TEST_CASE("HBM: batch-vs-solo bit identity at fixed shares (interleaved HBM blocks)") {
+  SUBCASE("GQA, 1 thread") { batch_vs_solo<host_backend>(G(4, 2), g_scale, 1, 70); }
+  SUBCASE("GQA, 2 threads") { batch_vs_solo<host_backend>(G(4, 2), g_scale, 2, 40); }
+  SUBCASE("MLA") { batch_vs_solo<host_backend>(M(8), m_scale, 2, 35); }
+}
+
+TEST_CASE("HBM: a failing flush releases the HBM batch it had staged (strong guarantee)") {
+  failing_flush_releases_hbm<host_backend>(G(4, 2), g_scale, 1);
+}
+
+// -----------------------------------------------------------------------------
+// Routing
+// -----------------------------------------------------------------------------
+
+TEST_CASE("HBM routing: every built-in policy fills the HBM region first, then applies its host rule") {
+  roofline_params rp;
+  rp.cpu_cost_per_token_seconds = 2e-9;
+  rp.gpu_cost_per_token_seconds = 1.4e-9;
+  const roofline_policy roof(rp);
+  const route_query room = query(64, 0, 64, 32);
+  const route_query none = query(64, 0, 64, 31);  // less than a batch: no room
+  CHECK(gpu_only{}.route(room).region == placement::gpu_resident);
+  CHECK(cpu_only{}.route(room).region == placement::gpu_resident);
+  CHECK(fixed_ratio(0.3).route(room).region == placement::gpu_resident);
+  CHECK(roof.route(room).region == placement::gpu_resident);
+  CHECK(gpu_only{}.route(none).region == placement::gpu_load);
+  CHECK(cpu_only{}.route(none).region == placement::cpu_compute);
+  CHECK(roof.route(none).region != placement::gpu_resident);
+  CHECK(fixed_ratio(1.0).route(none).region == placement::cpu_compute);
+  CHECK(fixed_ratio(0.0).route(none).region == placement::gpu_load);
+  CHECK(!hbm_has_room(query(0, 0, 0, 0)));
+}
+
+TEST_CASE("HBM routing: the host share counts host tokens only (route_toward)") {
+  // 64 tokens in HBM, none on the host: the first host batch at r = 0.5 is a
+  // tie on the host tokens (to the GPU); counting the HBM tokens would send it
+  // to the CPU.
+  CHECK(route_toward(0.5, query(64, 0, 64, 0)) == placement::gpu_load);
+  // 64 HBM + 32 pinned: the next one at 0.5 goes to the CPU.
+  CHECK(route_toward(0.5, query(96, 0, 64, 0)) == placement::cpu_compute);
+  // 64 HBM + 32 CPU + 0 pinned at r = 0.25: to the GPU (CPU share 0.5 > 0.25).
+  CHECK(route_toward(0.25, query(96, 32, 64, 0)) == placement::gpu_load);
+  CHECK(fixed_ratio(0.5).route(query(64, 0, 64, 0)).region == placement::gpu_load);
+}
+
+TEST_CASE("HBM routing: the roofline's eq. 2 over the host tokens, HBM time a fixed cost of the GPU side") {
+  roofline_params rp;
+  rp.cpu_cost_per_token_seconds = 2e-9;    // A
+  rp.gpu_cost_per_token_seconds = 1.4e-9;  // B
+  rp.cpu_fixed_seconds = 20e-6;
+  rp.gpu_fixed_seconds = 30e-6;
+  rp.hbm_cost_per_token_seconds = 0.05e-9;  // H
+  const roofline_policy roof(rp);
+  const double A = 2e-9, B = 1.4e-9, H = 0.05e-9, delta = 10e-6;
+  for (index_t host : {index_t(4096), index_t(50000), index_t(300000)})
+    for (index_t hbm : {index_t(0), index_t(8192), index_t(100000)}) {
+      const double want = std::clamp(B / (A + B) + (delta + H * double(hbm)) / ((A + B) * double(host)), 0.0, 1.0);
+      CHECK(roof.target_share(host, hbm) == doctest::Approx(want).epsilon(1e-12));
+    }
+  CHECK(roof.target_share(50000) == roof.target_share(50000, 0));
+  // route(): L = the host tokens after the batch, the HBM tokens through Δ'.
+  const route_query q = query(0, 0, 0, 0, 100000, 60000);
+  CHECK(roof.route(q).target.cpu_compute == doctest::Approx(roof.target_share(40000 + 32, 60000)).epsilon(1e-12));
+  // Larger HBM time: more of the host tokens to the CPU.
+  CHECK(roof.target_share(40000, 60000) > roof.target_share(40000, 0));
+  rp.hbm_cost_per_token_seconds = -1;
+  CHECK_THROWS_AS(roofline_policy{rp}, config_error);
+}
+
+TEST_CASE("HBM routing: online B with the HBM tokens' time removed (track_gpu_cost)") {
+  roofline_params rp;
+  rp.cpu_cost_per_token_seconds = 2e-9;
+  rp.gpu_cost_per_token_seconds = 1e-9;
+  rp.gpu_fixed_seconds = 30e-6;
+  rp.hbm_cost_per_token_seconds = 0.1e-9;
+  rp.track_gpu_cost = true;
+  roofline_policy roof(rp);
+  cost_sample s;
+  s.gpu_streamed_tokens = 10000;
+  s.gpu_resident_tokens = 200000;
+  s.gpu_seconds = 30e-6 + 0.1e-9 * 200000 + 3e-9 * 10000;  // B = 3 ns
+  roof.observe(s);
+  CHECK(roof.gpu_cost_per_token_seconds() == doctest::Approx(3e-9).epsilon(1e-9));
+}
+
+TEST_CASE("HBM routing: a policy that answers gpu_resident for a full region is asked again, then falls through") {
+  const G L(4, 2);
+  scripted_policy pol;
+  pol.fn = [](const route_query&) { return placement::gpu_resident; };
+  test_rig<host_backend, G, scripted_policy> rig(L, hbm_spec(L, 1, 2, 1), pol, attention_options{1, true}, 5, g_scale);
+  const sequence_id a = rig.d.add(3 * 32);
+  CHECK(batch_regions(rig.cache, a) ==
+        std::vector<placement>{placement::gpu_resident, placement::gpu_load, placement::gpu_load});
+  const auto& log = *pol.log;
+  REQUIRE(log.size() == 5);  // 1 + 2 per batch that found the region full
+  CHECK(log[0].hbm_free_tokens == 32);
+  CHECK(log[0].total_hbm_placed_tokens == 0);
+  CHECK(log[1].hbm_free_tokens == 0);
+  CHECK(log[1].hbm_placed_tokens == 32);
+  CHECK(log[1].total_hbm_placed_tokens == 32);
+  CHECK(log[2].hbm_free_tokens == 0);
+  CHECK(log[4].placed_tokens == 64);
+  const std::vector<sequence_id> one{a};
+  CHECK(rig.d.step(one).ok());
+}
+
+// -----------------------------------------------------------------------------
+// The plan, the spec, init, the sparse path
+// -----------------------------------------------------------------------------
+
+TEST_CASE("stream_plan::add_resident cuts at every eviction batch and every split_blocks blocks; build() clears it") {
+  stream_plan p;
+  const std::vector<std::vector<block_id>> ids{{4, 5, 6, 7, 0, 1, 2, 3}, {}, {8, 9, 10, 11}};
+  p.add_resident(3, [&](int i) { return std::span<const block_id>(ids[std::size_t(i)]); }, 3, 4);
+  const std::vector<std::array<index_t, 3>> want{{0, 4, 3}, {0, 7, 1}, {0, 0, 3}, {0, 3, 1}, {2, 8, 3}, {2, 11, 1}};
+  REQUIRE(p.resident_splits.size() == want.size());
+  for (std::size_t k = 0; k < want.size(); ++k) {
+    CHECK(p.resident_splits[k].batch_index == want[k][0]);
+    CHECK(p.resident_splits[k].first_block == want[k][1]);
+    CHECK(p.resident_splits[k].num_blocks == want[k][2]);
+    CHECK(p.resident_splits[k].list_offset == -1);
+  }
+  CHECK(p.resident_blocks == 12);
+  // split_blocks larger than a batch: one split per batch, never across two
+  p.add_resident(3, [&](int i) { return std::span<const block_id>(ids[std::size_t(i)]); }, 8, 4);
+  CHECK(p.resident_splits.size() == 3);
+  p.build(0, [](int) { return std::span<const block_id>(); }, [](block_id) { return pinned_span<const bf16>(); }, 1, 4,
+          4, 2);
+  CHECK(p.resident_splits.empty());
+  CHECK(p.resident_blocks == 0);
+}
+
+TEST_CASE("HBM spec: an HBM-only cache is valid; a region below one batch does not count") {
+  const G L(4, 2);
+  partition_spec s = hbm_spec(L, 1, 2, 2);
+  s.cpu_capacity_tokens = 0;
+  s.pinned_capacity_tokens = 0;
+  CHECK_NOTHROW(s.validate(L));
+  s.hbm_capacity_tokens = s.d_window_tokens - 1;
+  CHECK(s.hbm_capacity_batches() == 0);
+  CHECK_THROWS_AS(s.validate(L), config_error);
+  s.hbm_capacity_tokens = -32;
+  CHECK_THROWS_AS(s.validate(L), config_error);
+  // HBM-only: the region full, the next batch has no host region: a capacity_error at admission
+  s = hbm_spec(L, 1, 2, 2);
+  s.cpu_capacity_tokens = 0;
+  s.pinned_capacity_tokens = 0;
+  test_rig<host_backend, G, gpu_only> rig(L, s, gpu_only{}, attention_options{1, true}, 3, g_scale);
+  const sequence_id a = rig.d.add(2 * 32 + 4);
+  CHECK(rig.cache.sequence(a).hbm_placed_tokens == 64);
+  CHECK_THROWS_AS(rig.cache.begin_sequence(32), capacity_error);
+  CHECK(rig.cache.usage().hbm_used_blocks == 4);
+}
+
+TEST_CASE("HBM init: refused against the backend's free device memory, naming both byte counts") {
+  const G L(4, 2);
+  const partition_spec s = hbm_spec(L, 2, 2, 100);
+  const index_t block = block_format<G>{L, 16}.block_bytes();
+  const index_t hbm = 100 * 2 * block * 2;      // batches * blocks * bytes * layers
+  const index_t others = 2 * 2 * block * 2 + 6 * block * 2;  // D-window + ping-pong
+  using cache_t = host_cache<G, gpu_only>;
+  {
+    host_backend be;
+    be.set_device_free_bytes(1 << 20);
+    const std::string what = error_of([&] { cache_t c(be, L, s, gpu_only{}); });
+    INFO(what);
+    CHECK(mentions(what, {"HBM-resident region", std::to_string(hbm), std::to_string(1 << 20),
+                          "partition_spec::hbm_capacity_tokens"}));
+    CHECK_THROWS_AS(cache_t(be, L, s, gpu_only{}), resource_error);
+  }
+  {
+    host_backend be;
+    be.set_device_free_bytes(hbm + others - 1);  // the region fits, the D-window and ping-pong not with it
+    const std::string what = error_of([&] { cache_t c(be, L, s, gpu_only{}); });
+    CHECK(mentions(what, {std::to_string(hbm), std::to_string(others), std::to_string(hbm + others - 1)}));
+  }
+  {
+    host_backend be;
+    be.set_device_free_bytes(hbm + others);
+    cache_t c(be, L, s, gpu_only{});
+    CHECK(c.usage().hbm_region_bytes == hbm);
+    CHECK(c.usage().hbm_capacity_blocks == 200);
+  }
+  {
+    host_backend be;
+    be.set_device_free_bytes(0);  // without an HBM region nothing is checked
+    partition_spec n = s;
+    n.hbm_capacity_tokens = 0;
+    CHECK_NOTHROW(cache_t(be, L, n, gpu_only{}));
+  }
+}
+
+TEST_CASE("HBM sparse: a sparse step over a sequence with HBM blocks is a state_error before any work") {
+  const G L(4, 2);
+  test_rig<host_backend, G, gpu_only> rig(L, hbm_spec(L, 1, 3, 1), gpu_only{}, attention_options{1, true}, 9, g_scale);
+  const sequence_id a = rig.d.add(32 + 5);  // its batch in HBM
+  const sequence_id b = rig.d.add(3 * 32);  // the region is full: pinned
+  step_runner<decltype(rig.cache)> r(rig.d);
+  select_all sel;
+  const std::vector<sequence_id> with_a{b, a}, only_b{b};
+  r.make_queries(with_a);
+  const std::string what = error_of([&] { r.sparse(0, with_a, sel); });
+  CHECK(mentions(what, {"sequence " + std::to_string(a), "HBM-resident region", "32 tokens"}));
+  CHECK_THROWS_AS(r.sparse(0, with_a, sel), state_error);
+  // a batch without HBM blocks is attended as before, equal to the dense step
+  r.make_queries(only_b);
+  r.sparse(0, only_b, sel);
+  const std::vector<float> sparse_out = r.out;
+  r.dense(0, only_b);
+  CHECK(same_bits(sparse_out, r.out));
+}
