@@ -18,7 +18,8 @@
 # "4 16 32"), LAYERS (default 48), BUDGET_GIB (default 29.8), PROMPT_LEN (default
 # 2000), NEW_TOKENS (default 16: 15 decode steps, the means over the last 14),
 # RUN_CAP seconds per run (default 150), TOTAL_BUDGET seconds for everything
-# (default 420), EXTRA (more ws_decode arguments for every run).
+# (default 420), EXTRA (more ws_decode arguments for every run), BUILD_ONLY=1 (build
+# ws_decode, print its path and stop: device-paper-e2e.sh builds through this).
 # Time (estimated from the full-depth runs of docs/results/h200-2026-12-02-s13:
 # random-weight init of the 61 GB model 33 s): build ~2 min; per run ~35 s of setup
 # (weights, the ~1 s ceiling), prefill 1-6 s, 15 steps of 0.1-0.7 s, teardown ~5 s:
@@ -67,6 +68,10 @@ if [ -z "${WS_DECODE:-}" ]; then
   fi
 fi
 export WS_DECODE
+if [ "${BUILD_ONLY:-0}" = 1 ]; then
+  echo "$WS_DECODE"
+  exit 0
+fi
 
 spec=""
 for b in $BATCHES; do
