@@ -34,16 +34,6 @@ route_query query(index_t placed, index_t cpu, index_t hbm, index_t hbm_free, in
   return q;
 }
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return {};
-}
-
 }  // namespace
 
 // -----------------------------------------------------------------------------

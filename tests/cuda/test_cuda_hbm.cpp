@@ -37,16 +37,6 @@ bool detected(F&& attempt, int tries = 3) {
   return false;
 }
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return {};
-}
-
 }  // namespace
 
 TEST_CASE("HBM (device): every subset of the four partials, solo and in one ragged batch") {

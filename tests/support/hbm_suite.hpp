@@ -15,6 +15,7 @@
 #pragma once
 
 #include <algorithm>
+#include <exception>
 #include <array>
 #include <optional>
 #include <string>
@@ -23,6 +24,17 @@
 #include "support/harness.hpp"
 
 namespace wstest::hbm {
+
+/// The message of the exception `f` throws (empty when it throws none).
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return {};
+}
 
 /// The routing of a sequence by its own batch index: script[k] for batch k of
 /// every sequence (clamped to the last entry), whatever its batchmates are.

@@ -247,36 +247,8 @@ class dense_engine {
   void attend_chunk(const args_type& a, const stream_chunk& c, const device_region<Layout>& buf, std::size_t b,
                     const std::int32_t* lists,
                     const switches& dbg) {
-    const stream_plan& plan = *a.plan;
-    cudaStream_t comp = compute_.get();
-    gpu::attend_params& ap = attend_;
-    ap.block_lists = lists;
-    for (index_t s0 = c.split_begin; s0 < c.split_end; s0 += gpu::max_attend_items) {
-      const index_t s1 = std::min<index_t>(c.split_end, s0 + gpu::max_attend_items);
-      ap.out_o = split_o_.as<float>();
-      ap.out_lse = split_lse_.as<float>();
-      ap.num_items = int(s1 - s0);
-      gpu::fold_params& fp = fold_;
-      fp.state_o = streamed_o_.as<float>();
-      fp.state_lse = streamed_lse_.as<float>();
-      fp.split_o = split_o_.as<float>();
-      fp.split_lse = split_lse_.as<float>();
-      fp.hq = hq_;
-      fp.num_segments = 0;
-      for (index_t s = s0; s < s1; ++s) {
-        const stream_split& sp = plan.splits[std::size_t(s)];
-        const int local = int(s - s0);
-        ap.items[local] = {buf.block(sp.first_block).data(), sp.num_blocks * a.format.block_tokens,
-                           sp.batch_index, local, lists != nullptr ? int(sp.list_offset) : 0};
-        if (fp.num_segments > 0 && fp.segments[fp.num_segments - 1].batch_index == sp.batch_index)
-          fp.segments[fp.num_segments - 1].split_end = local + 1;
-        else
-          fp.segments[fp.num_segments++] = {sp.batch_index, local, local + 1};
-      }
-      attend_streamed(ap, lists != nullptr, dbg, comp);
-      if (s1 == c.split_end) record(consumed_[b], comp);  // last reader of buffer b (and its lists)
-      gpu::launch_fold<Layout>(fp, comp);
-    }
+    attend_and_fold(a.plan->splits, c.split_begin, c.split_end, buf, a.format.block_tokens, lists, dbg,
+                    [&](cudaStream_t comp) { record(consumed_[b], comp); });  // last reader of buffer b (and its lists)
   }
 
   // Step 3a of a dense launch: the plan's resident splits (blocks of the
@@ -288,13 +260,24 @@ class dense_engine {
   // complete (K7). Nothing to do for a plan without resident splits.
   void attend_resident(const args_type& a, const switches& dbg) {
     const std::vector<stream_split>& rs = a.plan->resident_splits;
-    if (rs.empty()) return;
+    attend_and_fold(rs, 0, index_t(rs.size()), a.resident, a.format.block_tokens, nullptr, dbg, [](cudaStream_t) {});
+  }
+
+  // Splits [begin, end) of `splits`, whose blocks lie in `region`, attended on
+  // the compute stream, max_attend_items per launch (with `lists`, the listed
+  // kernel over each split's block lists, else the dense one), each launch
+  // folded in order into the streamed state; `after_last_attend(stream)` runs
+  // between the last launch's attention and its fold (the last reader of the
+  // region's bytes has then been enqueued).
+  template <class AfterLastAttend>
+  void attend_and_fold(const std::vector<stream_split>& splits, index_t begin, index_t end,
+                       const device_region<Layout>& region, int block_tokens, const std::int32_t* lists,
+                       const switches& dbg, AfterLastAttend&& after_last_attend) {
     cudaStream_t comp = compute_.get();
     gpu::attend_params& ap = attend_;
-    ap.block_lists = nullptr;
-    const index_t n = index_t(rs.size());
-    for (index_t s0 = 0; s0 < n; s0 += gpu::max_attend_items) {
-      const index_t s1 = std::min<index_t>(n, s0 + gpu::max_attend_items);
+    ap.block_lists = lists;
+    for (index_t s0 = begin; s0 < end; s0 += gpu::max_attend_items) {
+      const index_t s1 = std::min<index_t>(end, s0 + gpu::max_attend_items);
       ap.out_o = split_o_.as<float>();
       ap.out_lse = split_lse_.as<float>();
       ap.num_items = int(s1 - s0);
@@ -306,16 +289,17 @@ class dense_engine {
       fp.hq = hq_;
       fp.num_segments = 0;
       for (index_t s = s0; s < s1; ++s) {
-        const stream_split& sp = rs[std::size_t(s)];
+        const stream_split& sp = splits[std::size_t(s)];
         const int local = int(s - s0);
-        ap.items[local] = {a.resident.block(sp.first_block).data(), sp.num_blocks * a.format.block_tokens,
-                           sp.batch_index, local, 0};
+        ap.items[local] = {region.block(sp.first_block).data(), sp.num_blocks * block_tokens, sp.batch_index, local,
+                           lists != nullptr ? int(sp.list_offset) : 0};
         if (fp.num_segments > 0 && fp.segments[fp.num_segments - 1].batch_index == sp.batch_index)
           fp.segments[fp.num_segments - 1].split_end = local + 1;
         else
           fp.segments[fp.num_segments++] = {sp.batch_index, local, local + 1};
       }
-      attend_streamed(ap, false, dbg, comp);
+      attend_streamed(ap, lists != nullptr, dbg, comp);
+      if (s1 == end) after_last_attend(comp);
       gpu::launch_fold<Layout>(fp, comp);
     }
   }
