@@ -146,7 +146,9 @@ void every_subset_of_partials(const Layout& L, double scale, int cpu_threads) {
       CHECK(d.last_report.window_tokens == ((m & 8) ? 7 : 0));
       const sequence_state& st = rig.cache.sequence(s);
       const std::pair<engine, int> parts[] = {{engine::streamed, 3}, {engine::cpu, 4}, {engine::window, 8}};
-      for (const auto& [e, bits] : parts) {
+      for (const auto& part : parts) {  // no structured binding: INFO captures `e` in a lambda (clang-14)
+        const engine e = part.first;
+        const int bits = part.second;
         bool empty = false;
         const std::vector<float>& po = e == engine::streamed ? dbg.streamed_o : e == engine::cpu ? dbg.cpu_o : dbg.window_o;
         const std::vector<float>& pl =
