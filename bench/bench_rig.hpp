@@ -210,6 +210,7 @@ struct rig_config {
   int d_window = 256;
   index_t first_chunk_bytes = 0;  ///< partition_spec::first_chunk_bytes (0: no ramp)
   int gpu_split_blocks = 4;        ///< partition_spec::gpu_split_blocks (blocks per GPU partial)
+  index_t hbm_capacity_tokens = 0;  ///< partition_spec::hbm_capacity_tokens (per layer; 0: no HBM-resident region)
   std::uint64_t seed = 1;
 };
 
@@ -230,6 +231,7 @@ struct decode_stats {
   index_t cpu_tokens = 0;            ///< per layer-step (median sample)
   index_t streamed_tokens = 0;
   index_t window_tokens = 0;         ///< D-window tokens of the last layer-step
+  index_t resident_tokens = 0;       ///< HBM-resident tokens of the last layer-step
   index_t copies = 0;                ///< H2D copies of the last layer-step
   int layers = 0;
 };
@@ -336,6 +338,7 @@ class rig {
     st.cpu_tokens = index_t(median(ct));
     st.streamed_tokens = index_t(median(gt));
     st.window_tokens = last_.window_tokens;
+    st.resident_tokens = last_.resident_tokens;
     st.copies = last_.copies;
     return st;
   }
@@ -349,11 +352,24 @@ class rig {
     }
     return placed > 0 ? double(cpu) / double(placed) : 0.0;
   }
-  /// Bytes of placed (spilled) KV one layer-step reads (both host regions).
+  /// Bytes of placed KV one layer-step reads out of the D-window: both host
+  /// regions, and the HBM-resident region when there is one.
   [[nodiscard]] double spilled_bytes_per_layer() const {
     index_t placed = 0;
     for (ws::sequence_id id : seqs_) placed += cache_.sequence(id).placed_tokens;
     return double(placed) * double(layout_.token_bytes());
+  }
+  /// Of spilled_bytes_per_layer(), the bytes in the HBM-resident region.
+  [[nodiscard]] double hbm_bytes_per_layer() const {
+    index_t hbm = 0;
+    for (ws::sequence_id id : seqs_) hbm += cache_.sequence(id).hbm_placed_tokens;
+    return double(hbm) * double(layout_.token_bytes());
+  }
+  /// Bytes of the live batch's D-windows one layer-step reads (device memory).
+  [[nodiscard]] double window_bytes_per_layer() const {
+    index_t w = 0;
+    for (ws::sequence_id id : seqs_) w += cache_.sequence(id).window_tokens[0];
+    return double(w) * double(layout_.token_bytes());
   }
   [[nodiscard]] Policy& policy() noexcept { return cache_.policy().inner; }
   [[nodiscard]] std::vector<ws::cost_sample>& samples() noexcept { return *cache_.policy().log; }
@@ -375,6 +391,7 @@ class rig {
     s.pinned_growth_tokens = (slab + c.block_tokens - 1) / c.block_tokens * c.block_tokens;
     s.first_chunk_bytes = c.first_chunk_bytes;
     s.gpu_split_blocks = c.gpu_split_blocks;
+    s.hbm_capacity_tokens = c.hbm_capacity_tokens;
     (void)lay;
     return s;
   }

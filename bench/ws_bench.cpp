@@ -24,6 +24,15 @@
 //   contend   paper Table 3: two caches decoding at once on two threads (each
 //             its own backend, cores and OpenMP team): solo, both frozen at the
 //             solo share, both adaptive (A and B online).
+//   hbm       the HBM-resident tier (partition_spec::hbm_capacity_tokens): a
+//             region of --hbm-gib across the rig's layers, the batch's context
+//             grown from a small one, through the region's capacity, to several
+//             times past it (--hbm-fill), the roofline policy with the HBM cost
+//             H. Each row's bound: max(HBM bytes / the same-run HBM read rate,
+//             host bytes / the same-run concurrent host ceiling); headline
+//             bound / step (while the KV fits: the fraction of the HBM read rate
+//             the step reaches). --hbm-compare adds the same row with the region
+//             disabled.
 //
 // Timing: a decode step is every layer's append + hybrid_attention::step, then
 // flush, then a synchronization of the caller stream; "step_ms" is a decode
@@ -42,6 +51,7 @@
 #include <optional>
 
 #if WS_BENCH_CUDA
+#  include "hbm_ceiling.hpp"
 #  include "monolithic.hpp"
 #endif
 
@@ -51,7 +61,7 @@ using namespace wsb;
 
 constexpr const char* usage_text = R"(ws_bench — writescope attention benchmarks (docs/BENCHMARKS.md)
 
-  --mode LIST           policies,track,ablate,contend (default: all)
+  --mode LIST           policies,track,ablate,contend,hbm (default: the first four)
   --presets LIST        qwen3,mixtral,dsv2 (policies, track; default all three)
   --batch LIST          policies: sequences per step (default 16)
   --lengths LIST        policies: tokens per sequence, multiples of 256 (default 8K,32K)
@@ -66,6 +76,14 @@ constexpr const char* usage_text = R"(ws_bench — writescope attention benchmar
   --ablate-lengths LIST ablate (default 32K,8K)
   --contend-preset P    contend (default qwen3)
   --contend-configs L   contend: BATCHxLENGTH list (default 8x8K,16x16K)
+  --hbm-presets LIST    hbm (default qwen3,dsv2)
+  --hbm-gib G           hbm: HBM-resident region, GiB over all the rig's layers (default 16)
+  --hbm-batch N         hbm: sequences (default 16)
+  --hbm-fill LIST       hbm: the batch's context per layer as a multiple of the region's
+                        capacity (default 0.05,0.25,0.5,0.9,1.1,1.5,2,3,4); a row at
+                        --hbm-small-length tokens per sequence comes first
+  --hbm-small-length N  hbm: tokens per sequence of the first row, the fixed cost (default 512)
+  --hbm-compare         hbm: also time every row with the region disabled
   --contend-kinds K     contend: tenant (a second cache), cpu (a CPU-side neighbour
                         streaming memory on half the tenant's cores), pcie (a
                         neighbour saturating H2D) (default tenant,cpu,pcie)
@@ -102,6 +120,12 @@ struct options {
   std::string contend_preset = "qwen3";
   std::vector<std::pair<int, index_t>> contend_configs{{8, 8192}, {16, 16384}};
   std::vector<std::string> contend_kinds{"tenant", "cpu", "pcie"};
+  std::vector<std::string> hbm_presets{"qwen3", "dsv2"};
+  double hbm_gib = 16;
+  int hbm_batch = 16;
+  std::vector<double> hbm_fill{0.05, 0.25, 0.5, 0.9, 1.1, 1.5, 2, 3, 4};
+  index_t hbm_small_length = 512;
+  bool hbm_compare = false;
   int tenant_threads = std::max(1, (int(std::thread::hardware_concurrency()) - 2) / 2);
   int threads = default_threads();
   int steps = 12;
@@ -143,8 +167,8 @@ options parse(int argc, char** argv) {
     } else if (f == "--mode") {
       o.modes = split_list(a.value());
       for (const auto& m : o.modes)
-        if (m != "policies" && m != "track" && m != "ablate" && m != "contend")
-          throw usage_error("--mode: unknown mode '" + m + "' (policies, track, ablate, contend)");
+        if (m != "policies" && m != "track" && m != "ablate" && m != "contend" && m != "hbm")
+          throw usage_error("--mode: unknown mode '" + m + "' (policies, track, ablate, contend, hbm)");
     } else if (f == "--presets") {
       o.presets = presets_of(a.value());
     } else if (f == "--batch") {
@@ -165,6 +189,22 @@ options parse(int argc, char** argv) {
       o.ablate_batch = parse_list<int>(f, a.value());
     } else if (f == "--ablate-lengths") {
       o.ablate_lengths = parse_list<index_t>(f, a.value());
+    } else if (f == "--hbm-presets") {
+      o.hbm_presets = presets_of(a.value());
+    } else if (f == "--hbm-gib") {
+      o.hbm_gib = parse_number<double>(f, a.value());
+      if (!(o.hbm_gib > 0 && o.hbm_gib < 1e6)) throw usage_error("--hbm-gib must be > 0 (GiB)");
+    } else if (f == "--hbm-batch") {
+      o.hbm_batch = parse_number<int>(f, a.value());
+      if (o.hbm_batch < 1) throw usage_error("--hbm-batch must be >= 1");
+    } else if (f == "--hbm-fill") {
+      o.hbm_fill = parse_list<double>(f, a.value());
+      for (double x : o.hbm_fill)
+        if (!(x > 0 && x <= 64)) throw usage_error("--hbm-fill: " + std::to_string(x) + " is not in (0, 64]");
+    } else if (f == "--hbm-small-length") {
+      o.hbm_small_length = parse_number<index_t>(f, a.value());
+    } else if (f == "--hbm-compare") {
+      o.hbm_compare = true;
     } else if (f == "--contend-kinds") {
       o.contend_kinds = split_list(a.value());
     } else if (f == "--contend-preset") {
@@ -211,6 +251,7 @@ options parse(int argc, char** argv) {
   check_lengths("--lengths", o.lengths);
   check_lengths("--track-lengths", o.track_lengths);
   check_lengths("--ablate-lengths", o.ablate_lengths);
+  check_lengths("--hbm-small-length", {o.hbm_small_length});
   for (const auto& c : o.contend_configs) check_lengths("--contend-configs", {c.second});
   for (const auto& p : o.policies)
     if (p != "gpu_only" && p != "cpu_only" && p != "roofline" && p != "fixed:cal" && p.rfind("fixed:", 0) != 0)
@@ -884,6 +925,114 @@ void run_contend(context& cx) {
   }
 }
 
+// ---------------------------------------------------------------------------
+// hbm (the HBM-resident tier)
+// ---------------------------------------------------------------------------
+
+template <class Preset>
+void run_hbm(context& cx, double hbm_gbps) {
+  const options& o = *cx.opt;
+  const auto lay = Preset::layout();
+  const std::string name(Preset::name);
+  const int batch = o.hbm_batch;
+  const int layers = o.min_layers;
+  const index_t D = 256;
+  const double token_bytes = double(lay.token_bytes());
+  // the region in whole eviction batches of every layer
+  const index_t cap_tokens =
+      index_t(o.hbm_gib * double(index_t{1} << 30) / (token_bytes * double(layers))) / D * D;
+  if (cap_tokens < D) throw usage_error("--hbm-gib " + std::to_string(o.hbm_gib) + " holds no eviction batch of " + name);
+  auto length_of = [&](double fill) {  // tokens per sequence, a multiple of D
+    const double per_seq = fill * double(cap_tokens) / double(batch);
+    return std::max<index_t>(D, index_t(std::llround(per_seq / double(D))) * D);
+  };
+  std::vector<index_t> lengths{o.hbm_small_length};
+  for (double f : o.hbm_fill) lengths.push_back(length_of(f));
+  const index_t max_len = *std::max_element(lengths.begin(), lengths.end());
+  const kv_pool<typename Preset::layout_type> pool(lay, max_len, o.seed + 13);
+  progress(cx.bud, "hbm %s: region %.2f GiB = %lld tokens per layer, %d layers, batch %d", name.c_str(), o.hbm_gib,
+           static_cast<long long>(cap_tokens), layers, batch);
+  // A and B (host tiers) from a short host-only run, H from the fitting rows
+  // (until one ran: the token's bytes at the same-run HBM read rate).
+  const index_t cost_len = std::min(max_len, std::max<index_t>(D, index_t(std::ceil(
+      double(index_t{1} << 30) / token_bytes / double(batch) / double(D))) * D));
+  const cost_estimate costs = costs_for<Preset>(cx, pool, batch, cost_len, o.threads);
+  double hbm_cost = hbm_gbps > 0 ? token_bytes / (hbm_gbps * 1e9) : 1e-12;
+  std::string hbm_cost_source = "token bytes / the same-run HBM read rate";
+  for (index_t L : lengths) {
+    if (cx.skip("hbm " + name + " L " + std::to_string(L))) return;
+    const double fill = double(L) * double(batch) / double(cap_tokens);
+    progress(cx.bud, "hbm %s batch %d L %lld (%.2f of the region): ceilings", name.c_str(), batch,
+             static_cast<long long>(L), fill);
+    const ceiling_result ce = cx.ceil->measure(o.threads);
+    rig_config rc;
+    rc.batch = batch;
+    rc.layers = layers;
+    rc.max_prompt = L;
+    rc.max_decode_steps = o.warmup + o.steps + 64;
+    rc.cpu_threads = o.threads;
+    rc.seed = o.seed * 1000003 + 7;
+    rc.first_chunk_bytes = index_t(o.first_chunk_mib * 1048576.0);
+    json row{{"preset", name}, {"batch", batch}, {"tokens_per_sequence", L}, {"layers", layers},
+             {"region_tokens_per_layer", cap_tokens}, {"region_gib", o.hbm_gib}, {"fill", fill},
+             {"threads", o.threads}, {"ceilings", ce.to_json()}, {"hbm_read_gbps", hbm_gbps},
+             {"costs", costs_json(costs)}, {"H_ns_per_token", hbm_cost * 1e9}, {"H_source", hbm_cost_source}};
+    auto timed = [&](index_t region_tokens, double H) {
+      rig_config c = rc;
+      c.hbm_capacity_tokens = region_tokens;
+      ws::roofline_params p = online_params(costs.params, o.window);
+      p.hbm_cost_per_token_seconds = H;
+      rig<Preset, ws::roofline_policy> r(*cx.be, c, ws::roofline_policy(p), pool);
+      r.admit(L);
+      if (o.warmup > 0) r.decode(o.warmup);
+      const decode_stats s = r.decode(o.steps);
+      json j = stats_json(r, s);
+      const double spilled = r.spilled_bytes_per_layer(), hbm = r.hbm_bytes_per_layer();
+      const double device_bytes = hbm + r.window_bytes_per_layer();
+      const double host = spilled - hbm;
+      const double hbm_ms = hbm_gbps > 0 ? device_bytes / (hbm_gbps * 1e9) * 1e3 : 0.0;
+      const double host_ms = ce.concurrent_gbps() > 0 ? host / (ce.concurrent_gbps() * 1e9) * 1e3 : 0.0;
+      j["resident_tokens"] = s.resident_tokens;
+      j["hbm_mib"] = hbm / 1048576.0;
+      j["host_mib"] = host / 1048576.0;
+      j["device_kv_gbps"] = s.step_ms_median > 0 ? device_bytes / (s.step_ms_median * 1e-3) / 1e9 : 0.0;
+      j["hbm_bound_ms"] = hbm_ms;
+      j["host_bound_ms"] = host_ms;
+      j["bound_ms"] = std::max(hbm_ms, host_ms);
+      j["ratio_to_bound"] = s.step_ms_median > 0 ? std::max(hbm_ms, host_ms) / s.step_ms_median : 0.0;
+      j["roofline"] = policy_state(r.policy(), r.cache().total_placed_tokens());
+      return j;
+    };
+    json hb = timed(cap_tokens, hbm_cost);
+    const double hbm_frac = hb["spilled_mib"].get<double>() > 0
+                                ? hb["hbm_mib"].get<double>() / hb["spilled_mib"].get<double>() : 1.0;
+    if (hbm_frac > 0.999 && hb["resident_tokens"].get<index_t>() > 0 && L >= index_t(8) * D) {
+      // every placed token is resident: H = the step's time per resident token
+      hbm_cost = hb["step_ms"].get<double>() * 1e-3 / double(hb["resident_tokens"].get<index_t>());
+      hbm_cost_source = "measured: step / resident tokens at " + std::to_string(L) + " tokens per sequence";
+    }
+    row["with_hbm"] = hb;
+    std::string compare = "";
+    if (o.hbm_compare) {
+      json off = timed(0, 0.0);
+      row["without_hbm"] = off;
+      row["speedup"] = hb["step_ms"].get<double>() > 0 ? off["step_ms"].get<double>() / hb["step_ms"].get<double>() : 0.0;
+      char buf[64];
+      std::snprintf(buf, sizeof buf, " %9.3f %7.2f", off["step_ms"].get<double>(), row["speedup"].get<double>());
+      compare = buf;
+    }
+    progress(cx.bud, "  %.3f ms/layer, HBM %.0f MiB + host %.0f MiB, bound %.3f ms: %.2f of it", hb["step_ms"].get<double>(),
+             hb["hbm_mib"].get<double>(), hb["host_mib"].get<double>(), hb["bound_ms"].get<double>(),
+             hb["ratio_to_bound"].get<double>());
+    std::printf("%-17s %5d %7lld %5.2f %8.0f %8.0f %9.3f %9.3f %8.1f %6.3f%s\n", name.c_str(), batch,
+                static_cast<long long>(L), fill, hb["hbm_mib"].get<double>(), hb["host_mib"].get<double>(),
+                hb["step_ms"].get<double>(), hb["bound_ms"].get<double>(), hb["device_kv_gbps"].get<double>(),
+                hb["ratio_to_bound"].get<double>(), compare.c_str());
+    std::fflush(stdout);
+    cx.add("hbm", std::move(row));
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -912,14 +1061,25 @@ int main(int argc, char** argv) {
                                  {"warmup", o.warmup},
                                  {"window", o.window},
                                  {"rotation_mib", o.rotation_mib},
-                                 {"calibration", o.calibration}};
+                                 {"calibration", o.calibration},
+                                 {"hbm_presets", o.hbm_presets},
+                                 {"hbm_gib", o.hbm_gib},
+                                 {"hbm_batch", o.hbm_batch},
+                                 {"hbm_fill", o.hbm_fill},
+                                 {"hbm_small_length", o.hbm_small_length},
+                                 {"hbm_compare", o.hbm_compare}};
     cx.out.doc["units"] = json{{"step_ms", "one layer's attention: median decode step (append + step per layer, flush, "
                                            "sync) divided by its layers"},
                                {"kv_gbps", "spilled KV bytes of one layer (both host regions) per step_ms"},
                                {"ceiling_ms", "spilled bytes / (concurrent H2D + concurrent CPU read GB/s), same run"},
                                {"ratio_to_ceiling", "ceiling_ms / step_ms (1 = the physical limit)"},
-                               {"normalized_throughput", "full system step_ms / arm step_ms"}};
-    for (const char* s : {"policies", "track", "ablate", "contend"}) cx.out.doc[s] = json::array();
+                               {"normalized_throughput", "full system step_ms / arm step_ms"},
+                               {"hbm.bound_ms", "max(HBM-resident + D-window bytes / hbm_read_gbps, host bytes / "
+                                                "concurrent_total_gbps), one layer, same run"},
+                               {"hbm.ratio_to_bound", "bound_ms / step_ms (1 = the physical limit)"},
+                               {"hbm.device_kv_gbps", "HBM-resident + D-window bytes of one layer per step_ms"},
+                               {"hbm.speedup", "step_ms with the region disabled / step_ms with it"}};
+    for (const char* s : {"policies", "track", "ablate", "contend", "hbm"}) cx.out.doc[s] = json::array();
     cx.out.write();
 
     backend_t be;
@@ -944,6 +1104,18 @@ int main(int argc, char** argv) {
       for (const auto& p : o.ablate_presets) with_preset(p, [&](auto preset) { run_ablate<decltype(preset)>(cx); });
     if (o.has_mode("contend"))
       with_preset(o.contend_preset, [&](auto preset) { run_contend<decltype(preset)>(cx); });
+    if (o.has_mode("hbm")) {
+#if WS_BENCH_CUDA
+      const double hbm_gbps = hbm_read_gbps(std::size_t{4} << 30, 5);
+#else
+      const double hbm_gbps = 0.0;  // the emulated device has no HBM: bounds are host-only
+#endif
+      cx.out.doc["hbm_read_gbps"] = hbm_gbps;
+      progress(cx.bud, "hbm: device read rate %.1f GB/s (cub::DeviceReduce::Sum over 4 GiB)", hbm_gbps);
+      std::printf("%-17s %5s %7s %5s %8s %8s %9s %9s %8s %6s%s\n", "preset", "batch", "L", "fill", "HBM MiB",
+                  "host MiB", "step ms", "bound ms", "dev GB/s", "ratio", o.hbm_compare ? "    off ms speedup" : "");
+      for (const auto& p : o.hbm_presets) with_preset(p, [&](auto preset) { run_hbm<decltype(preset)>(cx, hbm_gbps); });
+    }
     cx.out.doc["complete"] = cx.complete;
     cx.out.doc["elapsed_seconds"] = cx.bud.elapsed();
     cx.out.write();
