@@ -77,6 +77,7 @@ struct cli {
   double assist_max_fraction = 0.5, eviction_bounce_mib = 32.0;
   std::string launch_thread = "off", grouped_experts = "on";
   int grouped_expert_max_rows = 32, grouped_expert_min_active = 16;
+  std::string device_experts_issue = "before";
   std::string stream_experts = "on", flash_prefill = "on", cudnn_prefill = "on";
   double stream_min_rows = 32.0, expert_staging_mib = 0.0, kv_write_bounce_mib = 512.0;
   std::string batched_prefill_experts = "on";
@@ -502,7 +503,7 @@ int run(cli& a) {
         "--expert-staging-mib", "--flash-prefill",         "--batched-prefill-experts",   "--kv-write-bounce-mib",
         "--cudnn-prefill",    "--no-warmup",               "--router-zipf",               "--expert-placement",
         "--migrate-max-experts", "--migration",          "--prefill-expert-gemm",       "--prefill-expert-groups",
-        "--decode-routing",   "--no-dram-ceiling"};
+        "--decode-routing",   "--no-dram-ceiling",         "--device-experts-issue"};
     for (const char* opt : cuda_only)
       if (a.gave(opt))
         refuse(opt, "acts on the CUDA path only (--device cuda or emulated)",
@@ -694,6 +695,7 @@ int run(cli& a) {
   dopt.grouped_experts = a.grouped_experts == "on";
   dopt.grouped_expert_max_rows = a.grouped_expert_max_rows;
   dopt.grouped_expert_min_active = a.grouped_expert_min_active;
+  dopt.device_experts_during_cpu = a.device_experts_issue == "during";
   dopt.decode_routing = a.decode_routing == "device" ? decode_routing_mode::device
                         : a.decode_routing == "host" ? decode_routing_mode::host
                                                      : decode_routing_mode::automatic;
@@ -815,6 +817,11 @@ int main(int argc, char** argv) {
                  "CUDA path: fewest device experts with rows for the grouped launches (below: per expert; Mixtral's 8 "
                  "wide experts run faster through cuBLAS)")
       ->group(g_dev)->capture_default_str()->check(CLI::Range(0, 4096));
+  app.add_option("--device-experts-issue", a.device_experts_issue,
+                 "CUDA path, decode MoE layers with host experts: before = enqueue the device experts, then run the CPU "
+                 "experts; during = the CPU experts' threads start while this thread enqueues the device experts, then "
+                 "it joins them (same results; refused where no routed expert is in host memory)")
+      ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"before", "during"}));
   app.add_option("--decode-routing", a.decode_routing,
                  "CUDA path: host = each decode MoE layer downloads its routing and the host groups the rows; device = a "
                  "decode layer with no host expert groups them on the device and runs the grouped launches from there "

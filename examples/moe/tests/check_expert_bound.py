@@ -11,6 +11,8 @@ Checks
     bound = bytes / ceiling, outside = span - windows - trips, step bound =
     bound + outside, the two ratios; no part of a step's GPU span negative;
   * the ceiling was measured with the CPU experts' threads (--cpu-threads);
+  * the overlap windows' phases: every one there and >= 0, their GPU window
+    and CPU experts the fields above, the host window the sum of its parts;
   * the bytes against counts made without the decoder's byte counter:
       - every step reads whole experts (a multiple of one host expert's bytes,
         the placement's experts_host_bytes / host experts);
@@ -105,6 +107,27 @@ def main():
             fail(f"step {i}: CPU experts {ps['cpu_expert_seconds'][i]} s outside their overlap windows {win} s")
         if j["step_seconds"][i] + 1e-9 < span:
             fail(f"step {i}: GPU span {span} s > the step's {j['step_seconds'][i]} s")
+
+    # the overlap windows' phases (milliseconds per step, the same steps)
+    if b.get("device_experts_issue") not in ("before", "during"):
+        fail(f"device_experts_issue {b.get('device_experts_issue')!r}")
+    w = b.get("window_phases_ms_per_step")
+    if not isinstance(w, dict):
+        fail("no window_phases_ms_per_step object")
+    for key in ["layers", "stage_issue", "device_issue", "input_wait", "cpu_setup", "cpu_wake", "cpu_experts",
+                "host_window", "output_issue", "gpu_window", "gpu_device_experts", "gpu_output"]:
+        if not isinstance(w.get(key), (int, float)) or w[key] < 0:
+            fail(f"window_phases_ms_per_step.{key} is {w.get(key)!r}")
+    moe_layers = len(j["experts"]["host_per_layer"])
+    if not 1 <= w["layers"] <= moe_layers:
+        fail(f"window_phases_ms_per_step.layers {w['layers']} outside [1, {moe_layers}]")
+    close(w["gpu_window"] * 1e-3, b["overlap_window_seconds_per_step"], "window phases: gpu_window", rel=1e-6)
+    close(w["cpu_experts"] * 1e-3, b["cpu_expert_seconds_per_step"], "window phases: cpu_experts", rel=1e-6)
+    parts = w["input_wait"] + w["cpu_experts"] + (w["device_issue"] if b["device_experts_issue"] == "before" else 0)
+    close(w["host_window"], parts, "window phases: host_window = (device_issue) + input_wait + cpu_experts", rel=1e-6,
+          abs_=1e-6)
+    if w["cpu_setup"] + w["cpu_wake"] > w["cpu_experts"] + 1e-6:
+        fail(f"window phases: cpu setup {w['cpu_setup']} + wake {w['cpu_wake']} > cpu_experts {w['cpu_experts']}")
 
     # the bytes, against counts made without the decoder's byte counter
     ex, dev, pl = j["experts"], j["device"], j["placement"]

@@ -14,10 +14,12 @@
 
 #include <omp.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -302,6 +304,65 @@ TEST_CASE("results are bit-identical for any thread count, on a non-initial thre
       CHECK(same_bits(flat(lc), one));
     }
   });
+}
+
+TEST_CASE("side work: run once on the calling thread inside the region, the results bit-identical, its error rethrown") {
+  layer_case lc({130, 95}, {1, 5, 17, 64}, 23);
+  struct probe {
+    int calls = 0;
+    std::thread::id on;
+    bool inside = false;
+    bool fail = false;
+  };
+  auto fn = [](void* ctx) {
+    auto* pr = static_cast<probe*>(ctx);
+    ++pr->calls;
+    pr->on = std::this_thread::get_id();
+    pr->inside = omp_in_parallel() != 0;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));  // the others start without thread 0
+    if (pr->fail) throw std::runtime_error("side work failed");
+  };
+  for_each_isa([&](auto isa) {
+    using Isa = decltype(isa);
+    for (expert_precision p : {expert_precision::bf16_inputs, expert_precision::fp32}) {
+      CAPTURE(Isa::name);
+      check_layer<Isa>(lc, p, 1);
+      const std::vector<float> one = flat(lc);
+      for (int th : {1, 2, many_threads()}) {
+        CAPTURE(th);
+        probe pr;
+        cpux::side_work side{fn, &pr};
+        cpux::run_stats st;
+        lc.poison();
+        auto ts = lc.tasks();
+        cpux::run_experts<Isa>(ts, lc.shape, p, th, &side, &st);
+        CHECK(same_bits(flat(lc), one));
+        CHECK(pr.calls == 1);
+        CHECK(pr.on == std::this_thread::get_id());
+        CHECK(pr.inside == (th > 1));
+        CHECK(st.side_seconds >= 0.002);
+        CHECK(st.total_seconds >= st.side_seconds);
+        CHECK(st.setup_seconds >= 0.0);
+        CHECK(st.wake_seconds >= 0.0);
+      }
+      probe bad;
+      bad.fail = true;
+      cpux::side_work side{fn, &bad};
+      lc.poison();
+      auto ts = lc.tasks();
+      CHECK_THROWS_WITH_AS(cpux::run_experts<Isa>(ts, lc.shape, p, many_threads(), &side), "side work failed",
+                           std::runtime_error);
+      CHECK(bad.calls == 1);
+      CHECK(same_bits(flat(lc), one));  // the experts ran all the same
+    }
+  });
+  // No task with rows: the side work still runs, once, outside any region.
+  probe pr;
+  cpux::side_work side{fn, &pr};
+  std::vector<expert_task> none;
+  cpux::run_experts(none, lc.shape, expert_precision::bf16_inputs, many_threads(), &side);
+  CHECK(pr.calls == 1);
+  CHECK(!pr.inside);
 }
 
 TEST_CASE("in place: y may be the task's own x") {

@@ -18,15 +18,18 @@
 # "4 16 32"), LAYERS (default 48), BUDGET_GIB (default 29.8), PROMPT_LEN (default
 # 2000), NEW_TOKENS (default 16: 15 decode steps, the means over the last 14),
 # RUN_CAP seconds per run (default 150), TOTAL_BUDGET seconds for everything
-# (default 420), EXTRA (more ws_decode arguments for every run), BUILD_ONLY=1 (build
+# (default 420), EXTRA (more ws_decode arguments for every run), ARMS (one arm a line,
+# "label [ws_decode arguments...]": every batch runs once per arm, named
+# qwen3.full.b<batch>.<label>; default one unnamed arm), BUILD_ONLY=1 (build
 # ws_decode, print its path and stop: device-paper-e2e.sh builds through this).
 # Time (estimated from the full-depth runs of docs/results/h200-2026-12-02-s13:
 # random-weight init of the 61 GB model 33 s): build ~2 min; per run ~35 s of setup
 # (weights, the ~1 s ceiling), prefill 1-6 s, 15 steps of 0.1-0.7 s, teardown ~5 s:
 # ~45-60 s; the default set ~5 minutes.
 # Output ($OUT): build.log, decode.{json,log,txt} (device-decode.sh's), budget_decode.txt
-# (the table below, also printed) and budget_decode.json (per run: batch, rc, the
-# summary's cpu_expert_bound object, decode tok/s, the NVML peak and the budget).
+# (the tables below, also printed: the bound, then the overlap windows' phases) and
+# budget_decode.json (per run: batch, rc, the summary's cpu_expert_bound object, decode
+# tok/s, the NVML peak and the budget).
 set -uo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
@@ -75,7 +78,14 @@ fi
 
 spec=""
 for b in $BATCHES; do
-  spec+="qwen3.full.b$b qwen3 $LAYERS $b --vram-budget $BUDGET_GIB $EXTRA"$'\n'
+  if [ -z "${ARMS:-}" ]; then
+    spec+="qwen3.full.b$b qwen3 $LAYERS $b --vram-budget $BUDGET_GIB $EXTRA"$'\n'
+  else
+    while read -r label args; do
+      [ -n "${label:-}" ] || continue
+      spec+="qwen3.full.b$b.$label qwen3 $LAYERS $b --vram-budget $BUDGET_GIB $EXTRA ${args:-}"$'\n'
+    done <<<"$ARMS"
+  fi
 done
 left=$(( TOTAL_BUDGET - ($(date +%s) - t_start) ))
 SPEC="$spec" BUDGET=$left "$root/examples/moe/tools/device-decode.sh" >/dev/null
@@ -86,7 +96,7 @@ runs = json.load(open(sys.argv[1]))
 rows = []
 def f(v, fmt):
     return format(v, fmt) if isinstance(v, (int, float)) else "-"
-print(f"{'batch':>5} {'rc':>3} {'host exp':>8} {'GB/step':>8} {'ceil GB/s':>9} {'CPU exp ms':>10} {'bound ms':>8} "
+print(f"{'run':<22} {'batch':>5} {'rc':>3} {'host exp':>8} {'GB/step':>8} {'ceil GB/s':>9} {'CPU exp ms':>10} {'bound ms':>8} "
       f"{'CPU x':>6} {'step ms':>8} {'step bd ms':>10} {'step x':>6} {'outside ms':>10} {'trips ms':>8} "
       f"{'tok/s':>7} {'NVML GiB':>8} {'budget':>7}")
 for r in runs:
@@ -104,11 +114,11 @@ for r in runs:
            "error": s.get("error") or (r.get("note") if r["rc"] != "0" else None)}
     rows.append(row)
     if not s or s.get("error"):
-        print(f"{batch!s:>5} {r['rc']:>3} {str(row['error'])[:110]}")
+        print(f"{r['name']:<22} {batch!s:>5} {r['rc']:>3} {str(row['error'])[:110]}")
         continue
     ms = lambda k: b.get(k) * 1e3 if isinstance(b.get(k), (int, float)) else None
     gb = b.get("host_read_bytes_per_step")
-    print(f"{batch!s:>5} {r['rc']:>3} {f(ex.get('host'), 'd'):>8} {f(gb / 1e9 if gb is not None else None, '.2f'):>8} "
+    print(f"{r['name']:<22} {batch!s:>5} {r['rc']:>3} {f(ex.get('host'), 'd'):>8} {f(gb / 1e9 if gb is not None else None, '.2f'):>8} "
           f"{f(b.get('dram_read_gbps'), '.1f'):>9} {f(ms('cpu_expert_seconds_per_step'), '.1f'):>10} "
           f"{f(ms('cpu_bound_seconds_per_step'), '.1f'):>8} {f(b.get('cpu_ratio'), '.2f'):>6} "
           f"{f(ms('step_seconds_per_step'), '.1f'):>8} {f(ms('step_bound_seconds_per_step'), '.1f'):>10} "
@@ -119,6 +129,22 @@ json.dump(rows, open(sys.argv[2], "w"), indent=1)
 print("means over the decode steps after the first; CPU x = CPU expert ms / bound ms (bound = GB/step / ceiling);")
 print("step x = step ms / (bound + outside), outside = the GPU timeline outside the CPU experts' overlap windows and")
 print("the routing round trips (trips: shown, not in the bound); NVML GiB = this process's device memory peak")
+print()
+cols = [("layers", "layers", "d"), ("GPU win", "gpu_window", ".1f"), ("GPU dev", "gpu_device_experts", ".1f"),
+        ("host win", "host_window", ".1f"), ("dev issue", "device_issue", ".1f"), ("in wait", "input_wait", ".1f"),
+        ("CPU exp", "cpu_experts", ".1f"), ("setup", "cpu_setup", ".2f"), ("wake", "cpu_wake", ".2f"),
+        ("in D2H iss", "stage_issue", ".2f"), ("out iss", "output_issue", ".2f"), ("GPU out", "gpu_output", ".2f")]
+print(f"{'run':<22} {'issue':>6} {'per-exp':>7} " + " ".join(f"{c[0]:>10}" for c in cols))
+for r, row in zip(runs, rows):
+    s = r.get("summary") or {}
+    b = s.get("cpu_expert_bound") or {}
+    w = b.get("window_phases_ms_per_step") or {}
+    ex = s.get("experts") or {}
+    print(f"{r['name']:<22} {str(b.get('device_experts_issue', '-')):>6} {f(ex.get('per_expert_passes'), 'd'):>7} " +
+          " ".join(f"{f(w.get(c[1]), c[2]):>10}" for c in cols))
+print("overlap windows' phases, ms per step (docs/DECODER-INTERNALS.md, \"The overlap window's phases\"): GPU win =")
+print("the windows on the GPU timeline, GPU dev = their start to the device experts done; host win = dev issue")
+print("(before) + in wait + CPU exp (setup and wake inside it); per-exp = MoE passes with one cuBLAS product per expert")
 PY
 cat "$OUT/budget_decode.txt"
 echo "device-budget-decode: $(( $(date +%s) - t_start )) s"

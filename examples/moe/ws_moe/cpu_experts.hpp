@@ -72,7 +72,9 @@
 // Threads: run_experts uses `#pragma omp parallel` from the calling thread
 // (any thread; OpenMP's initial thread is not required). Called inside an
 // active parallel region with nested parallelism off it runs on a team of one
-// (correct, serial). Memory spaces: weights, X and Y are host memory, pageable
+// (correct, serial). With a side_work, the calling thread does that work first
+// while the rest of the team starts on the experts, then joins them (the
+// results are the same bits either way). Memory spaces: weights, X and Y are host memory, pageable
 // or page-locked; no stream semantics (blocking, returns when Y is written).
 // The workspace is thread_local to the calling thread and only grows
 // (release_thread_workspace() frees it): a steady state of equal or smaller
@@ -99,11 +101,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <new>
 #include <span>
@@ -175,6 +179,27 @@ struct expert_shape {
 enum class expert_precision {
   bf16_inputs,  ///< X and the SiLU product rounded to bf16 (round-to-nearest-even) before their products, fp32 accumulation: what the GPU's bf16 path computes
   fp32          ///< bf16 weights widened exactly, fp32 X and fp32 products/accumulation: the fp32 reference precision
+};
+
+/// Work that the calling thread (the team's thread 0) does inside run_experts'
+/// parallel region before it takes its share of the experts, while the other
+/// threads start on them: e.g. issuing the GPU's part of the layer, so that
+/// the host time of that issue overlaps the CPU experts instead of preceding
+/// them. fn(ctx) runs exactly once per call (also when no task has rows, then
+/// outside any region); an exception it throws is rethrown by run_experts
+/// after the experts are done. It must not write any task's x or y.
+struct side_work {
+  void (*fn)(void*) = nullptr;
+  void* ctx = nullptr;
+};
+
+/// Host seconds of one run_experts call (optional output; steady_clock, a
+/// clock reading per team thread):
+struct run_stats {
+  double setup_seconds = 0.0;  ///< entry to the parallel region (validation, work items, workspace)
+  double wake_seconds = 0.0;   ///< the region's start (thread 0) to the last team thread inside it
+  double side_seconds = 0.0;   ///< side_work::fn (0 without one)
+  double total_seconds = 0.0;  ///< the whole call
 };
 
 /// Instruction-set tags: the compile-time choice of run_experts<Isa>.
@@ -556,8 +581,22 @@ inline int team_size(int threads) {
 #endif
 }
 
+inline std::int64_t steady_ns() noexcept {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+inline void spin_pause() noexcept {
+#if WS_MOE_CPUX_X86
+  __builtin_ia32_pause();
+#endif
+}
+
 inline void run_with(const kernel_set& k, std::span<const expert_task> tasks, expert_shape shape,
-                     expert_precision prec, int threads) {
+                     expert_precision prec, int threads, const side_work* side = nullptr,
+                     run_stats* stats = nullptr) {
+  const std::int64_t t_entry = stats != nullptr ? steady_ns() : 0;
+  const bool has_side = side != nullptr && side->fn != nullptr;
   validate(tasks, shape, threads);
   const int nt = team_size(threads);
   workspace& ws = thread_workspace();
@@ -588,7 +627,15 @@ inline void run_with(const kernel_set& k, std::span<const expert_task> tasks, ex
       bytes = (bytes + 63) / 64 * 64;
     }
   }
-  if (ws.order.empty()) return;
+  if (ws.order.empty()) {
+    if (has_side) {
+      const std::int64_t t0 = stats != nullptr ? steady_ns() : 0;
+      side->fn(side->ctx);
+      if (stats != nullptr) stats->side_seconds = double(steady_ns() - t0) * 1e-9;
+    }
+    if (stats != nullptr) stats->total_seconds = double(steady_ns() - t_entry) * 1e-9;
+    return;
+  }
   const std::size_t scratch_per_thread = (k.scratch_bytes(batch_block_rows, max_panel_rows) + 63) / 64 * 64;
   const std::size_t scratch_off = bytes;
   bytes += scratch_per_thread * std::size_t(nt);
@@ -620,6 +667,13 @@ inline void run_with(const kernel_set& k, std::span<const expert_task> tasks, ex
   const work_item* dn = ws.down_items.data();
   const std::int64_t npk = std::int64_t(ws.pack_items.size()), ngu = std::int64_t(ws.gate_up_items.size()),
                      ndn = std::int64_t(ws.down_items.size());
+  // With side work, thread 0 does it first; the packing is then dynamic and
+  // followed by a count of packed items instead of a barrier, so that the
+  // others go on to the products without thread 0. Every item computes the
+  // same values whichever thread takes it: the results do not change.
+  std::atomic<std::int64_t> packed{0}, last_in{0};
+  std::int64_t t_region = 0, t_side0 = 0, t_side1 = 0;
+  std::exception_ptr side_error;
 #if defined(_OPENMP)
 #  pragma omp parallel num_threads(nt)
 #endif
@@ -629,11 +683,38 @@ inline void run_with(const kernel_set& k, std::span<const expert_task> tasks, ex
 #else
     const std::size_t me = 0;
 #endif
+    if (stats != nullptr) {
+      const std::int64_t now = steady_ns();
+      if (me == 0) t_region = now;
+      std::int64_t seen = last_in.load(std::memory_order_relaxed);
+      while (now > seen && !last_in.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
+      }
+    }
     void* scratch = base + scratch_off + me * scratch_per_thread;
+    if (has_side) {
+      if (me == 0) {
+        t_side0 = stats != nullptr ? steady_ns() : 0;
+        try {
+          side->fn(side->ctx);
+        } catch (...) {
+          side_error = std::current_exception();
+        }
+        t_side1 = stats != nullptr ? steady_ns() : 0;
+      }
+#if defined(_OPENMP)
+#  pragma omp for schedule(dynamic, 1) nowait
+#endif
+      for (std::int64_t i = 0; i < npk; ++i) {
+        k.pack(tc[pk[i].task], s, pk[i].m0, pk[i].m1);
+        packed.fetch_add(1, std::memory_order_release);
+      }
+      while (packed.load(std::memory_order_acquire) < npk) spin_pause();
+    } else {
 #if defined(_OPENMP)
 #  pragma omp for schedule(static)
 #endif
-    for (std::int64_t i = 0; i < npk; ++i) k.pack(tc[pk[i].task], s, pk[i].m0, pk[i].m1);
+      for (std::int64_t i = 0; i < npk; ++i) k.pack(tc[pk[i].task], s, pk[i].m0, pk[i].m1);
+    }
 #if defined(_OPENMP)
 #  pragma omp for schedule(dynamic, 1)
 #endif
@@ -643,6 +724,13 @@ inline void run_with(const kernel_set& k, std::span<const expert_task> tasks, ex
 #endif
     for (std::int64_t i = 0; i < ndn; ++i) k.down(tc[dn[i].task], s, dn[i], scratch);
   }
+  if (stats != nullptr) {
+    stats->setup_seconds = double(t_region - t_entry) * 1e-9;
+    stats->wake_seconds = double(last_in.load(std::memory_order_relaxed) - t_region) * 1e-9;
+    stats->side_seconds = has_side ? double(t_side1 - t_side0) * 1e-9 : 0.0;
+    stats->total_seconds = double(steady_ns() - t_entry) * 1e-9;
+  }
+  if (side_error) std::rethrow_exception(side_error);
 }
 
 }  // namespace detail
@@ -680,12 +768,15 @@ inline void release_thread_workspace() noexcept {
 /// thread's OpenMP team of `threads` threads (0 = omp_get_max_threads()); see the file
 /// comment for the algorithm, threads, memory and errors. Also throws config_error when
 /// this CPU cannot run `Isa` (isa_supported<Isa>()).
+/// With `side` (may be null): its work on the calling thread inside the region (side_work);
+/// with `stats` (may be null): the call's host seconds (run_stats).
 template <class Isa>
-inline void run_experts(std::span<const expert_task> tasks, expert_shape shape, expert_precision prec, int threads) {
+inline void run_experts(std::span<const expert_task> tasks, expert_shape shape, expert_precision prec, int threads,
+                        const side_work* side = nullptr, run_stats* stats = nullptr) {
   if (!isa_supported<Isa>())
     throw writescope::config_error(std::string("ws_moe::cpu::run_experts: this CPU does not support the ") +
                                    std::string(Isa::name) + " kernels (best here: " + std::string(isa_name(detail::probe_isa())) + ")");
-  detail::run_with(detail::kernels_for<Isa>(prec), tasks, shape, prec, threads);
+  detail::run_with(detail::kernels_for<Isa>(prec), tasks, shape, prec, threads, side, stats);
 }
 
 /// Runs a MoE layer's host experts (all tasks) on the calling thread's OpenMP team of `threads`
@@ -694,12 +785,14 @@ inline void run_experts(std::span<const expert_task> tasks, expert_shape shape, 
 /// serialise the layer. Thread-safe for distinct outputs; blocking; no allocation in steady
 /// state (thread_local workspace). Throws writescope::config_error for bad shapes (hidden or
 /// inter <= 0, null pointers with rows > 0, negative rows, negative threads), naming the value.
-inline void run_experts(std::span<const expert_task> tasks, expert_shape shape, expert_precision prec, int threads) {
+/// `side` and `stats` (may be null): as for run_experts<Isa>.
+inline void run_experts(std::span<const expert_task> tasks, expert_shape shape, expert_precision prec, int threads,
+                        const side_work* side = nullptr, run_stats* stats = nullptr) {
   switch (best_isa()) {
-    case isa_kind::avx512bf16: return run_experts<isa::avx512bf16>(tasks, shape, prec, threads);
-    case isa_kind::avx512: return run_experts<isa::avx512>(tasks, shape, prec, threads);
-    case isa_kind::avx2: return run_experts<isa::avx2>(tasks, shape, prec, threads);
-    default: return run_experts<isa::scalar>(tasks, shape, prec, threads);
+    case isa_kind::avx512bf16: return run_experts<isa::avx512bf16>(tasks, shape, prec, threads, side, stats);
+    case isa_kind::avx512: return run_experts<isa::avx512>(tasks, shape, prec, threads, side, stats);
+    case isa_kind::avx2: return run_experts<isa::avx2>(tasks, shape, prec, threads, side, stats);
+    default: return run_experts<isa::scalar>(tasks, shape, prec, threads, side, stats);
   }
 }
 

@@ -167,6 +167,9 @@ struct device_report {
   index_t grouped_moe_passes = 0;    ///< MoE layer passes through the grouped kernels
   index_t device_routed_moe_passes = 0;  ///< decode MoE passes grouped on the device (--decode-routing device)
   index_t per_expert_moe_passes = 0; ///< MoE layer passes with one cuBLAS product per expert
+  /// Decode MoE layers with host experts: the device experts enqueued "before"
+  /// the CPU experts or "during" them (--device-experts-issue).
+  std::string device_experts_issue = "before";
   index_t batched_moe_passes = 0;    ///< prefill MoE layer passes through the batched GEMMs
   std::string prefill_expert_gemm;   ///< how those GEMMs were issued: "batched" or "grouped"
   std::string prefill_expert_groups; ///< "batched": the groups by "ladder" size or "fitted" to the loads
@@ -230,6 +233,26 @@ struct device_report {
   prefill_host_seconds prefill_host;
 };
 
+/// A decode step's CPU-expert overlap windows taken apart (CUDA path with host
+/// experts; docs/DECODER-INTERNALS.md, "The overlap window's phases"): seconds
+/// summed over the step's MoE layers with host rows. Host parts: steady_clock
+/// on the thread that drives the GPU (and cpu::run_stats of the CPU experts'
+/// call); GPU parts: events on the compute stream.
+struct window_phases {
+  int layers = 0;             ///< MoE layers with host rows
+  double stage_issue = 0.0;   ///< host: enqueue the inputs' D2H copies (just before the window)
+  double device_issue = 0.0;  ///< host: enqueue the device and shared experts (inside the CPU experts with --device-experts-issue during)
+  double input_wait = 0.0;    ///< host: wait for the inputs' copies (cuda_exec::wait_recorded)
+  double cpu_setup = 0.0;     ///< host, of cpu_experts: cpu::run_experts' work items, up to its parallel region
+  double cpu_wake = 0.0;      ///< host, of cpu_experts: the region's start to the last team thread in it
+  double cpu_experts = 0.0;   ///< host: the CPU experts' call (= step_cpu_expert_seconds)
+  double host_window = 0.0;   ///< host: the inputs' copies enqueued to the CPU experts done
+  double output_issue = 0.0;  ///< host: enqueue the outputs' H2D copies and the combine (after the window)
+  double gpu_window = 0.0;          ///< GPU: the overlap windows (= step_overlap_window_seconds)
+  double gpu_device_experts = 0.0;  ///< GPU: window start to the device and shared experts done
+  double gpu_output = 0.0;          ///< GPU: window end to the combine done (outputs' H2D, combine)
+};
+
 struct generation_result {
   std::string backend = "host backend (emulated GPU)";
   device_report device;
@@ -268,6 +291,8 @@ struct generation_result {
   std::vector<index_t> step_host_expert_bytes;
   std::vector<double> step_cpu_expert_seconds, step_gpu_span_seconds, step_overlap_window_seconds,
       step_routing_trip_seconds;
+  /// Per decode step, same condition: the overlap windows' phases (window_phases).
+  std::vector<window_phases> step_window_phases;
   /// Per decode step, for the whole process (getrusage): minor page faults
   /// and involuntary context switches (a step's outlier on the host shows here).
   std::vector<long> step_minor_faults, step_involuntary_switches;

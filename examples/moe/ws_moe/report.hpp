@@ -176,6 +176,8 @@ struct expert_bound {
   double host_read_bytes = 0.0, dram_read_gbps = 0.0, cpu_bound_seconds = 0.0, cpu_expert_seconds = 0.0;
   double gpu_span_seconds = 0.0, overlap_window_seconds = 0.0, routing_trip_seconds = 0.0, gpu_outside_seconds = 0.0;
   double step_seconds = 0.0, step_bound_seconds = 0.0, cpu_ratio = 0.0, step_ratio = 0.0;
+  bool phases_present = false;  ///< the per-step window phases exist
+  window_phases phases;         ///< their means over the same steps (layers: the mean, rounded)
   [[nodiscard]] int steps() const noexcept { return int(last - first); }
 };
 
@@ -198,6 +200,27 @@ inline expert_bound expert_bound_of(const generation_result& r) {
     b.step_seconds += r.step_seconds[i] / k;
   }
   b.gpu_outside_seconds = std::max(0.0, b.gpu_span_seconds - b.overlap_window_seconds - b.routing_trip_seconds);
+  if (r.step_window_phases.size() == n) {
+    b.phases_present = true;
+    window_phases& m = b.phases;
+    double layers = 0.0;
+    for (std::size_t i = b.first; i < b.last; ++i) {
+      const window_phases& w = r.step_window_phases[i];
+      layers += double(w.layers) / k;
+      m.stage_issue += w.stage_issue / k;
+      m.device_issue += w.device_issue / k;
+      m.input_wait += w.input_wait / k;
+      m.cpu_setup += w.cpu_setup / k;
+      m.cpu_wake += w.cpu_wake / k;
+      m.cpu_experts += w.cpu_experts / k;
+      m.host_window += w.host_window / k;
+      m.output_issue += w.output_issue / k;
+      m.gpu_window += w.gpu_window / k;
+      m.gpu_device_experts += w.gpu_device_experts / k;
+      m.gpu_output += w.gpu_output / k;
+    }
+    m.layers = int(std::lround(layers));
+  }
   b.dram_read_gbps = r.device.dram_read_gbps;
   if (b.dram_read_gbps > 0) {
     b.cpu_bound_seconds = b.host_read_bytes / (b.dram_read_gbps * 1e9);
@@ -237,6 +260,17 @@ inline void print_device(std::FILE* f, const generation_result& r) {
                  b.first + 1, b.last, b.gpu_outside_seconds * 1e3, b.gpu_span_seconds * 1e3,
                  b.overlap_window_seconds * 1e3, b.routing_trip_seconds * 1e3, d.dram_threads,
                  human_bytes(d.dram_buffer_bytes).c_str(), d.dram_passes, d.dram_seconds);
+    if (b.phases_present) {
+      const window_phases& w = b.phases;
+      std::fprintf(f, "           overlap windows, ms/step over %d layers (device experts enqueued %s the CPU experts): "
+                      "GPU window %.3f (device experts done at %.3f), host window %.3f = device issue %.3f%s + input "
+                      "wait %.3f + CPU experts %.3f (setup %.3f, team wake %.3f); outside: input D2H issue %.3f, output "
+                      "issue %.3f, GPU output H2D + combine %.3f\n",
+                   w.layers, d.device_experts_issue.c_str(), w.gpu_window * 1e3, w.gpu_device_experts * 1e3,
+                   w.host_window * 1e3, w.device_issue * 1e3, d.device_experts_issue == "during" ? " (inside)" : "",
+                   w.input_wait * 1e3, w.cpu_experts * 1e3, w.cpu_setup * 1e3, w.cpu_wake * 1e3,
+                   w.stage_issue * 1e3, w.output_issue * 1e3, w.gpu_output * 1e3);
+    }
   }
   std::string groups;
   if (d.batched_moe_passes > 0 && d.prefill_expert_gemm == "batched")
@@ -485,6 +519,25 @@ inline void print_summary(std::FILE* f, const model_config& c, const generation_
   }
 }
 
+/// The overlap windows' phases of expert_bound (milliseconds per step, means
+/// over its steps; window_phases says what each is), or null without them.
+inline nlohmann::json window_phases_json(const expert_bound& b) {
+  if (!b.phases_present) return nullptr;
+  const window_phases& w = b.phases;
+  return {{"layers", w.layers},
+          {"stage_issue", w.stage_issue * 1e3},
+          {"device_issue", w.device_issue * 1e3},
+          {"input_wait", w.input_wait * 1e3},
+          {"cpu_setup", w.cpu_setup * 1e3},
+          {"cpu_wake", w.cpu_wake * 1e3},
+          {"cpu_experts", w.cpu_experts * 1e3},
+          {"host_window", w.host_window * 1e3},
+          {"output_issue", w.output_issue * 1e3},
+          {"gpu_window", w.gpu_window * 1e3},
+          {"gpu_device_experts", w.gpu_device_experts * 1e3},
+          {"gpu_output", w.gpu_output * 1e3}};
+}
+
 inline nlohmann::json summary_json(const model_config& c, const generation_result& r, double load_seconds,
                                    const roofline_origin* costs = nullptr) {
   const summary_numbers s = summarize(r);
@@ -668,6 +721,8 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
           {"step_seconds_per_step", num(b.present, b.step_seconds)},
           {"step_bound_seconds_per_step", num(bounded, b.step_bound_seconds)},
           {"step_ratio", num(bounded, b.step_ratio)},
+          {"device_experts_issue", d.device_experts_issue},
+          {"window_phases_ms_per_step", window_phases_json(b)},
           {"per_step", {{"host_read_bytes", r.step_host_expert_bytes},
                         {"cpu_expert_seconds", r.step_cpu_expert_seconds},
                         {"gpu_span_seconds", r.step_gpu_span_seconds},

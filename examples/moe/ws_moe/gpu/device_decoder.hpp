@@ -110,6 +110,15 @@ struct device_options {
   bool grouped_experts = true;
   int grouped_expert_max_rows = 32;
   int grouped_expert_min_active = 16;
+  /// Decode MoE layers with bf16 host experts: false = the host enqueues the
+  /// device (and shared) experts, then waits for the CPU experts' inputs and
+  /// runs them; true = it waits for the inputs first, then the CPU experts'
+  /// team starts on them while its thread 0 (this thread) enqueues the device
+  /// experts and then joins the team (cpu::side_work), so that the host time
+  /// of that enqueue (one cuBLAS product per expert and matrix below
+  /// grouped_expert_min_active) overlaps the CPU experts. The same results
+  /// either way; refused at setup where no routed expert is on the host.
+  bool device_experts_during_cpu = false;
   /// Decode MoE layers without host experts group their routed rows on the
   /// device (the prefill's sort, bounds and scatter kernels) and run the
   /// grouped kernels from those device-side offsets: no routing download, no
@@ -452,6 +461,7 @@ class device_decoder {
         x_.reset_marks();
         trip_marks_.clear();
         window_marks_.clear();
+        step_phases_ = {};
         span0 = x_.mark();
         step_marking_ = true;
       }
@@ -484,7 +494,13 @@ class device_decoder {
         x_.sync();
         double trips = 0.0, windows = 0.0;
         for (const auto& m : trip_marks_) trips += x_.seconds_between(m[0], m[1]);
-        for (const auto& m : window_marks_) windows += x_.seconds_between(m[0], m[1]);
+        for (const auto& m : window_marks_) {
+          windows += x_.seconds_between(m[0], m[2]);
+          step_phases_.gpu_device_experts += x_.seconds_between(m[0], m[1]);
+          step_phases_.gpu_output += x_.seconds_between(m[2], m[3]);
+        }
+        step_phases_.gpu_window = windows;
+        res.step_window_phases.push_back(step_phases_);
         res.step_gpu_span_seconds.push_back(x_.seconds_between(span0, span1));
         res.step_routing_trip_seconds.push_back(trips);
         res.step_overlap_window_seconds.push_back(windows);
@@ -512,6 +528,7 @@ class device_decoder {
     res.device.prefill_expert_gemm = d_.grouped_prefill_gemm ? "grouped" : "batched";
     res.device.prefill_expert_groups = d_.fitted_expert_groups ? "fitted" : "ladder";
     res.device.per_expert_moe_passes = per_expert_passes_;
+    res.device.device_experts_issue = d_.device_experts_during_cpu ? "during" : "before";
     res.device.batched_moe_passes = batched_passes_;
     res.device.batched_groups = batched_groups_;
     res.device.streamed_batched_passes = stream_batched_passes_;
@@ -1869,6 +1886,10 @@ class device_decoder {
           host_rows += m;
         }
       }
+    // A decode step's window phases (window_phases; host clock, and marks on the GPU timeline).
+    const bool phases = step_marking_ && decode && host_rows > 0;
+    using clk = std::chrono::steady_clock;
+    const clk::time_point t_stage = phases ? clk::now() : clk::time_point{};
     if (host_rows > 0) {
       ensure_staging(host_rows * H);
       for (const host_run& hr : host_runs_)
@@ -1877,80 +1898,120 @@ class device_decoder {
     }
     // a decode step's overlap window: from the CPU experts' inputs on the host
     // to their end, the GPU running the device and shared experts meanwhile
-    const int window0 = step_marking_ && decode && host_rows > 0 ? x_.mark() : -1;
-    // ... while the GPU runs its experts ...
-    index_t most = 0;
-    int active = 0;  // device experts with rows (host-grouped passes)
-    if (!device_routed_)
-      for (int e = 0; e < E; ++e) {
-        const index_t m = rows_[std::size_t(e)];
-        most = std::max(most, m);
-        active += m > 0 && !L.on_host[std::size_t(e)] ? 1 : 0;
-      }
-    if (device_routed_ || (decode && grouped_ok_ && nk <= grouped_rows_cap_ && most <= d_.grouped_expert_max_rows &&
-                           active >= d_.grouped_expert_min_active)) {
-      // y [rows][out] = x [rows][in] · W_eᵀ per expert (with `up`: silu(x·W_eᵀ) * (x·U_eᵀ))
-      auto products = [&](const void* const* w, const void* const* up, index_t out, index_t in, const float* x, float* y) {
-        gpu::expert_gemv_params gp;
-        gp.w = w;
-        gp.up = up;
-        gp.offsets = offsets;
-        gp.experts = E;
-        gp.out = int(out);
-        gp.in = int(in);
-        gp.x = x;
-        gp.x_stride = in;
-        gp.y = y;
-        gp.y_stride = out;
-        gp.round_x = prec_ == wtype::bf16 ? 1 : 0;
-        if (device_routed_) {  // a block row per routed pair, not per expert: at batch 1, 8 of 128
-          gp.block_experts = sort_keys_;
-          gp.blocks = int(nk);
+    const int window0 = phases ? x_.mark() : -1;
+    int window_dev = -1;  // the device (and shared) experts done on the GPU
+    const clk::time_point t_window = phases ? clk::now() : clk::time_point{};
+    // ... while the GPU runs its experts (enqueued by issue_device) ...
+    auto issue_device = [&] {
+      index_t most = 0;
+      int active = 0;  // device experts with rows (host-grouped passes)
+      if (!device_routed_)
+        for (int e = 0; e < E; ++e) {
+          const index_t m = rows_[std::size_t(e)];
+          most = std::max(most, m);
+          active += m > 0 && !L.on_host[std::size_t(e)] ? 1 : 0;
         }
-        x_.expert_gemv(gp);
-      };
-      const index_t I = c_.moe_intermediate_size;
-      products(L.expert_tables, L.expert_tables + E, I, H, xg_, eg_);  // gate‖up with SiLU
-      products(L.expert_tables + 2 * E, nullptr, H, I, eg_, yg_);      // down
-      ++grouped_passes_;
-    } else if (batched) {
-      const auto t_gemms = std::chrono::steady_clock::now();
-      const index_t s0 = stream_batched_ ? layer_first_item_[std::size_t(l)] : 0;
-      const index_t s1 = stream_batched_ ? layer_first_item_[std::size_t(l) + 1] : 0;
-      for (index_t i = s0; i < s1; ++i) x_.ring_acquire(int(i % staging_slots_));  // the layer's copies landed
-      run_batched_experts(tables, np);
-      for (index_t i = s0; i < s1; ++i) {  // its slots free: the next copies go into them
-        x_.ring_release(int(i % staging_slots_));
-        if (next_copy_ < index_t(stream_items_.size())) enqueue_stream_copy();
+      if (device_routed_ || (decode && grouped_ok_ && nk <= grouped_rows_cap_ && most <= d_.grouped_expert_max_rows &&
+                             active >= d_.grouped_expert_min_active)) {
+        // y [rows][out] = x [rows][in] · W_eᵀ per expert (with `up`: silu(x·W_eᵀ) * (x·U_eᵀ))
+        auto products = [&](const void* const* w, const void* const* up, index_t out, index_t in, const float* x, float* y) {
+          gpu::expert_gemv_params gp;
+          gp.w = w;
+          gp.up = up;
+          gp.offsets = offsets;
+          gp.experts = E;
+          gp.out = int(out);
+          gp.in = int(in);
+          gp.x = x;
+          gp.x_stride = in;
+          gp.y = y;
+          gp.y_stride = out;
+          gp.round_x = prec_ == wtype::bf16 ? 1 : 0;
+          if (device_routed_) {  // a block row per routed pair, not per expert: at batch 1, 8 of 128
+            gp.block_experts = sort_keys_;
+            gp.blocks = int(nk);
+          }
+          x_.expert_gemv(gp);
+        };
+        const index_t I = c_.moe_intermediate_size;
+        products(L.expert_tables, L.expert_tables + E, I, H, xg_, eg_);  // gate‖up with SiLU
+        products(L.expert_tables + 2 * E, nullptr, H, I, eg_, yg_);      // down
+        ++grouped_passes_;
+      } else if (batched) {
+        const auto t_gemms = std::chrono::steady_clock::now();
+        const index_t s0 = stream_batched_ ? layer_first_item_[std::size_t(l)] : 0;
+        const index_t s1 = stream_batched_ ? layer_first_item_[std::size_t(l) + 1] : 0;
+        for (index_t i = s0; i < s1; ++i) x_.ring_acquire(int(i % staging_slots_));  // the layer's copies landed
+        run_batched_experts(tables, np);
+        for (index_t i = s0; i < s1; ++i) {  // its slots free: the next copies go into them
+          x_.ring_release(int(i % staging_slots_));
+          if (next_copy_ < index_t(stream_items_.size())) enqueue_stream_copy();
+        }
+        batched_groups_ += index_t(batch_groups_.size());
+        if (stream_batched_) ++stream_batched_passes_;
+        if (ph_ != nullptr) ph_->moe_gemm_issue_seconds += seconds_since(t_gemms);
+        ++batched_passes_;
+      } else {
+        for (int e = 0; e < E; ++e) {
+          const index_t m = rows_[std::size_t(e)];
+          if (m == 0 || L.on_host[std::size_t(e)]) continue;
+          const index_t row = count_[std::size_t(e)];
+          mlp(L.experts[std::size_t(e)], xg_ + row * H, m, yg_ + row * H, nullptr, true);
+        }
+        ++per_expert_passes_;
       }
-      batched_groups_ += index_t(batch_groups_.size());
-      if (stream_batched_) ++stream_batched_passes_;
-      if (ph_ != nullptr) ph_->moe_gemm_issue_seconds += seconds_since(t_gemms);
-      ++batched_passes_;
-    } else {
-      for (int e = 0; e < E; ++e) {
-        const index_t m = rows_[std::size_t(e)];
-        if (m == 0 || L.on_host[std::size_t(e)]) continue;
-        const index_t row = count_[std::size_t(e)];
-        mlp(L.experts[std::size_t(e)], xg_ + row * H, m, yg_ + row * H, nullptr, true);
-      }
-      ++per_expert_passes_;
+      if (timed) moe_marks_.back()[2] = x_.mark();  // device-resident experts done
+      if (stream && !stream_batched_) run_streamed_experts(l);
+      if (warming_ && staging_slots_ > 0) warm_streamed_shapes(L, np);
+      if (timed) moe_marks_.back()[3] = x_.mark();  // streamed experts done
+      // shared experts next on the GPU, so that they too overlap the CPU experts
+      if (L.has_shared) mlp(L.shared, h_, n, y2_);
+      if (phases) window_dev = x_.mark();
+    };
+    // ... and the CPU runs the host experts, whose outputs go back to their rows:
+    // after the device experts' enqueue, or (device_experts_during_cpu, decode,
+    // bf16 host experts) with it on thread 0 of the CPU experts' team.
+    bool all_bf16 = true;
+    for (const host_run& hr : host_runs_) all_bf16 = all_bf16 && L.host_experts[std::size_t(hr.expert)].is_bf16();
+    const bool during = host_rows > 0 && decode && d_.device_experts_during_cpu && all_bf16;
+    clk::time_point t_issued{}, t_inputs{};
+    cpu::run_stats cpu_stats;
+    if (!during) {
+      issue_device();
+      if (phases) t_issued = clk::now();
     }
-    if (timed) moe_marks_.back()[2] = x_.mark();  // device-resident experts done
-    if (stream && !stream_batched_) run_streamed_experts(l);
-    if (warming_ && staging_slots_ > 0) warm_streamed_shapes(L, np);
-    if (timed) moe_marks_.back()[3] = x_.mark();  // streamed experts done
-    // shared experts next on the GPU, so that they too overlap the CPU experts
-    if (L.has_shared) mlp(L.shared, h_, n, y2_);
-    // ... and the CPU runs the host experts, whose outputs go back to their rows.
     if (host_rows > 0) {
       x_.wait_recorded();
-      const auto t0 = std::chrono::steady_clock::now();
-      run_cpu_experts(L);
-      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const auto t0 = clk::now();
+      t_inputs = t0;
+      if (during) {
+        struct side_ctx {
+          decltype(issue_device)* f;
+          static void call(void* p) { (*static_cast<side_ctx*>(p)->f)(); }
+        } ctx{&issue_device};
+        const cpu::side_work side{&side_ctx::call, &ctx};
+        run_cpu_experts(L, &side, phases ? &cpu_stats : nullptr);
+      } else {
+        run_cpu_experts(L, nullptr, phases ? &cpu_stats : nullptr);
+      }
+      const auto t1 = clk::now();
+      const double dt = std::chrono::duration<double>(t1 - t0).count();
       cpu_expert_seconds_ += dt;
       cpu_expert_rows_ += host_rows;
-      if (window0 >= 0) window_marks_.push_back({window0, x_.mark()});
+      if (phases) {
+        const int window1 = x_.mark();
+        window_marks_.push_back({window0, window_dev, window1, -1});
+        auto sec = [](clk::time_point a, clk::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+        window_phases& w = step_phases_;
+        ++w.layers;
+        w.stage_issue += sec(t_stage, t_window);
+        w.device_issue += during ? cpu_stats.side_seconds : sec(t_window, t_issued);
+        w.input_wait += sec(during ? t_window : t_issued, t_inputs);
+        w.cpu_setup += cpu_stats.setup_seconds;
+        w.cpu_wake += cpu_stats.wake_seconds;
+        w.cpu_experts += dt;
+        w.host_window += sec(t_window, t1);
+      }
       if (counting_ == counting::decode) {  // each host expert with rows reads its weights once
         decode_cpu_expert_seconds_ += dt;
         for (const host_run& hr : host_runs_) decode_host_expert_bytes_ += L.host_experts[std::size_t(hr.expert)].bytes();
@@ -1958,11 +2019,16 @@ class device_decoder {
       for (const host_run& hr : host_runs_)
         x_.h2d_async(yg_ + hr.row * H, stage_y_ + hr.stage_row * H, hr.rows * H * 4);
     }
+    const clk::time_point t_out = phases ? clk::now() : clk::time_point{};
     if (x4 && gpu::fits_x4(H, yg_) && gpu::fits_x4(H, y_))
       x_.run(gpu::combine_x4_op{yg_, comb_rows, comb_w, k, int(H / 4), y_}, n * H / 4);
     else
       x_.run(gpu::combine_op{yg_, comb_rows, comb_w, k, int(H), y_}, n * H);
     if (L.has_shared) x_.run(gpu::add_op{y_, y2_}, n * H);
+    if (phases) {
+      window_marks_.back()[3] = x_.mark();  // the outputs' H2D and the combine done
+      step_phases_.output_issue += std::chrono::duration<double>(clk::now() - t_out).count();
+    }
     if (timed) moe_marks_.back()[4] = x_.mark();
   }
 
@@ -2085,9 +2151,15 @@ class device_decoder {
 
   /// At setup, when the run has host experts: the DRAM read ceiling with the
   /// CPU experts' thread count (dram_ceiling.hpp), unless d_.dram_ceiling is
-  /// off; that option is refused where every routed expert is on the device.
+  /// off; that option, and d_.device_experts_during_cpu, are refused where
+  /// every routed expert is on the device.
   void measure_dram_ceiling(device_report& rep) {
     if (!any_host_experts_) {
+      if (d_.device_experts_during_cpu)
+        throw writescope::config_error(
+            "--device-experts-issue during: acts only where routed experts are in host memory (it orders the "
+            "device experts' enqueue against the CPU experts), not with all " + std::to_string(rep.experts_total) +
+            " routed experts on the device");
       if (!d_.dram_ceiling)
         throw writescope::config_error(
             "--no-dram-ceiling: acts only where routed experts are in host memory (the ceiling is measured only "
@@ -2114,8 +2186,10 @@ class device_decoder {
   /// The layer's CPU host runs (host_runs_, inputs in stage_x_, outputs to
   /// stage_y_): bf16 experts through cpu::run_experts on the engine's thread
   /// count (one call for the whole layer: every weight read once, all cores);
-  /// fp32 experts (F16/F32 checkpoints) through the widening loop.
-  void run_cpu_experts(const gpu::dlayer& L) {
+  /// fp32 experts (F16/F32 checkpoints) through the widening loop. `side`:
+  /// work for this thread inside run_experts' team (cpu::side_work; the
+  /// caller passes one only when every run is bf16); `stats`: its host seconds.
+  void run_cpu_experts(const gpu::dlayer& L, const cpu::side_work* side = nullptr, cpu::run_stats* stats = nullptr) {
     const index_t H = c_.hidden_size;
     cpu_tasks_.clear();
     for (const host_run& hr : host_runs_) {
@@ -2131,10 +2205,10 @@ class device_decoder {
       t.rows = hr.rows;
       cpu_tasks_.push_back(t);
     }
-    if (!cpu_tasks_.empty())
+    if (!cpu_tasks_.empty() || side != nullptr)
       cpu::run_experts(cpu_tasks_, cpu::expert_shape{H, c_.moe_intermediate_size},
                        prec_ == wtype::bf16 ? cpu::expert_precision::bf16_inputs : cpu::expert_precision::fp32,
-                       cpu_threads_);
+                       cpu_threads_, side, stats);
   }
 
   struct host_run {
@@ -2715,7 +2789,10 @@ class device_decoder {
   index_t decode_host_expert_bytes_ = 0;
   double decode_cpu_expert_seconds_ = 0.0;
   bool step_marking_ = false;
-  std::vector<std::array<int, 2>> trip_marks_, window_marks_;
+  std::vector<std::array<int, 2>> trip_marks_;
+  /// per layer with host rows: window start, device experts done, window end, combine done
+  std::vector<std::array<int, 4>> window_marks_;
+  window_phases step_phases_;  ///< the step's window phases so far (host clock; GPU parts at the step's end)
   // placement: routed rows per MoE layer and expert in the prefill, the
   // placement at load, the prefill / decode row counters (count_rows)
   enum class counting { off, prefill, decode };
