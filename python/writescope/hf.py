@@ -171,6 +171,7 @@ class WriteScopeCache(Cache):
         self._firsts = None  # the prefill's first token of each row in the flattened [batch * tokens] K/V
         self._gather = None  # rows that are no suffix of the prompt: the kept positions of the flattened K/V
         self._writes_pending = False  # a prefill's deferred host writes are still pending (cuda)
+        self._check_mask_values = True  # the next decode step reads its mask's values (_check_decode_mask)
         self.last_flush = None
         if set_attention and getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -362,6 +363,7 @@ class WriteScopeCache(Cache):
             raise
         self._seqs = seqs
         self._prefilling = True
+        self._check_mask_values = True
 
     def _prefill_rows(self, valid, counts, b: int, t: int):
         """Where each row's prompt lies in the layer's K/V flattened to [b * t, ...]: (first tokens,
@@ -404,15 +406,25 @@ class WriteScopeCache(Cache):
         return torch.cat([c_kv, k_pe], dim=-1).to(torch.bfloat16).transpose(1, 2).contiguous()
 
     def _check_decode_mask(self):
+        """A decode step's 2D mask: its shape at every step (tensor metadata, no device work); that it keeps
+        every row's new token on every step for a CPU mask, and for a mask on a device on the first decode
+        step after each prompt only. Reading a device mask's values waits for the device (a
+        synchronization), which at every step costs a measurable share of it; generate() extends the mask
+        with a column of ones at each step, so for generate() the first step's check is the check of all.
+        A hand-written loop with a device mask that hides the new token on a later step is not refused:
+        that token is cached and attended anyway."""
         mask = self._forward
         if mask is None:
             return
         if mask.dim() != 2 or mask.shape[-1] != self._seq_len + 1:
             raise ShapeError(f"WriteScopeCache: a decode step's attention mask has shape {tuple(mask.shape)}, "
                              f"expected [batch, {self._seq_len + 1}] (the cached positions and the new token)")
+        if mask.device.type != "cpu" and not self._check_mask_values:
+            return
         if not bool(mask[:, -1].to(torch.bool).all()):
             raise ShapeError("WriteScopeCache: a decode step's attention mask masks the new token of some row; "
                              "writescope caches every decode token (as generate() does)")
+        self._check_mask_values = False
 
     # ---- decode attention ----------------------------------------------------------------
     def _decode(self, module, query, scaling):
