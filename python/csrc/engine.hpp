@@ -280,16 +280,20 @@ class engine_impl final : public engine {
             {"pinned_used_blocks", u.pinned_used_blocks},
             {"pinned_capacity_blocks", u.pinned_capacity_blocks},
             {"pinned_max_blocks", u.pinned_max_blocks},
+            {"hbm_used_blocks", u.hbm_used_blocks},
+            {"hbm_capacity_blocks", u.hbm_capacity_blocks},
             {"live_sequences", u.live_sequences},
             {"max_sequences", u.max_sequences},
             {"cpu_region_bytes", u.cpu_region_bytes},
             {"pinned_region_bytes", u.pinned_region_bytes},
+            {"hbm_region_bytes", u.hbm_region_bytes},
             {"d_window_bytes", u.d_window_bytes},
             {"ping_pong_bytes", u.ping_pong_bytes},
             {"block_tokens", sp.block_tokens},
             {"d_window_tokens", sp.d_window_tokens},
             {"num_layers", sp.num_layers},
             {"total_placed_tokens", cache_.total_placed_tokens()},
+            {"total_hbm_placed_tokens", cache_.total_hbm_placed_tokens()},
             {"deferred_host_write_bytes", deferred_bytes()}};
   }
 
@@ -298,7 +302,9 @@ class engine_impl final : public engine {
     std::vector<std::pair<std::string, int64_t>> r{{"prompt_tokens", st.prompt_tokens},
                                                    {"placed_tokens", st.placed_tokens},
                                                    {"cpu_placed_tokens", st.cpu_placed_tokens},
-                                                   {"pinned_placed_tokens", st.placed_tokens - st.cpu_placed_tokens},
+                                                   {"hbm_placed_tokens", st.hbm_placed_tokens},
+                                                   {"pinned_placed_tokens",
+                                                    st.placed_tokens - st.cpu_placed_tokens - st.hbm_placed_tokens},
                                                    {"window_slot", st.window_slot},
                                                    {"generation", int64_t(st.generation)}};
     for (std::size_t l = 0; l < st.window_tokens.size(); ++l) {
@@ -315,7 +321,7 @@ class engine_impl final : public engine {
             {"cpu_tokens", double(last_.cpu_tokens)},   {"streamed_tokens", double(last_.streamed_tokens)},
             {"window_tokens", double(last_.window_tokens)}, {"assist_tokens", double(last_.assist_tokens)},
             {"copies", double(last_.copies)},           {"chunks", double(last_.chunks)},
-            {"cpu_tasks", double(last_.cpu_tasks)}};
+            {"cpu_tasks", double(last_.cpu_tasks)},     {"resident_tokens", double(last_.resident_tokens)}};
   }
 
   std::vector<std::pair<std::string, double>> policy_state() const override {

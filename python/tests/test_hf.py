@@ -430,6 +430,36 @@ def test_decode_mask_on_a_device_is_not_read_after_the_first_step(backend):
             torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
+def test_hbm_region_gives_the_same_tokens(arch, backend):
+    """hbm_capacity_tokens: the prompts' first batches go to the HBM-resident region (attended in place),
+    the rest to the host regions; generate() gives the tokens it gives without the region, and split()
+    counts the HBM tokens apart."""
+    dev = device_of(backend)
+    model = tiny_model(arch, device=dev)
+    ids, mask = prompts(dev)
+    plain = WriteScopeCache(model, policy=0.5, backend=backend, **SPEC)
+    ref = generate(model, ids, mask, plain)
+    cache = WriteScopeCache(model, policy=0.5, backend=backend, hbm_capacity_tokens=2 * 32, **SPEC)
+    out = generate(model, ids, mask, cache)
+    assert torch.equal(out, ref), f"first differing positions: {(out != ref).nonzero()[:4].tolist()}"
+    split, before = cache.split(), plain.split()
+    assert split["hbm_tokens"] == 2 * 32 and before["hbm_tokens"] == 0
+    assert split["cpu_tokens"] + split["pinned_tokens"] + split["hbm_tokens"] == \
+        before["cpu_tokens"] + before["pinned_tokens"]
+    hbm = [cache.kv.sequence(s)["hbm_placed_tokens"] for s in cache._seqs]
+    pinned = [cache.kv.sequence(s)["pinned_placed_tokens"] for s in cache._seqs]
+    assert sum(hbm) == split["hbm_tokens"] and sum(pinned) == split["pinned_tokens"]
+
+
+@pytest.mark.parametrize("tokens", [48, -32])
+def test_hbm_capacity_not_whole_batches_raises_at_construction(tokens):
+    model = tiny_model("llama")
+    with pytest.raises(writescope.ConfigError, match=rf"hbm_capacity_tokens = {tokens} must be >= 0 and a whole "
+                                                     r"number of eviction batches \(a multiple of d_window_tokens = 32\)"):
+        WriteScopeCache(model, backend="host", hbm_capacity_tokens=tokens, **SPEC)
+
+
 def test_wrong_mask_shape_raises(backend):
     dev = device_of(backend)
     model = tiny_model("llama", device=dev)
