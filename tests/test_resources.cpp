@@ -419,6 +419,77 @@ TEST_CASE("prefault_cpu_region: the next evictions into the unpinned region take
   CHECK(poisoned.prefault_cpu_region(100) == 0);  // poison wrote every page at construction
 }
 
+// --- K8: the deferred-write staging, page-locked up front -------------------------------
+
+namespace {
+
+/// The host backend with cuda_backend's deferred-write staging modelled
+/// (deferred_host_write_backend): set_deferred_host_writes sets the most
+/// bytes, reserve_deferred_host_writes "page-locks" them against a budget the
+/// test sets (refusing above it with pinned_memory_error, as cudaHostAlloc
+/// does), keeping what it had on a refusal. Writes still land on return.
+struct deferring_backend : host_backend {
+  using backend_concept = backend_tag;
+  index_t max_bytes = 0, reserved = 0, lockable_bytes = index_t{1} << 40;
+  int reserve_calls = 0;
+  void set_deferred_host_writes(index_t m) { max_bytes = std::max<index_t>(m, 0); }
+  [[nodiscard]] index_t deferred_host_writes() const noexcept { return max_bytes; }
+  void reserve_deferred_host_writes(index_t bytes) {
+    ++reserve_calls;
+    if (bytes < 0 || bytes > max_bytes)
+      throw config_error("reserve_deferred_host_writes: bytes = " + std::to_string(bytes) + " out of range (test)");
+    if (bytes <= reserved) return;
+    if (bytes > lockable_bytes) throw pinned_memory_error("pinned memory: page-locking " + format_bytes(bytes) + " refused (test)");
+    reserved = bytes;
+  }
+  [[nodiscard]] index_t deferred_host_writes_reserved_bytes() const noexcept { return reserved; }
+};
+static_assert(deferred_host_write_backend<deferring_backend>);
+static_assert(!deferred_host_write_backend<host_backend>);  // its writes land on return: nothing to defer
+
+}  // namespace
+
+TEST_CASE("reserve_deferred_host_writes: forwarded to a backend with deferred writes; a no-op without one or without an unpinned region") {
+  const G lay(8, 2);
+  partition_spec s = small_spec(2, 2, 16, 32);
+  set_ping_pong_blocks(s, lay, 8);
+
+  SUBCASE("host_backend: no deferred writes, nothing reserved; a negative size is still refused") {
+    host_backend be;
+    host_cache<G, cpu_only> cache(be, lay, s, cpu_only{});
+    CHECK(cache.reserve_deferred_host_writes(4 * MiB) == 0);
+    CHECK(cache.reserve_deferred_host_writes(0) == 0);
+    CHECK_THROWS_WITH_AS(cache.reserve_deferred_host_writes(-1), doctest::Contains("bytes = -1 must be >= 0"), config_error);
+  }
+  SUBCASE("a deferring backend: the whole staging page-locked at once; the errors are the backend's, typed") {
+    deferring_backend be;
+    be.set_deferred_host_writes(4 * MiB);
+    inplace_kv_cache<G, deferring_backend, pageable_allocator, cpu_only> cache(be, lay, s, cpu_only{});
+    CHECK(be.reserved == 0);
+    CHECK(cache.reserve_deferred_host_writes(be.deferred_host_writes()) == 4 * MiB);
+    CHECK(be.reserved == 4 * MiB);
+    CHECK(cache.reserve_deferred_host_writes(MiB) == 4 * MiB);  // already larger: unchanged
+    CHECK_THROWS_AS(cache.reserve_deferred_host_writes(8 * MiB), config_error);  // above max_bytes
+    const int calls = be.reserve_calls;
+    CHECK_THROWS_AS(cache.reserve_deferred_host_writes(-5), config_error);
+    CHECK(be.reserve_calls == calls);  // refused before the backend is asked
+    be.set_deferred_host_writes(64 * MiB);
+    be.lockable_bytes = 16 * MiB;
+    CHECK_THROWS_AS(cache.reserve_deferred_host_writes(32 * MiB), pinned_memory_error);
+    CHECK(be.reserved == 4 * MiB);  // the refusal kept what was page-locked
+  }
+  SUBCASE("a deferring backend, a cache without an unpinned region: no prefill write is pageable, nothing reserved") {
+    deferring_backend be;
+    be.set_deferred_host_writes(4 * MiB);
+    partition_spec pinned_only = s;
+    pinned_only.cpu_capacity_tokens = 0;
+    inplace_kv_cache<G, deferring_backend, pageable_allocator, gpu_only> cache(be, lay, pinned_only, gpu_only{});
+    CHECK(cache.reserve_deferred_host_writes(4 * MiB) == 0);
+    CHECK(be.reserve_calls == 0);
+    CHECK(be.reserved == 0);
+  }
+}
+
 // --- K9: threads above the core count ----------------------------------------------------
 
 TEST_CASE("thread sweep child: seconds per step for each CPU thread count") {

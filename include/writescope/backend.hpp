@@ -236,4 +236,22 @@ concept backend = std::same_as<typename B::backend_concept, backend_tag> &&
                     { cb.name() } -> std::convertible_to<std::string_view>;
                   };
 
+/// A backend that can defer its pageable prefill writes (cuda_backend; not
+/// host_backend, whose writes land on return): set_deferred_host_writes(max)
+/// sets the most bytes pending, deferred_host_writes() reads it back, and
+/// reserve_deferred_host_writes(bytes) page-locks that much of the staging the
+/// deferred writes go through now, throwing config_error for bytes outside
+/// [0, max] and pinned_memory_error when page-locking is refused;
+/// deferred_host_writes_reserved_bytes() is what is page-locked.
+/// inplace_kv_cache::reserve_deferred_host_writes forwards to a backend that
+/// models this and is a no-op on one that does not.
+template <class B>
+concept deferred_host_write_backend =
+    backend<B> && requires(B& b, const B& cb, index_t bytes) {
+      { b.set_deferred_host_writes(bytes) } -> std::same_as<void>;
+      { cb.deferred_host_writes() } -> std::same_as<index_t>;
+      { b.reserve_deferred_host_writes(bytes) } -> std::same_as<void>;
+      { cb.deferred_host_writes_reserved_bytes() } -> std::same_as<index_t>;
+    };
+
 }  // namespace writescope

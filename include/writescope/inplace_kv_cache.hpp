@@ -534,6 +534,33 @@ class inplace_kv_cache {
     return touched;
   }
 
+  /// Page-locks `bytes` of the staging that the backend's deferred pageable
+  /// prefill writes go through (cuda_backend::reserve_deferred_host_writes,
+  /// host memory), now rather than by doubling inside the first prefill
+  /// calls; pass the backend's deferred_host_writes() (the max_bytes of
+  /// set_deferred_host_writes, called first) to reserve it whole. A no-op
+  /// returning 0 on a backend without deferred writes
+  /// (!deferred_host_write_backend<Backend>, e.g. host_backend) and on a cache
+  /// without an unpinned compute region (no prefill write goes to pageable
+  /// memory). Returns the staging bytes page-locked after the call
+  /// (deferred_host_writes_reserved_bytes()). Completes the pending deferred
+  /// writes first; never changes what the cache holds. Call between steps from
+  /// the thread that owns the cache. Throws config_error for bytes < 0 (on
+  /// every backend, before anything else) and for bytes above the backend's
+  /// deferred_host_writes(); pinned_memory_error when the backend cannot
+  /// page-lock `bytes` (its staging is then unchanged).
+  index_t reserve_deferred_host_writes(index_t bytes) {
+    if (bytes < 0)
+      throw config_error("reserve_deferred_host_writes: bytes = " + std::to_string(bytes) + " must be >= 0");
+    if constexpr (deferred_host_write_backend<Backend>) {
+      if (cpu_pool_.capacity() == 0) return 0;
+      backend_->reserve_deferred_host_writes(bytes);
+      return backend_->deferred_host_writes_reserved_bytes();
+    } else {
+      return 0;
+    }
+  }
+
   // ---------------------------------------------------------------------------
   // flush (§4.2, §4.3)
   // ---------------------------------------------------------------------------

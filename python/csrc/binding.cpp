@@ -90,6 +90,7 @@ engine_config parse_config(const std::string& layout, const std::string& policy,
     else if (k == "max_sequences") s.max_sequences = as_int();
     else if (k == "cpu_capacity_tokens") s.cpu_capacity_tokens = v;
     else if (k == "pinned_capacity_tokens") s.pinned_capacity_tokens = v;
+    else if (k == "hbm_capacity_tokens") s.hbm_capacity_tokens = v;
     else if (k == "pinned_initial_tokens") s.pinned_initial_tokens = v;
     else if (k == "pinned_growth_tokens") s.pinned_growth_tokens = v;
     else if (k == "ping_pong_bytes") s.ping_pong_bytes = v;
@@ -120,6 +121,12 @@ engine_config parse_config(const std::string& layout, const std::string& policy,
     else if (k == "launch_cost_per_token_seconds") rp.launch_cost_per_token_seconds = v;
     else throw ws::config_error("Cache: unknown float option '" + k + "'");
   }
+  // The library rounds the HBM region down to whole eviction batches; here a capacity that is
+  // not one is refused, so that the region is the size asked for.
+  if (s.hbm_capacity_tokens < 0 || (s.d_window_tokens > 0 && s.hbm_capacity_tokens % s.d_window_tokens != 0))
+    throw ws::config_error("Cache: hbm_capacity_tokens = " + std::to_string(s.hbm_capacity_tokens) +
+                           " must be >= 0 and a whole number of eviction batches (a multiple of d_window_tokens = " +
+                           std::to_string(s.d_window_tokens) + "); 0: no HBM-resident region");
   if (policy == "roofline") c.policy.p = ws::roofline_policy(rp);
   else if (policy == "fixed_ratio") c.policy.p = ws::fixed_ratio(cpu_share);
   else if (policy == "gpu_only") c.policy.p = ws::gpu_only{};

@@ -98,8 +98,10 @@ struct engine_config {
   bool poison = false;
   /// cuda backend: the most bytes of deferred pageable prefill writes
   /// (cuda_backend::set_deferred_host_writes; 0 = synchronous writes). The
-  /// page-locked buffer is reserved at construction when the cache has an
-  /// unpinned region. Ignored by the host backend.
+  /// page-locked buffer is reserved whole at construction when the cache has
+  /// an unpinned region (inplace_kv_cache::reserve_deferred_host_writes;
+  /// pinned_memory_error naming this option when it cannot be). Ignored by the
+  /// host backend.
   int64_t deferred_host_write_bytes = int64_t{512} << 20;
   /// cuda backend: the device staging buffer of prefill writes to host blocks,
   /// at most (cuda_backend::set_max_staging_bytes); 0 = the library's default.
@@ -166,8 +168,15 @@ class engine_impl final : public engine {
       typename Traits::template scope<Backend> s(backend_);
       if (c.staging_bytes > 0) backend_.set_max_staging_bytes(c.staging_bytes);
       backend_.set_deferred_host_writes(c.deferred_host_write_bytes);
-      if (c.deferred_host_write_bytes > 0 && cache_.usage().cpu_capacity_blocks > 0)
-        reserve_deferred_writes(c.deferred_host_write_bytes);
+      // The whole buffer page-locked now (the cache skips it without an unpinned region), so that
+      // no prefill page-locks memory inside its first layers.
+      try {
+        cache_.reserve_deferred_host_writes(c.deferred_host_write_bytes);
+      } catch (const ws::pinned_memory_error& e) {
+        throw ws::pinned_memory_error("Cache: deferred_host_write_bytes = " + std::to_string(c.deferred_host_write_bytes) +
+                                      " cannot be page-locked at creation (" + e.what() +
+                                      "); lower it, or 0 for synchronous prefill writes");
+      }
     }
     if (c.cpu_prefault_tokens < -1)
       throw ws::config_error("Cache: cpu_prefault_tokens = " + std::to_string(c.cpu_prefault_tokens) +
@@ -271,16 +280,20 @@ class engine_impl final : public engine {
             {"pinned_used_blocks", u.pinned_used_blocks},
             {"pinned_capacity_blocks", u.pinned_capacity_blocks},
             {"pinned_max_blocks", u.pinned_max_blocks},
+            {"hbm_used_blocks", u.hbm_used_blocks},
+            {"hbm_capacity_blocks", u.hbm_capacity_blocks},
             {"live_sequences", u.live_sequences},
             {"max_sequences", u.max_sequences},
             {"cpu_region_bytes", u.cpu_region_bytes},
             {"pinned_region_bytes", u.pinned_region_bytes},
+            {"hbm_region_bytes", u.hbm_region_bytes},
             {"d_window_bytes", u.d_window_bytes},
             {"ping_pong_bytes", u.ping_pong_bytes},
             {"block_tokens", sp.block_tokens},
             {"d_window_tokens", sp.d_window_tokens},
             {"num_layers", sp.num_layers},
             {"total_placed_tokens", cache_.total_placed_tokens()},
+            {"total_hbm_placed_tokens", cache_.total_hbm_placed_tokens()},
             {"deferred_host_write_bytes", deferred_bytes()}};
   }
 
@@ -289,7 +302,9 @@ class engine_impl final : public engine {
     std::vector<std::pair<std::string, int64_t>> r{{"prompt_tokens", st.prompt_tokens},
                                                    {"placed_tokens", st.placed_tokens},
                                                    {"cpu_placed_tokens", st.cpu_placed_tokens},
-                                                   {"pinned_placed_tokens", st.placed_tokens - st.cpu_placed_tokens},
+                                                   {"hbm_placed_tokens", st.hbm_placed_tokens},
+                                                   {"pinned_placed_tokens",
+                                                    st.placed_tokens - st.cpu_placed_tokens - st.hbm_placed_tokens},
                                                    {"window_slot", st.window_slot},
                                                    {"generation", int64_t(st.generation)}};
     for (std::size_t l = 0; l < st.window_tokens.size(); ++l) {
@@ -306,7 +321,7 @@ class engine_impl final : public engine {
             {"cpu_tokens", double(last_.cpu_tokens)},   {"streamed_tokens", double(last_.streamed_tokens)},
             {"window_tokens", double(last_.window_tokens)}, {"assist_tokens", double(last_.assist_tokens)},
             {"copies", double(last_.copies)},           {"chunks", double(last_.chunks)},
-            {"cpu_tasks", double(last_.cpu_tasks)}};
+            {"cpu_tasks", double(last_.cpu_tasks)},     {"resident_tokens", double(last_.resident_tokens)}};
   }
 
   std::vector<std::pair<std::string, double>> policy_state() const override {
@@ -352,40 +367,13 @@ class engine_impl final : public engine {
 
   int64_t cpu_prefaulted_bytes_ = 0;  ///< bytes of the unpinned region made resident at construction
 
-  static constexpr bool has_deferred_writes = requires(Backend& b) { b.set_deferred_host_writes(ws::index_t{}); };
+  static constexpr bool has_deferred_writes = ws::deferred_host_write_backend<Backend>;
 
   int64_t deferred_bytes() const {
     if constexpr (has_deferred_writes)
       return backend_.deferred_host_writes();
     else
       return 0;
-  }
-
-  // The library page-locks its prefill bounce buffer on first use, growing it
-  // by doubling up to max_bytes (each growth completes what is pending), so a
-  // fresh cache's first prefill would page-lock up to ~2 x max_bytes inside
-  // its first layer. One throwaway write at construction grows it now: blocks'
-  // worth of zeros from a one-block device source into one pageable block of
-  // our own (no cache block is touched), max_bytes in all, then completed.
-  void reserve_deferred_writes(int64_t max_bytes) {
-    const auto& fmt = cache_.format();
-    const int bt = fmt.block_tokens;
-    const ws::index_t bb = fmt.block_bytes();
-    const at::Tensor src = at::zeros({bt, layout_.kv_heads(), Layout::row_elems},
-                                     at::TensorOptions().dtype(at::kBFloat16).device(c10::Device(
-                                         c10::DeviceType::CUDA, c10::DeviceIndex(backend_.device()))));
-    // a member: pending copies into it (if a throw leaves some) never outlive it
-    reserve_sink_.assign(std::size_t(bb / ws::index_t(sizeof(ws::bf16))), ws::bf16{});
-    const ws::index_t n = (max_bytes + bb - 1) / bb;
-    std::vector<ws::block_write> writes(
-        std::size_t(n), ws::block_write{0, bt, 0, reserve_sink_.data(), ws::memory_kind::pageable_host});
-    kv_input kv;
-    for (int p = 0; p < Layout::planes; ++p)
-      kv.planes[std::size_t(p)] = reinterpret_cast<const ws::bf16*>(src.const_data_ptr<at::BFloat16>());
-    kv.num_tokens = bt;
-    kv.token_stride = 0;
-    backend_.write_blocks(fmt, kv, writes);
-    backend_.synchronize();  // the copies into the sink complete here
   }
 
   void check_tensor(const at::Tensor& t, at::ScalarType dtype, std::initializer_list<int64_t> shape, const char* call,
@@ -445,7 +433,6 @@ class engine_impl final : public engine {
   attention_type attention_;
   std::vector<ws::sequence_id> ids_;
   std::vector<ws::index_t> firsts_;
-  std::vector<ws::bf16> reserve_sink_;  ///< reserve_deferred_writes' destination block
   ws::step_report last_{};
 };
 

@@ -373,6 +373,93 @@ def test_decode_mask_that_hides_the_new_token_raises(backend):
     assert placed == mask.sum(dim=1).tolist()  # nothing appended by the refused steps
 
 
+def test_decode_mask_hiding_the_new_token_on_a_later_step(backend):
+    """A CPU mask is read at every decode step: a later step that masks a new token is refused, nothing
+    appended. A mask on a device is read on the first decode step after a prompt only (no device
+    synchronization per step): the later step goes on, caching and attending that token."""
+    dev = device_of(backend)
+    model = tiny_model("llama", device=dev)
+    ids, mask = prompts(dev)
+    cache = WriteScopeCache(model, backend=backend, **SPEC)
+    model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    step1 = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    model(input_ids=ids[:, :1], attention_mask=step1, past_key_values=cache)
+    step2 = torch.cat([step1, torch.ones_like(mask[:, :1])], dim=1)
+    step2[1, -1] = 0
+    cached = [cache.kv.sequence(s)["placed_tokens"] + cache.kv.sequence(s)["window_tokens.0"] for s in cache._seqs]
+    if dev.type == "cpu":
+        with pytest.raises(writescope.ShapeError, match="masks the new token of some row"):
+            model(input_ids=ids[:, :1], attention_mask=step2, past_key_values=cache)
+        assert cache.get_seq_length() == 41
+        after = [cache.kv.sequence(s)["placed_tokens"] + cache.kv.sequence(s)["window_tokens.0"] for s in cache._seqs]
+        assert after == cached  # nothing appended by the refused step
+    else:
+        model(input_ids=ids[:, :1], attention_mask=step2, past_key_values=cache)
+        assert cache.get_seq_length() == 42
+
+
+def test_decode_mask_on_a_device_is_not_read_after_the_first_step(backend):
+    """After the first decode step of a prompt, a mask that is not a CPU tensor is checked by shape only:
+    a mask on the meta device (whose values cannot be read at all) passes; its wrong shape is still refused;
+    a new prompt reads the first step's mask again."""
+    dev = device_of(backend)
+    model = tiny_model("llama", device=dev)
+    ids, mask = prompts(dev)
+    cache = WriteScopeCache(model, backend=backend, **SPEC)
+    model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    model(input_ids=ids[:, :1], attention_mask=torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1),
+          past_key_values=cache)
+    cache._forward = torch.ones(3, 42, dtype=torch.long, device="meta")
+    cache._check_decode_mask()  # reading a value would raise here
+    cache._forward = torch.ones(3, 40, dtype=torch.long, device="meta")
+    with pytest.raises(writescope.ShapeError, match=r"attention mask has shape \(3, 40\), expected \[batch, 42\]"):
+        cache._check_decode_mask()
+    cache.reset()
+    model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    cache._forward = torch.ones(3, 41, dtype=torch.long, device="meta")
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        cache._check_decode_mask()  # the first decode step of the new prompt reads the values
+    cache._forward = None
+    if dev.type == "cuda":  # and a real device mask after the first step does not synchronize
+        cache._check_mask_values = False
+        cache._forward = torch.ones(3, 41, dtype=torch.long, device=dev)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            cache._check_decode_mask()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
+def test_hbm_region_gives_the_same_tokens(arch, backend):
+    """hbm_capacity_tokens: the prompts' first batches go to the HBM-resident region (attended in place),
+    the rest to the host regions; generate() gives the tokens it gives without the region, and split()
+    counts the HBM tokens apart."""
+    dev = device_of(backend)
+    model = tiny_model(arch, device=dev)
+    ids, mask = prompts(dev)
+    plain = WriteScopeCache(model, policy=0.5, backend=backend, **SPEC)
+    ref = generate(model, ids, mask, plain)
+    cache = WriteScopeCache(model, policy=0.5, backend=backend, hbm_capacity_tokens=2 * 32, **SPEC)
+    out = generate(model, ids, mask, cache)
+    assert torch.equal(out, ref), f"first differing positions: {(out != ref).nonzero()[:4].tolist()}"
+    split, before = cache.split(), plain.split()
+    assert split["hbm_tokens"] == 2 * 32 and before["hbm_tokens"] == 0
+    assert split["cpu_tokens"] + split["pinned_tokens"] + split["hbm_tokens"] == \
+        before["cpu_tokens"] + before["pinned_tokens"]
+    hbm = [cache.kv.sequence(s)["hbm_placed_tokens"] for s in cache._seqs]
+    pinned = [cache.kv.sequence(s)["pinned_placed_tokens"] for s in cache._seqs]
+    assert sum(hbm) == split["hbm_tokens"] and sum(pinned) == split["pinned_tokens"]
+
+
+@pytest.mark.parametrize("tokens", [48, -32])
+def test_hbm_capacity_not_whole_batches_raises_at_construction(tokens):
+    model = tiny_model("llama")
+    with pytest.raises(writescope.ConfigError, match=rf"hbm_capacity_tokens = {tokens} must be >= 0 and a whole "
+                                                     r"number of eviction batches \(a multiple of d_window_tokens = 32\)"):
+        WriteScopeCache(model, backend="host", hbm_capacity_tokens=tokens, **SPEC)
+
+
 def test_wrong_mask_shape_raises(backend):
     dev = device_of(backend)
     model = tiny_model("llama", device=dev)

@@ -168,6 +168,59 @@ def test_cpu_prefault_tokens_makes_the_unpinned_region_resident(backend):
         make(lay, backend, cpu_prefault_tokens=-2)
 
 
+def test_hbm_region_attends_right_and_is_counted_apart(backend):
+    """hbm_capacity_tokens: the policies fill the HBM-resident region first (whole D-token batches), the
+    rest goes to the host regions; attention over all three plus the D-window matches the float64
+    reference; usage/sequence/split count HBM tokens apart from the pinned ones."""
+    dev = device_of(backend)
+    lay = ws.gqa(8, 2, 64)
+    cache = make(lay, backend, r=0.5, layers=1, hbm_capacity_tokens=3 * 32)
+    u = cache.usage()
+    assert u["hbm_capacity_blocks"] == 3 * 2 and u["hbm_used_blocks"] == 0
+    assert u["hbm_region_bytes"] == 3 * 32 * lay.token_bytes  # one layer
+    torch.manual_seed(5)
+    prompts = [100, 70, 40]  # 3 + 2 + 1 whole batches: 3 of them fill the region, 3 go to the host
+    seqs = [cache.begin_sequence(p) for p in prompts]
+    kv = {}
+    for s, p in zip(seqs, prompts):
+        k, v = torch.randn(p, 2, 64).bfloat16(), torch.randn(p, 2, 64).bfloat16()
+        cache.append_prefill(0, s, k.to(dev), v.to(dev))
+        kv[s] = (k, v)
+    scale = 0.125
+    for step in range(40):
+        q = torch.randn(3, 8, 64)
+        k, v = torch.randn(3, 2, 64).bfloat16(), torch.randn(3, 2, 64).bfloat16()
+        cache.append(0, seqs, k.to(dev), v.to(dev))
+        out, lse = cache.attention(0, seqs, q.to(dev), scale)
+        for i, s in enumerate(seqs):
+            kv[s] = (torch.cat([kv[s][0], k[i:i + 1]]), torch.cat([kv[s][1], v[i:i + 1]]))
+            ro, rl = reference(*kv[s], q[i], scale, 4)
+            assert torch.allclose(out[i].cpu().double(), ro, atol=2e-5, rtol=1e-4), (step, i)
+            assert torch.allclose(lse[i].cpu().double(), rl, atol=2e-5, rtol=1e-5)
+        if step == 0:
+            assert cache.last_step()["resident_tokens"] == 3 * 32
+        cache.flush()
+    split = cache.split()
+    states = [cache.sequence(s) for s in seqs]
+    assert split["hbm_tokens"] == 3 * 32 == cache.usage()["total_hbm_placed_tokens"]
+    assert sum(st["hbm_placed_tokens"] for st in states) == split["hbm_tokens"]
+    assert sum(st["pinned_placed_tokens"] for st in states) == split["pinned_tokens"]
+    assert sum(st["cpu_placed_tokens"] for st in states) == split["cpu_tokens"]
+    assert split["cpu_tokens"] > 0 and split["pinned_tokens"] > 0
+    assert split["cpu_share"] == split["cpu_tokens"] / (split["cpu_tokens"] + split["pinned_tokens"])
+    for st, p in zip(states, prompts):
+        assert st["cpu_placed_tokens"] + st["pinned_placed_tokens"] + st["hbm_placed_tokens"] == st["placed_tokens"]
+        assert st["placed_tokens"] + st["window_tokens.0"] == p + 40
+
+
+@pytest.mark.parametrize("tokens", [40, -32, 1])
+def test_hbm_capacity_not_whole_batches_is_refused(tokens, backend):
+    with pytest.raises(ws.ConfigError, match=rf"hbm_capacity_tokens = {tokens} must be >= 0 and a whole number of "
+                                             r"eviction batches \(a multiple of d_window_tokens = 32\)"):
+        make(ws.gqa(4, 2, 64), backend, hbm_capacity_tokens=tokens)
+    assert make(ws.gqa(4, 2, 64), backend, hbm_capacity_tokens=0).usage()["hbm_capacity_blocks"] == 0
+
+
 def test_error_classes_are_python_exceptions():
     assert issubclass(ws.ConfigError, ValueError) and issubclass(ws.ShapeError, ValueError)
     assert issubclass(ws.StateError, RuntimeError) and issubclass(ws.CapacityError, RuntimeError)

@@ -190,11 +190,15 @@ class KVCache:
     ``capacity`` values are tokens per layer over all sequences together. The unpinned
     compute region is reserved at creation and becomes resident as it is written; the
     pinned load region is page-locked (cuda backend) as ``pinned_initial_tokens`` says
-    (default: all of it at creation) and grows between steps.
+    (default: all of it at creation) and grows between steps. ``hbm_capacity_tokens``
+    (default 0: none) adds the HBM-resident region (``partition_spec::hbm_capacity_tokens``):
+    device memory allocated at creation, a whole number of eviction batches (a multiple of
+    ``d_window_tokens``; anything else raises ``ConfigError``), filled first by the policies
+    and attended in place by the GPU side (host backend: emulated device memory).
     """
 
     def __init__(self, layout: Layout, num_layers: int, *, max_sequences: int,
-                 cpu_capacity_tokens: int, pinned_capacity_tokens: int,
+                 cpu_capacity_tokens: int, pinned_capacity_tokens: int, hbm_capacity_tokens: int = 0,
                  block_tokens: int = 64, d_window_tokens: int = 256, ping_pong_bytes: int = 64 << 20,
                  policy="roofline", cpu_share: float | None = None, calibration: dict | None = None,
                  backend: str = "host", cpu_threads: int = 0, poison: bool = False, **options):
@@ -206,7 +210,8 @@ class KVCache:
             "num_q_heads": layout.num_q_heads, "num_kv_heads": layout.num_kv_heads,
             "num_layers": num_layers, "block_tokens": block_tokens, "d_window_tokens": d_window_tokens,
             "max_sequences": max_sequences, "cpu_capacity_tokens": cpu_capacity_tokens,
-            "pinned_capacity_tokens": pinned_capacity_tokens, "ping_pong_bytes": ping_pong_bytes,
+            "pinned_capacity_tokens": pinned_capacity_tokens, "hbm_capacity_tokens": hbm_capacity_tokens,
+            "ping_pong_bytes": ping_pong_bytes,
             "cpu_threads": cpu_threads, "poison": int(bool(poison)),
         }
         if layout.kind == "gqa":
@@ -303,13 +308,17 @@ class KVCache:
             return self._c.read_token(int(layer), int(seq), int(position))
 
     def split(self) -> dict:
-        """Where the cached tokens of the live sequences are: CPU (unpinned), pinned (streamed), D-window."""
+        """Where the placed tokens of the live sequences are, per layer: ``cpu_tokens`` (the unpinned
+        compute region, attended by the CPU side), ``pinned_tokens`` (the pinned load region, streamed),
+        ``hbm_tokens`` (the HBM-resident region, attended in place; 0 without one); ``cpu_share`` is the
+        CPU's share of the host-placed tokens, cpu / (cpu + pinned), the share the policies set
+        (the D-window's tokens are in none of them)."""
         u = self.usage()
         bt = u["block_tokens"]
-        cpu, pinned = u["cpu_used_blocks"] * bt, u["pinned_used_blocks"] * bt
-        placed = cpu + pinned
-        return {"cpu_tokens": cpu, "pinned_tokens": pinned,
-                "cpu_share": cpu / placed if placed else 0.0, "live_sequences": u["live_sequences"]}
+        cpu, pinned, hbm = u["cpu_used_blocks"] * bt, u["pinned_used_blocks"] * bt, u["hbm_used_blocks"] * bt
+        host = cpu + pinned
+        return {"cpu_tokens": cpu, "pinned_tokens": pinned, "hbm_tokens": hbm,
+                "cpu_share": cpu / host if host else 0.0, "live_sequences": u["live_sequences"]}
 
     def __repr__(self):
         with _errors():

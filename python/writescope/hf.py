@@ -116,6 +116,9 @@ class WriteScopeCache(Cache):
         max_cache_len: tokens per sequence, prompt and generated (default: the config's
             ``max_position_embeddings``); sizes both host regions unless their capacities
             are given (tokens per layer, all sequences together).
+        hbm_capacity_tokens: the HBM-resident region, tokens per layer over all sequences (default
+            0: none); a multiple of ``d_window_tokens`` (else ``ConfigError``). The policies fill it
+            first; what does not fit goes to the host regions as without it.
         block_tokens, d_window_tokens: the block size and D (the eviction batch).
         backend: "host" (the library's emulated GPU side; CPU tensors) or "cuda"; default:
             "cuda" when the model is on a CUDA device.
@@ -127,7 +130,8 @@ class WriteScopeCache(Cache):
 
     def __init__(self, model, policy="roofline", *, cpu_share=None, calibration=None, max_batch_size=None,
                  max_cache_len=None, block_tokens=64, d_window_tokens=256, cpu_capacity_tokens=None,
-                 pinned_capacity_tokens=None, backend=None, set_attention=True, **kv_options):
+                 pinned_capacity_tokens=None, hbm_capacity_tokens=0, backend=None, set_attention=True,
+                 **kv_options):
         cfg = _decoder_config(model)
         self._num_layers = int(cfg.num_hidden_layers)
         super().__init__(layers=[_Layer(self) for _ in range(self._num_layers)])
@@ -155,7 +159,13 @@ class WriteScopeCache(Cache):
         self._policy_args = dict(cpu_share=cpu_share, calibration=calibration)
         self._spec = dict(block_tokens=block_tokens, d_window_tokens=d_window_tokens,
                           cpu_capacity_tokens=cpu_capacity_tokens, pinned_capacity_tokens=pinned_capacity_tokens,
-                          max_cache_len=int(max_cache_len or getattr(cfg, "max_position_embeddings", 0) or 4096))
+                          hbm_capacity_tokens=hbm_capacity_tokens, max_cache_len=int(max_cache_len or getattr(cfg, "max_position_embeddings", 0) or 4096))
+        hbm, d = int(hbm_capacity_tokens), int(d_window_tokens)
+        if hbm < 0 or (d > 0 and hbm % d):
+            # the binding's rule (KVCache refuses the same), checked here too so that a cache without
+            # max_batch_size refuses it at construction, not at the first prompt
+            raise ConfigError(f"WriteScopeCache: hbm_capacity_tokens = {hbm} must be >= 0 and a whole number of "
+                              f"eviction batches (a multiple of d_window_tokens = {d}); 0: no HBM-resident region")
         self._kv_options = kv_options
         self.kv = None  # the writescope.KVCache, created with the first prompt batch unless max_batch_size is given
         self._seqs: list[int] = []
@@ -171,6 +181,7 @@ class WriteScopeCache(Cache):
         self._firsts = None  # the prefill's first token of each row in the flattened [batch * tokens] K/V
         self._gather = None  # rows that are no suffix of the prompt: the kept positions of the flattened K/V
         self._writes_pending = False  # a prefill's deferred host writes are still pending (cuda)
+        self._check_mask_values = True  # the next decode step reads its mask's values (_check_decode_mask)
         self.last_flush = None
         if set_attention and getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -223,6 +234,7 @@ class WriteScopeCache(Cache):
         self.kv = KVCache(self.layout, self._num_layers, max_sequences=batch,
                           cpu_capacity_tokens=cap if s["cpu_capacity_tokens"] is None else s["cpu_capacity_tokens"],
                           pinned_capacity_tokens=cap if s["pinned_capacity_tokens"] is None else s["pinned_capacity_tokens"],
+                          hbm_capacity_tokens=s["hbm_capacity_tokens"],
                           block_tokens=s["block_tokens"], d_window_tokens=d, policy=self.policy,
                           backend=self.backend, **self._policy_args, **opts)
 
@@ -362,6 +374,7 @@ class WriteScopeCache(Cache):
             raise
         self._seqs = seqs
         self._prefilling = True
+        self._check_mask_values = True
 
     def _prefill_rows(self, valid, counts, b: int, t: int):
         """Where each row's prompt lies in the layer's K/V flattened to [b * t, ...]: (first tokens,
@@ -404,15 +417,25 @@ class WriteScopeCache(Cache):
         return torch.cat([c_kv, k_pe], dim=-1).to(torch.bfloat16).transpose(1, 2).contiguous()
 
     def _check_decode_mask(self):
+        """A decode step's 2D mask: its shape at every step (tensor metadata, no device work); that it keeps
+        every row's new token on every step for a CPU mask, and for a mask on a device on the first decode
+        step after each prompt only. Reading a device mask's values waits for the device (a
+        synchronization), which at every step costs a measurable share of it; generate() extends the mask
+        with a column of ones at each step, so for generate() the first step's check is the check of all.
+        A hand-written loop with a device mask that hides the new token on a later step is not refused:
+        that token is cached and attended anyway."""
         mask = self._forward
         if mask is None:
             return
         if mask.dim() != 2 or mask.shape[-1] != self._seq_len + 1:
             raise ShapeError(f"WriteScopeCache: a decode step's attention mask has shape {tuple(mask.shape)}, "
                              f"expected [batch, {self._seq_len + 1}] (the cached positions and the new token)")
+        if mask.device.type != "cpu" and not self._check_mask_values:
+            return
         if not bool(mask[:, -1].to(torch.bool).all()):
             raise ShapeError("WriteScopeCache: a decode step's attention mask masks the new token of some row; "
                              "writescope caches every decode token (as generate() does)")
+        self._check_mask_values = False
 
     # ---- decode attention ----------------------------------------------------------------
     def _decode(self, module, query, scaling):
@@ -454,7 +477,7 @@ class WriteScopeCache(Cache):
     def split(self) -> dict:
         """Where the cached tokens are now (see KVCache.split), plus the policy's target share."""
         if self.kv is None:
-            return {"cpu_tokens": 0, "pinned_tokens": 0, "cpu_share": 0.0, "live_sequences": 0}
+            return {"cpu_tokens": 0, "pinned_tokens": 0, "hbm_tokens": 0, "cpu_share": 0.0, "live_sequences": 0}
         self.kv.complete_writes()  # nothing is read from the blocks, but what split() counts has landed
         s = self.kv.split()
         s["target_share"] = self.kv.policy_state().get("target_share", 0.0)

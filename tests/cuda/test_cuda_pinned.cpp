@@ -375,6 +375,32 @@ TEST_CASE("prefault_cpu_region page-locks the eviction bounce buffer between ste
   CHECK(be.eviction_bounce_active());
 }
 
+TEST_CASE("reserve_deferred_host_writes page-locks the deferred writes' staging whole; no prefill page-locks it") {
+  const G L(8, 2);
+  cuda_backend be;
+  using cache_t = device_cache<G, cpu_only, cuda_host_register>;
+  partition_spec spec = k8_spec(L, 3, 2048);
+  spec.pinned_initial_tokens = 0;  // nothing page-locked at init but what the test reserves
+  const index_t max_bytes = index_t{4} << 20;
+  be.set_deferred_host_writes(max_bytes);
+  cache_t cache(be, L, spec, cpu_only{}, small_chunks());
+  CHECK(be.deferred_host_writes_reserved_bytes() == 0);
+  CHECK_THROWS_AS(cache.reserve_deferred_host_writes(max_bytes + 1), config_error);
+  CHECK_THROWS_AS(cache.reserve_deferred_host_writes(-1), config_error);
+  CHECK(be.deferred_host_writes_reserved_bytes() == 0);
+  CHECK(cache.reserve_deferred_host_writes(max_bytes) == max_bytes);
+  const std::size_t ranges = registered_pinned_ranges();
+  device_decode_driver<cache_t> d(cache, attention_options{2, true}, 86, gqa_scale);
+  const std::vector<sequence_id> batch{d.add(300), d.add(77), d.add(31)};  // deferred writes into the CPU region
+  CHECK(registered_pinned_ranges() == ranges);  // the prefill page-locked nothing
+  CHECK(be.deferred_host_writes_reserved_bytes() == max_bytes);
+  CHECK(checked_steps(d, batch) >= 0);  // the deferred bytes landed before the CPU side read them
+  // a refusal (1 PiB) is a pinned_memory_error and keeps the buffer
+  be.set_deferred_host_writes(index_t{1} << 50);
+  CHECK_THROWS_AS(cache.reserve_deferred_host_writes(index_t{1} << 50), pinned_memory_error);
+  CHECK(be.deferred_host_writes_reserved_bytes() == max_bytes);
+}
+
 namespace {
 
 /// Pins `bytes` with `alloc`; on success writes one block of random KV into

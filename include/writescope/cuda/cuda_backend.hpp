@@ -217,6 +217,17 @@ class basic_cuda_backend {
   /// synchronize call.
   void set_deferred_host_writes(index_t max_bytes) { writes_.set_deferred_host_writes(max_bytes); }
   [[nodiscard]] index_t deferred_host_writes() const noexcept { return writes_.deferred_host_writes(); }
+  /// Page-locks the deferred writes' prefill bounce buffer now at `bytes`
+  /// (host memory; at most deferred_host_writes(); pass that for the whole
+  /// buffer), so that no prefill page-locks it later. Completes pending
+  /// deferred writes first. Between steps, on the driving thread. Throws
+  /// config_error for bytes outside [0, deferred_host_writes()],
+  /// pinned_memory_error when page-locking is refused (nothing changed).
+  void reserve_deferred_host_writes(index_t bytes) { writes_.reserve_deferred_host_writes(bytes); }
+  /// Bytes of that buffer page-locked now.
+  [[nodiscard]] index_t deferred_host_writes_reserved_bytes() const noexcept {
+    return writes_.deferred_host_writes_reserved_bytes();
+  }
   /// Finishes the deferred pageable writes of the last write_blocks call.
   void complete_host_writes() { writes_.complete_host_writes(); }
 

@@ -22,7 +22,9 @@
 // bounce buffer run on up to 8 (evictions) or 16 (deferred writes) OpenMP
 // threads. Errors: cuda_error for a failing CUDA call, resource_error /
 // pinned_memory_error when the staging buffer cannot be allocated (a bounce
-// buffer that cannot be page-locked is no error: the copies go direct).
+// buffer that cannot be page-locked is no error: the copies go direct, except
+// from reserve_deferred_host_writes, which throws pinned_memory_error), and
+// config_error for a reservation outside [0, the deferral's max_bytes].
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -32,11 +34,13 @@
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "../backend.hpp"
 #include "../config.hpp"
+#include "../error.hpp"
 #include "../host_memory.hpp"
 #include "../layout.hpp"
 #include "context.hpp"
@@ -293,6 +297,35 @@ class host_writes {
     if (deferred_max_bytes_ == 0) deferred_bounce_ = host_allocation();
   }
   [[nodiscard]] index_t deferred_host_writes() const noexcept { return deferred_max_bytes_; }
+
+  /// Page-locks the prefill bounce buffer of the deferred writes now at
+  /// `bytes` (host memory, cudaHostAlloc), so that no later write_blocks
+  /// page-locks it (the buffer otherwise grows by doubling inside the first
+  /// prefill calls). `bytes` is in [0, deferred_host_writes()]: pass
+  /// deferred_host_writes() to reserve the whole buffer; 0, or a buffer
+  /// already at least that large, changes nothing. Completes the pending
+  /// deferred writes first (their bytes live in the old buffer); a later
+  /// write_blocks reuses the buffer from offset 0 and grows it no further while
+  /// its pageable bytes fit. A success also ends an earlier refusal (deferral
+  /// resumes). Between steps, from the thread that drives the cache. Errors:
+  /// config_error naming `bytes` when it is negative or above
+  /// deferred_host_writes(); pinned_memory_error when `bytes` cannot be
+  /// page-locked (the buffer and the deferral state are then unchanged);
+  /// cuda_error from completing the pending writes.
+  void reserve_deferred_host_writes(index_t bytes) {
+    if (bytes < 0 || bytes > deferred_max_bytes_)
+      throw config_error("reserve_deferred_host_writes: bytes = " + std::to_string(bytes) + " must be in [0, " +
+                         std::to_string(deferred_max_bytes_) +
+                         "] (set_deferred_host_writes' max_bytes; 0 = deferral off)");
+    if (bytes == 0 || deferred_bounce_.size_bytes() >= bytes) return;
+    host_allocation b = allocate_page_locked(bytes);  // throws pinned_memory_error; nothing changed yet
+    complete_host_writes();                          // nothing still reads or writes the old buffer
+    deferred_bounce_ = std::move(b);
+    deferred_refused_ = false;
+  }
+  /// Bytes of the prefill bounce buffer page-locked now (0 before the first
+  /// deferred write or reserve_deferred_host_writes, and with deferral off).
+  [[nodiscard]] index_t deferred_host_writes_reserved_bytes() const noexcept { return deferred_bounce_.size_bytes(); }
 
   /// Finishes the deferred pageable writes (of the last write_blocks call):
   /// waits for their D2H, then copies
