@@ -389,8 +389,8 @@ TEST_CASE("reserve_deferred_host_writes page-locks the deferred writes' staging 
   CHECK_THROWS_AS(cache.reserve_deferred_host_writes(-1), config_error);
   CHECK(be.deferred_host_writes_reserved_bytes() == 0);
   CHECK(cache.reserve_deferred_host_writes(max_bytes) == max_bytes);
+  device_decode_driver<cache_t> d(cache, attention_options{2, true}, 86, gqa_scale);  // the engine page-locks its own staging
   const std::size_t ranges = registered_pinned_ranges();
-  device_decode_driver<cache_t> d(cache, attention_options{2, true}, 86, gqa_scale);
   const std::vector<sequence_id> batch{d.add(300), d.add(77), d.add(31)};  // deferred writes into the CPU region
   CHECK(registered_pinned_ranges() == ranges);  // the prefill page-locked nothing
   CHECK(be.deferred_host_writes_reserved_bytes() == max_bytes);
