@@ -97,6 +97,8 @@ struct cli {
   double router_zipf = 0.0;
   std::string expert_placement = "id", migration = "swap";
   std::string decode_routing = "auto";
+  std::string hbm_kv = "auto";  // --hbm-kv auto|fixed|off: the HBM-resident KV region (CUDA path)
+  double hbm_kv_gib = 0.0;      // --hbm-kv-gib: auto's cap (0 = off), fixed's size
   int migrate_max_experts = 8;
   /// The options the user gave, by long name, with their values as typed
   /// (several uses joined by ','): an option acts or is refused (run()).
@@ -503,7 +505,8 @@ int run(cli& a) {
         "--expert-staging-mib", "--flash-prefill",         "--batched-prefill-experts",   "--kv-write-bounce-mib",
         "--cudnn-prefill",    "--no-warmup",               "--router-zipf",               "--expert-placement",
         "--migrate-max-experts", "--migration",          "--prefill-expert-gemm",       "--prefill-expert-groups",
-        "--decode-routing",   "--no-dram-ceiling",         "--device-experts-issue"};
+        "--decode-routing",   "--no-dram-ceiling",         "--device-experts-issue",      "--hbm-kv",
+        "--hbm-kv-gib"};
     for (const char* opt : cuda_only)
       if (a.gave(opt))
         refuse(opt, "acts on the CUDA path only (--device cuda or emulated)",
@@ -541,6 +544,19 @@ int run(cli& a) {
            "--expert-placement hot");
   if (a.decode_routing == "device" && a.grouped_experts == "off")
     refuse("--decode-routing", "device runs the grouped expert kernels", "--grouped-experts off");
+  // the HBM-resident KV region: auto weighs it against the experts (a device
+  // size is needed: the emulated device has one only with --vram-budget);
+  // fixed takes --hbm-kv-gib as the size; off has none
+  if (a.hbm_kv == "off" && a.gave("--hbm-kv-gib"))
+    refuse("--hbm-kv-gib", "acts with --hbm-kv auto or fixed only", "--hbm-kv off");
+  if (a.hbm_kv == "fixed" && !(a.hbm_kv_gib > 0.0))
+    refuse("--hbm-kv", "fixed needs --hbm-kv-gib > 0 (the region's size)",
+           "fixed with --hbm-kv-gib " + (a.gave("--hbm-kv-gib") ? a.given["--hbm-kv-gib"] : std::string("not given")));
+  if (kind == device_kind::emulated && a.hbm_kv == "auto" && !(a.vram_budget_gib > 0.0))
+    for (const char* opt : {"--hbm-kv", "--hbm-kv-gib"})
+      if (a.gave(opt))
+        refuse(opt, "auto acts on the emulated device with --vram-budget only (without it the device has no size to split)",
+               std::string(opt) + " " + a.given[opt] + " without --vram-budget");
   if (a.expert_placement != "hot")
     for (const char* opt : {"--migrate-max-experts", "--migration"})
       if (a.gave(opt)) refuse(opt, "acts with --expert-placement hot only", "--expert-placement " + a.expert_placement);
@@ -663,6 +679,10 @@ int run(cli& a) {
   o.assist.initial_cpu_seconds_per_token = costs.params.cpu_cost_per_token_seconds;  // the roofline's A and B
   o.assist.initial_gpu_seconds_per_token = costs.params.gpu_cost_per_token_seconds;
   writescope::roofline_params params = costs.params;
+  // H: a KV token attended in place in the HBM-resident region (the roofline's
+  // fixed GPU cost per HBM token, and the VRAM split's), at the nominal HBM rate
+  const double hbm_seconds_per_token = double(geometry_of(c).token_bytes) / (nominal_hbm_read_gbps * 1e9);
+  params.hbm_cost_per_token_seconds = hbm_seconds_per_token;
   params.placement_headroom =
       a.placement_headroom >= 0.0                                                               ? a.placement_headroom
       : kind == device_kind::cuda || o.assist.mode == writescope::assist_mode::adaptive ? 0.05
@@ -714,6 +734,16 @@ int run(cli& a) {
   dopt.layer_major_placement = a.expert_placement == "layers";
   dopt.migrate_max_experts = a.migrate_max_experts;
   dopt.migrate_reload = a.migration == "reload";
+  dopt.hbm_kv = a.hbm_kv == "off" || (a.hbm_kv == "auto" && a.gave("--hbm-kv-gib") && !(a.hbm_kv_gib > 0.0))
+                    ? hbm_kv_mode::off
+                : a.hbm_kv == "fixed" ? hbm_kv_mode::fixed
+                                      : hbm_kv_mode::automatic;
+  dopt.hbm_kv_bytes = writescope::index_t(a.hbm_kv_gib * double(1ull << 30));
+  dopt.kv_cpu_seconds_per_token = costs.params.cpu_cost_per_token_seconds;
+  dopt.kv_gpu_seconds_per_token = costs.params.gpu_cost_per_token_seconds;
+  dopt.kv_launch_seconds_per_token = costs.params.launch_cost_per_token_seconds;
+  dopt.kv_hbm_seconds_per_token = hbm_seconds_per_token;
+  dopt.cpu_expert_bytes_per_second = a.cpu_bw_gbps * 1e9;
   const generation_result r = kind == device_kind::host
                                   ? run_model(c, *src, prompts, std::move(policy), o, hooks)
                                   : run_model_device(kind, c, *src, prompts, std::move(policy), o, dopt, hooks);
@@ -803,6 +833,16 @@ int main(int argc, char** argv) {
   app.add_option("--vram-budget", a.vram_budget_gib,
                  "GiB of device memory for everything (weights, cache regions, workspaces); routed experts that do not "
                  "fit stay in host memory and run on the CPU (0 = the free device memory minus 1 GiB)")->group(g_dev);
+  app.add_option("--hbm-kv", a.hbm_kv,
+                 "CUDA path: the HBM-resident KV region. auto = --vram-budget (or the free device memory) divided "
+                 "between it and the routed experts by the decode-step time a GiB of each saves, the denser filled "
+                 "first up to its demand (the planned KV: prompts + --max-new-tokens); fixed = exactly --hbm-kv-gib; "
+                 "off = none")
+      ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"auto", "fixed", "off"}));
+  app.add_option("--hbm-kv-gib", a.hbm_kv_gib,
+                 "CUDA path: GiB of the HBM KV region, whole eviction batches: --hbm-kv auto's cap (0 = no region), "
+                 "--hbm-kv fixed's size (refused when it does not fit the budget)")
+      ->group(g_dev)->check(at_least(0, false));
   app.add_option("--max-gpu-experts", a.max_gpu_experts,
                  "at most this many routed experts (all layers) on the GPU, the rest on the CPU (-1 = no cap)")
       ->group(g_dev);

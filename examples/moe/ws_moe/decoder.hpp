@@ -102,6 +102,7 @@ struct share_point {
 
 struct sequence_summary {
   index_t prompt_tokens = 0, placed_tokens = 0, cpu_placed_tokens = 0, window_tokens = 0;
+  index_t hbm_placed_tokens = 0;  ///< of placed_tokens, in the HBM-resident region (CUDA path, --hbm-kv)
 };
 
 /// Where the thread that drives the GPU spends a prefill (CUDA path; wall
@@ -148,6 +149,17 @@ struct device_report {
   index_t experts_host_bytes = 0;    ///< routed experts in host memory
   index_t kv_bytes = 0;              ///< the cache's device regions (D-window + ping-pong)
   index_t workspace_bytes = 0;       ///< activations and scratch of the decoder
+  /// The split of the VRAM budget between routed experts and the
+  /// HBM-resident KV region (--hbm-kv; ws_moe/vram_split.hpp): the mode
+  /// ("off", "auto", "fixed"), the bytes the split divided, the region (bytes,
+  /// all layers; tokens per layer), the planned KV it weighed (tokens per
+  /// layer), P, the step seconds one GiB of each use saves, which went first
+  /// ("KV", "experts", "" when no split was made) and the one-line reason.
+  std::string hbm_kv = "off";
+  index_t split_avail_bytes = 0;
+  index_t hbm_region_bytes = 0, hbm_capacity_tokens = 0, kv_demand_tokens = 0;
+  double expert_use_probability = 0.0, expert_seconds_per_gib = 0.0, kv_seconds_per_gib = 0.0;
+  std::string split_first, split_reason;
   int experts_total = 0, experts_gpu = 0, experts_host = 0;
   std::vector<std::vector<int>> host_experts;  ///< per layer, the experts kept in host memory
   double cpu_expert_seconds = 0.0;   ///< host time in CPU experts
@@ -302,8 +314,10 @@ struct generation_result {
   double launch_seconds = 0.0, query_wait_seconds = 0.0, finish_seconds = 0.0;  ///< step_report phases, summed
   double router_wait_seconds = 0.0;  ///< decode steps only (CUDA path)
   index_t cpu_tokens = 0, streamed_tokens = 0, window_tokens = 0;
+  index_t resident_tokens = 0;                         ///< attended in place in the HBM-resident region (CUDA path)
   index_t assist_tokens = 0;                           ///< of cpu_tokens: pinned tokens attended by the CPU
   int cpu_batches = 0, gpu_batches = 0;                ///< eviction batches routed during decode
+  int hbm_batches = 0;                                 ///< of them, into the HBM-resident region (not in gpu_batches)
   std::vector<share_point> trajectory;
   std::vector<sequence_summary> sequences;             ///< per sequence, when it ended (end_sequence)
   /// Per decode step, the sequences that generated a token in it (the batch
@@ -561,7 +575,7 @@ class live_batch {
     const auto& st = cache.sequence(id);
     if (res.sequences.size() < seqs_.size()) res.sequences.resize(seqs_.size());
     res.sequences[std::size_t(i)] = {st.prompt_tokens, st.placed_tokens, st.cpu_placed_tokens,
-                                     index_t(st.window_tokens.empty() ? 0 : st.window_tokens[0])};
+                                     index_t(st.window_tokens.empty() ? 0 : st.window_tokens[0]), st.hbm_placed_tokens};
     cache.end_sequence(id);
   }
 

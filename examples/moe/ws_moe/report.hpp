@@ -236,11 +236,17 @@ inline void print_device(std::FILE* f, const generation_result& r) {
   const device_report& d = r.device;
   std::fprintf(f, "device     %s; precision: %s\n", d.device.c_str(), d.precision.c_str());
   std::fprintf(f, "device mem total %s, budget %s, in use after setup %s: weights %s, routed experts %s, "
-                  "KV regions (D-window + ping-pong) %s, workspaces %s\n",
+                  "KV regions (D-window + ping-pong) %s, HBM KV region %s, workspaces %s\n",
                human_bytes(d.total_bytes).c_str(), d.budget_bytes > 0 ? human_bytes(d.budget_bytes).c_str() : "none",
                human_bytes(d.used_bytes).c_str(),
                human_bytes(d.weights_bytes).c_str(), human_bytes(d.experts_gpu_bytes).c_str(), human_bytes(d.kv_bytes).c_str(),
-               human_bytes(d.workspace_bytes).c_str());
+               human_bytes(d.hbm_region_bytes).c_str(), human_bytes(d.workspace_bytes).c_str());
+  std::fprintf(f, "VRAM split --hbm-kv %s: HBM KV region %s, %lld tokens per layer of %lld planned; %d routed experts on "
+                  "the GPU; left to divide %s: %s\n",
+               d.hbm_kv.c_str(), human_bytes(d.hbm_region_bytes).c_str(), static_cast<long long>(d.hbm_capacity_tokens),
+               static_cast<long long>(d.kv_demand_tokens), d.experts_gpu,
+               d.budget_bytes > 0 ? human_bytes(d.split_avail_bytes).c_str() : "no bound",
+               d.split_reason.c_str());
   std::fprintf(f, "experts    %d routed experts: %d on the GPU, %d in host memory (%s), CPU expert time %.3f s for %lld rows\n",
                d.experts_total, d.experts_gpu, d.experts_host, human_bytes(d.experts_host_bytes).c_str(), d.cpu_expert_seconds,
                static_cast<long long>(d.cpu_expert_rows));
@@ -451,30 +457,31 @@ inline void print_summary(std::FILE* f, const model_config& c, const generation_
                     "(P99/P50 %.2f), %.1f tok/s\n",
                  s.tpot_first_step_ms, r.step_seconds.size(), s.tpot_steady_p50_ms, s.tpot_steady_p99_ms,
                  s.steady_p99_over_p50(), s.decode_steady_tok_s);
-  std::fprintf(f, "attention  %.3f s in hybrid steps (CPU engine %.3f s, GPU side %.3f s); KV tokens attended: CPU %lld, streamed %lld, D-window %lld\n",
+  std::fprintf(f, "attention  %.3f s in hybrid steps (CPU engine %.3f s, GPU side %.3f s); KV tokens attended: CPU %lld, streamed %lld, HBM %lld, D-window %lld\n",
                r.attention_seconds, r.cpu_engine_seconds, r.gpu_engine_seconds, static_cast<long long>(r.cpu_tokens),
-               static_cast<long long>(r.streamed_tokens), static_cast<long long>(r.window_tokens));
+               static_cast<long long>(r.streamed_tokens), static_cast<long long>(r.resident_tokens),
+               static_cast<long long>(r.window_tokens));
   if (r.assist_tokens > 0)
     std::fprintf(f, "assist     the CPU engine attended %lld pinned KV tokens in place (%.3f of the pinned tokens attended)\n",
                  static_cast<long long>(r.assist_tokens),
                  double(r.assist_tokens) / double(std::max<index_t>(1, r.assist_tokens + r.streamed_tokens)));
   std::fprintf(f, "CPU share  layer group 0 (layers 0-%d, one block table for all layers): %.3f of %lld placed tokens; "
-               "decode evictions: %d to CPU, %d to GPU\n",
+               "decode evictions: %d to CPU, %d to GPU, %d to HBM\n",
                L - 1, s.cpu_share, static_cast<long long>([&] {
                  index_t p = 0;
                  for (const auto& q : r.sequences) p += q.placed_tokens;
                  return p;
                }()),
-               r.cpu_batches, r.gpu_batches);
+               r.cpu_batches, r.gpu_batches, r.hbm_batches);
   const std::size_t lines = so.sequence_lines;
   const std::size_t listed = std::min(lines, r.sequences.size());
   for (std::size_t i = 0; i < listed; ++i) {
     const auto& q = r.sequences[i];
-    std::fprintf(f, "           seq %zu: prompt %lld, placed %lld (CPU %lld, share %.3f), D-window %lld\n", i,
+    std::fprintf(f, "           seq %zu: prompt %lld, placed %lld (CPU %lld, share %.3f; HBM %lld), D-window %lld\n", i,
                  static_cast<long long>(q.prompt_tokens), static_cast<long long>(q.placed_tokens),
                  static_cast<long long>(q.cpu_placed_tokens),
                  q.placed_tokens ? double(q.cpu_placed_tokens) / double(q.placed_tokens) : 0.0,
-                 static_cast<long long>(q.window_tokens));
+                 static_cast<long long>(q.hbm_placed_tokens), static_cast<long long>(q.window_tokens));
   }
   {  // aggregates over every sequence (the lines above list `listed` of them)
     std::vector<double> prompt, placed, share, window, generated;
@@ -591,12 +598,13 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
                            {"flush_seconds", r.step_flush_seconds},
                            {"head_seconds", r.step_head_seconds}};
   j["cpu_share"] = s.cpu_share;
-  j["decode_evictions"] = {{"cpu", r.cpu_batches}, {"gpu", r.gpu_batches}};
+  j["decode_evictions"] = {{"cpu", r.cpu_batches}, {"gpu", r.gpu_batches}, {"hbm", r.hbm_batches}};
   j["attention"] = {{"seconds", r.attention_seconds},     {"cpu_engine_seconds", r.cpu_engine_seconds},
                     {"launch_seconds", r.launch_seconds},   {"query_wait_seconds", r.query_wait_seconds},
                     {"finish_seconds", r.finish_seconds},   {"router_wait_seconds", r.router_wait_seconds},
                     {"gpu_side_seconds", r.gpu_engine_seconds}, {"cpu_tokens", r.cpu_tokens},
                     {"streamed_tokens", r.streamed_tokens}, {"window_tokens", r.window_tokens},
+                    {"hbm_tokens", r.resident_tokens},
                     {"assist_tokens", r.assist_tokens}};
   nlohmann::json traj = nlohmann::json::array();
   for (const auto& p : r.trajectory)
@@ -605,7 +613,8 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
   nlohmann::json seqs = nlohmann::json::array();
   for (const auto& q : r.sequences)
     seqs.push_back({{"prompt_tokens", q.prompt_tokens}, {"placed_tokens", q.placed_tokens},
-                    {"cpu_placed_tokens", q.cpu_placed_tokens}, {"window_tokens", q.window_tokens}});
+                    {"cpu_placed_tokens", q.cpu_placed_tokens}, {"hbm_placed_tokens", q.hbm_placed_tokens},
+                    {"window_tokens", q.window_tokens}});
   j["sequences"] = seqs;
   const auto& u = r.usage;
   const index_t per_block_all = r.block_bytes * r.spec.num_layers;
@@ -614,11 +623,14 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
                        {"pinned_reserved", u.pinned_region_bytes},
                        {"pinned_used", u.pinned_used_blocks * per_block_all},
                        {"d_window", u.d_window_bytes},
-                       {"ping_pong", u.ping_pong_bytes}};
+                       {"ping_pong", u.ping_pong_bytes},
+                       {"hbm_reserved", u.hbm_region_bytes},
+                       {"hbm_used", u.hbm_used_blocks * per_block_all}};
   j["spec"] = {{"block_tokens", r.spec.block_tokens},       {"d_window_tokens", r.spec.d_window_tokens},
                {"ping_pong_bytes", r.spec.ping_pong_bytes}, {"ping_pong_buffers", r.spec.ping_pong_buffers},
                {"first_chunk_bytes", r.spec.first_chunk_bytes},
-               {"gpu_split_blocks", r.spec.gpu_split_blocks}, {"cpu_task_blocks", r.spec.cpu_task_blocks}};
+               {"gpu_split_blocks", r.spec.gpu_split_blocks}, {"cpu_task_blocks", r.spec.cpu_task_blocks},
+               {"hbm_capacity_tokens", r.spec.hbm_capacity_tokens}};
   j["backend"] = r.backend;
   if (r.device.used) {
     const device_report& d = r.device;
@@ -638,6 +650,18 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
                    {"prefill_waves", d.prefill_waves},
                    {"prefill_block_rows", d.prefill_block_rows},
                    {"prefill_attention", d.prefill_attention}};
+    j["vram_split"] = {{"hbm_kv", d.hbm_kv},
+                       {"avail_bytes", d.split_avail_bytes},
+                       {"hbm_region_bytes", d.hbm_region_bytes},
+                       {"hbm_capacity_tokens", d.hbm_capacity_tokens},
+                       {"kv_demand_tokens", d.kv_demand_tokens},
+                       {"experts_gpu", d.experts_gpu},
+                       {"experts_gpu_bytes", d.experts_gpu_bytes},
+                       {"expert_use_probability", d.expert_use_probability},
+                       {"expert_seconds_per_gib", d.expert_seconds_per_gib},
+                       {"kv_seconds_per_gib", d.kv_seconds_per_gib},
+                       {"first", d.split_first},
+                       {"reason", d.split_reason}};
     j["kv_prefault"] = {{"bytes", d.kv_prefault_bytes}, {"seconds", d.kv_prefault_seconds}};
     j["kv_pinned_ahead"] = {{"bytes", d.kv_pinned_ahead_bytes}, {"seconds", d.kv_pinned_ahead_seconds}};
     j["prefill_phases_seconds"] = {{"attention", d.prefill_attention_seconds},

@@ -44,6 +44,13 @@
 
 namespace ws_moe {
 
+/// The HBM read rate (GB/s) behind H, the GPU's time for a KV token attended
+/// in place in the HBM-resident region (token bytes / this), where nothing
+/// measures it: an H100 PCIe's HBM2e; an H100 SXM reads about 3350, an H200
+/// about 4800. H is two orders of magnitude below the host tiers' A and B, so
+/// the VRAM split and the roofline barely move with it.
+inline constexpr double nominal_hbm_read_gbps = 2000.0;
+
 /// The attention geometry that decides the cost of a KV token.
 struct attention_geometry {
   bool mla = false;

@@ -72,6 +72,7 @@
 #include "../weights.hpp"
 #include "../cpu_experts.hpp"
 #include "../dram_ceiling.hpp"
+#include "../vram_split.hpp"
 #include "device_weights.hpp"
 #include "cudnn_prefill.hpp"
 #include "flash_prefill.hpp"
@@ -206,6 +207,21 @@ struct device_options {
   /// (--no-dram-ceiling) skips it; refused (config_error) where no expert is
   /// on the host, since there is then nothing to skip.
   bool dram_ceiling = true;
+  /// The HBM-resident KV region (partition_spec::hbm_capacity_tokens):
+  /// `off` none; `automatic` the split of vram_split.hpp between it and the
+  /// routed experts (at most hbm_kv_bytes when > 0; none on the emulated
+  /// device without a budget, which has no size to split); `fixed` exactly
+  /// hbm_kv_bytes in whole eviction batches (config_error when it does not fit).
+  hbm_kv_mode hbm_kv = hbm_kv_mode::off;
+  index_t hbm_kv_bytes = 0;
+  /// The split's costs per KV token and layer: the roofline's A, B, K
+  /// (roofline_init.hpp) and H, the GPU's time for a token attended in HBM;
+  /// and the CPU's read rate of expert weights (bytes per second).
+  double kv_cpu_seconds_per_token = 0.0;
+  double kv_gpu_seconds_per_token = 0.0;
+  double kv_launch_seconds_per_token = 0.0;
+  double kv_hbm_seconds_per_token = 0.0;
+  double cpu_expert_bytes_per_second = 80e9;
 };
 
 /// The Zipf router bias of one layer (--router-zipf): expert perm[r] (perm a
@@ -312,17 +328,33 @@ class device_decoder {
       x_.backend().set_launch_thread(d_.launch_thread);
     if constexpr (requires(backend_type& b) { b.set_deferred_host_writes(index_t{0}); })
       x_.backend().set_deferred_host_writes(d_.deferred_kv_write_bytes);
-    cache_ = std::make_unique<cache_type>(x_.backend(), layout(), res.spec, std::move(policy),
-                                          typename Exec::pinned_allocator{}, cache_options{o.kv.poison});
     attention_options ao;
     ao.cpu_threads = o.threads;
     ao.assist = o.assist;
     ao.task_workspace_reserve_bytes = index_t{256} << 20;  // no page faults in the decode steps (hybrid_attention)
-    hybrid_ = std::make_unique<hybrid_attention<cache_type>>(*cache_, ao);
+    auto build_cache = [&](runtime_policy p) {
+      hybrid_.reset();  // the engine refers to the cache: it goes first
+      cache_.reset();
+      cache_ = std::make_unique<cache_type>(x_.backend(), layout(), res.spec, std::move(p),
+                                            typename Exec::pinned_allocator{}, cache_options{o.kv.poison});
+      hybrid_ = std::make_unique<hybrid_attention<cache_type>>(*cache_, ao);
+    };
+    build_cache(policy);
     plan_waves(prompts);
     use_flash_ = flash_applies();
     cpu_threads_ = o.threads;
     allocate_workspaces(prompts);
+
+    // ---- the VRAM split: routed experts against the HBM-resident KV region ----------
+    // Weighed with the device memory in use now (weights, D-window, ping-pong,
+    // workspaces); the cache is built again with the region when it gets one,
+    // before any sequence exists, and the experts take what is left.
+    choose_vram_split(prompts, o, res.device);
+    if (res.device.hbm_capacity_tokens > 0) {
+      res.spec.hbm_capacity_tokens = res.device.hbm_capacity_tokens;
+      build_cache(std::move(policy));
+      res.device.hbm_region_bytes = cache_->usage().hbm_region_bytes;
+    }
 
     // ---- routed experts: device while the budget lasts, then host memory ----------
     place_and_load_experts(res.device);
@@ -333,7 +365,7 @@ class device_decoder {
     res.block_bytes = cache_->format().block_bytes();
     res.token_bytes = layout().token_bytes();
     const region_usage u0 = cache_->usage();
-    res.device.kv_bytes = u0.d_window_bytes + u0.ping_pong_bytes;
+    res.device.kv_bytes = u0.d_window_bytes + u0.ping_pong_bytes;  // the HBM region: hbm_region_bytes
     res.device.weights_bytes = weights_bytes_;
     res.device.workspace_bytes = workspace_bytes_;
     res.device.total_bytes = x_.device_total_bytes();
@@ -480,6 +512,7 @@ class device_decoder {
       before.push_step(res, std::chrono::duration<double>(std::chrono::steady_clock::now() - t_flush).count());
       res.cpu_batches += fr.cpu_batches;
       res.gpu_batches += fr.gpu_batches;
+      res.hbm_batches += fr.hbm_batches;
       if (fr.evicted_sequences > 0) res.trajectory.push_back(share_of(*cache_, live.seqs(), s));
       const auto t_head = std::chrono::steady_clock::now();
       logits = head(x_buf_, n);
@@ -805,7 +838,7 @@ class device_decoder {
   index_t device_used() const {
     if constexpr (Exec::is_emulated) {
       const writescope::region_usage u = cache_->usage();
-      return x_.allocated_bytes() + u.d_window_bytes + u.ping_pong_bytes;
+      return x_.allocated_bytes() + u.d_window_bytes + u.ping_pong_bytes + u.hbm_region_bytes;
     } else {
       return x_.device_used_bytes();
     }
@@ -832,6 +865,95 @@ class device_decoder {
       return built(Layout::head_dim, Layout::head_dim);
   }
 
+  /// The device memory everything must fit: --vram-budget, else the device's
+  /// total less 1 GiB (in the units of device_used(): total - free); the
+  /// emulated device without a budget has no bound.
+  index_t budget_bytes() const {
+    if (d_.vram_budget_bytes > 0) return d_.vram_budget_bytes;
+    if constexpr (Exec::is_emulated)
+      return std::numeric_limits<index_t>::max() / 4;
+    else
+      return x_.device_total_bytes() - (index_t{1} << 30);
+  }
+
+  /// One routed expert's footprint in the device slab (three matrices,
+  /// 256-byte aligned) and its weights' bytes.
+  std::pair<index_t, index_t> expert_slab_and_bytes(int layer) const {
+    const index_t H = c_.hidden_size, I = c_.moe_intermediate_size;
+    const index_t ebytes = gpu::expert_bytes(c_, *src_, layer);
+    const index_t esz = ebytes / (3 * H * I);  // bytes per element on the device
+    using loader = gpu::device_loader<Exec>;
+    return {2 * loader::slab_bytes(I * H * esz) + loader::slab_bytes(H * I * esz), ebytes};
+  }
+
+  /// The split of the device memory left after the weights, the cache's
+  /// D-window and ping-pong and the workspaces between the routed experts and
+  /// the HBM-resident KV region (vram_split.hpp), into rep: the region's
+  /// tokens per layer (hbm_capacity_tokens; 0: none), the densities and the
+  /// reason. Throws config_error when a fixed region does not fit.
+  void choose_vram_split(const std::vector<std::vector<int>>& prompts, const run_options& o, device_report& rep) {
+    rep.hbm_kv = d_.hbm_kv == hbm_kv_mode::off ? "off" : d_.hbm_kv == hbm_kv_mode::fixed ? "fixed" : "auto";
+    vram_split_inputs in;
+    in.mode = d_.hbm_kv;
+    in.cap_bytes = d_.hbm_kv_bytes;
+    in.sized = !(Exec::is_emulated && d_.vram_budget_bytes <= 0);
+    const index_t H4 = index_t(c_.hidden_size) * index_t(sizeof(float));
+    const index_t reserve = Exec::is_emulated ? 0 : d_.budget_reserve_bytes;
+    const index_t budget = budget_bytes();
+    in.avail_bytes = std::max<index_t>(0, budget - device_used() - xg_small_rows_ * H4 - reserve);
+    const int first_moe = first_moe_layer();
+    if (first_moe >= 0) {
+      const auto [slab, bytes] = expert_slab_and_bytes(first_moe);
+      index_t moe_layers = 0;
+      for (int l = 0; l < c_.num_layers; ++l) moe_layers += c_.is_moe_layer(l) ? 1 : 0;
+      in.experts_total = moe_layers * c_.num_experts;
+      if (d_.max_gpu_experts >= 0) in.experts_total = std::min<index_t>(in.experts_total, d_.max_gpu_experts);
+      in.expert_slab_bytes = slab;
+      in.expert_host_bytes = bytes;
+      // once an expert is on the host: its fp32 input rows and the staging
+      // ring (as large as it gets: every expert of a layer on the host)
+      if (xg_small_rows_ < xg_full_rows_)
+        in.host_expert_floor_bytes = ((d_.stream_experts ? xg_cpu_wave_rows_ : xg_full_rows_) - xg_small_rows_) * H4;
+      if (d_.stream_experts)
+        in.host_expert_floor_bytes += index_t(staging_slots_for(c_.num_experts, budget, slab)) * slab;
+      in.num_experts = c_.num_experts;
+      in.experts_per_token = c_.experts_per_tok;
+    }
+    in.batch = int(prompts.size());
+    in.cpu_expert_bytes_per_second = d_.cpu_expert_bytes_per_second;
+    const writescope::partition_spec& sp = cache_->spec();
+    in.batch_tokens = sp.d_window_tokens;
+    for (const auto& p : prompts)  // the whole eviction batches each sequence can place
+      in.kv_demand_tokens += (index_t(p.size()) + o.max_new_tokens) / sp.d_window_tokens * sp.d_window_tokens;
+    in.kv_token_bytes = cache_->format().block_bytes() / sp.block_tokens * sp.num_layers;
+    in.num_layers = sp.num_layers;
+    in.cpu_seconds_per_token = d_.kv_cpu_seconds_per_token;
+    in.gpu_seconds_per_token = d_.kv_gpu_seconds_per_token;
+    in.launch_seconds_per_token = d_.kv_launch_seconds_per_token;
+    in.hbm_seconds_per_token = d_.kv_hbm_seconds_per_token;
+    const vram_split s = ws_moe::split_vram(in);
+    rep.split_avail_bytes = in.avail_bytes;
+    rep.hbm_capacity_tokens = s.hbm_tokens;
+    rep.kv_demand_tokens = s.kv_demand_tokens;
+    rep.expert_use_probability = s.expert_use_probability;
+    rep.expert_seconds_per_gib = s.expert_seconds_per_gib;
+    rep.kv_seconds_per_gib = s.kv_seconds_per_gib;
+    rep.split_first = s.first;
+    rep.split_reason = s.reason;
+  }
+
+  /// The staging ring's slots for `host_per_layer` host experts in the
+  /// layer with the most (d_.expert_staging_bytes, else two layers' where
+  /// that takes at most an eighth of the budget, else one layer's within that
+  /// eighth; at least 2). Never fewer for more host experts.
+  int staging_slots_for(index_t host_per_layer, index_t budget, index_t eslab) const {
+    index_t want = d_.expert_staging_bytes > 0 ? d_.expert_staging_bytes / eslab
+                   : 2 * host_per_layer * eslab <= budget / 8
+                       ? 2 * host_per_layer
+                       : std::min(host_per_layer, std::max<index_t>(2, budget / 8 / eslab));
+    return int(std::clamp<index_t>(want, 2, std::max<index_t>(2, 2 * host_per_layer)));
+  }
+
   void place_and_load_experts(device_report& rep) {
     int first_moe = -1;
     std::vector<int> moe_layers;
@@ -843,21 +965,11 @@ class device_decoder {
     rep.host_experts.assign(std::size_t(c_.num_layers), {});
     if (moe_layers.empty()) return;
     const index_t H = c_.hidden_size, I = c_.moe_intermediate_size;
-    const index_t ebytes = gpu::expert_bytes(c_, *src_, first_moe);
-    const index_t esz = ebytes / (3 * H * I);  // bytes per element on the device
-    using loader = gpu::device_loader<Exec>;
-    // one expert's footprint in the device slab (three matrices, 256-byte aligned)
-    const index_t eslab = 2 * loader::slab_bytes(I * H * esz) + loader::slab_bytes(H * I * esz);
+    const index_t eslab = expert_slab_and_bytes(first_moe).first;
     const index_t nl = index_t(moe_layers.size());
     const index_t E = c_.num_experts;
     const index_t total = nl * E;
-    index_t budget = d_.vram_budget_bytes;
-    if (budget <= 0) {
-      if constexpr (Exec::is_emulated)
-        budget = std::numeric_limits<index_t>::max() / 4;
-      else
-        budget = x_.device_total_bytes() - (index_t{1} << 30);  // in the units of device_used(): total - free
-    }
+    const index_t budget = budget_bytes();
     rep.budget_bytes = Exec::is_emulated && d_.vram_budget_bytes <= 0 ? 0 : budget;  // 0: no budget (emulated)
     // the fp32 expert inputs (xg_, allocated below) are a workspace: their
     // size depends on whether host experts exist (allocate_workspaces' sizes)
@@ -886,12 +998,7 @@ class device_decoder {
         // the most host experts one layer has under the placement order
         const index_t host_per_layer =
             d_.layer_major_placement ? std::min(E, total - fit) : (total - fit + nl - 1) / nl;
-        index_t want = d_.expert_staging_bytes > 0 ? d_.expert_staging_bytes / eslab
-                       : 2 * host_per_layer * eslab <= budget / 8
-                           ? 2 * host_per_layer
-                           : std::min(host_per_layer, std::max<index_t>(2, budget / 8 / eslab));
-        want = std::clamp<index_t>(want, 2, std::max<index_t>(2, 2 * host_per_layer));
-        slots = int(want);
+        slots = staging_slots_for(host_per_layer, budget, eslab);
         if (index_t(slots) * eslab > avail)
           throw writescope::config_error(
               "--vram-budget " + writescope::format_bytes(budget) + ": the expert staging ring (" + std::to_string(slots) +
@@ -2638,6 +2745,7 @@ class device_decoder {
     res.assist_tokens += r.assist_tokens;
     res.streamed_tokens += r.streamed_tokens;
     res.window_tokens += r.window_tokens;
+    res.resident_tokens += r.resident_tokens;
     attention_output(L, B);
     x_.run(gpu::add_op{x_buf_, y_}, B * H);
     ffn_residual(l, B, true);
