@@ -91,6 +91,9 @@ TEST_CASE("assist_balance_fraction: equal finish times, clamped, zero without pi
   CHECK(assist_balance_fraction(1e-9, 1e-9, 100, 0, 1.0) == 0.0);
   CHECK(assist_balance_fraction(0.0, 1e-9, 100, 400, 1.0) == 0.0);  // CPU not measured yet
   CHECK(assist_balance_fraction(1e-9, 0.0, 100, 400, 1.0) == 0.0);  // GPU not measured yet
+  // a fixed GPU cost (HBM-resident tokens): (400 + 200 - 0) / (2 * 400) of the pinned tokens
+  CHECK(assist_balance_fraction(1e-9, 1e-9, 0, 400, 1.0, 200e-9) == doctest::Approx(0.75));
+  CHECK(assist_balance_fraction(2e-9, 1e-9, 100, 400, 1.0, 0.0) == doctest::Approx(1.0 / 6.0));  // none: as before
 }
 
 TEST_CASE("fixed assist: GQA Qwen3 32/4, ragged, several evictions, exact against fp64") {
@@ -172,6 +175,35 @@ TEST_CASE("assist options out of range: config_error naming the value") {
   o = with_assist(1, assist_mode::adaptive);
   o.assist.rate_smoothing = 0.0;
   CHECK_THROWS_WITH_AS(make(o), doctest::Contains("rate_smoothing 0"), config_error);
+  o = with_assist(1, assist_mode::adaptive);
+  o.assist.resident_seconds_per_token = -1e-9;
+  CHECK_THROWS_WITH_AS(make(o), doctest::Contains("resident_seconds_per_token -1e-09"), config_error);
+}
+
+TEST_CASE("adaptive assist with an HBM-resident region: resident tokens are a fixed GPU cost, not streaming time") {
+  // One sequence with two eviction batches in HBM and three pinned; equal
+  // starting rates. Without resident_seconds_per_token the balance sees only the
+  // pinned tokens (half of them to the CPU); with it, the GPU side's resident
+  // work tips the balance to the CPU up to the cap. Exact either way (step().ok()).
+  const G L(8, 2);
+  partition_spec spec = small_spec_for(L, 1, 1, 6, 16, 16);  // block 16, D 16: one block per eviction batch
+  spec.hbm_capacity_tokens = 2 * spec.d_window_tokens;       // two batches
+  auto run = [&](double resident_seconds_per_token) {
+    attention_options o = with_assist(1, assist_mode::adaptive);
+    o.assist.max_pinned_fraction = 1.0;
+    o.assist.initial_cpu_seconds_per_token = 1e-9;
+    o.assist.initial_gpu_seconds_per_token = 1e-9;
+    o.assist.resident_seconds_per_token = resident_seconds_per_token;
+    test_rig<host_backend, G, gpu_only> t(L, spec, gpu_only{}, o, 7, gqa_scale);
+    std::vector<sequence_id> batch{t.d.add(80)};
+    REQUIRE(t.cache.sequence(batch[0]).hbm_blocks.size() == 2);
+    REQUIRE(t.cache.sequence(batch[0]).pinned_blocks.size() == 3);
+    REQUIRE(t.d.step(batch).ok());
+    CHECK(t.d.last_report.resident_tokens == 2 * spec.block_tokens);
+    return t.d.last_report.assist_tokens;
+  };
+  CHECK(run(0.0) == 2 * spec.block_tokens);   // f = 0.5 of 3 blocks: round(1.5) = 2
+  CHECK(run(1e-6) == 3 * spec.block_tokens);  // 32 resident tokens at 1 us each: f clamps to the cap, all 3
 }
 
 TEST_CASE("adaptive assist: the cap holds after rounding, so the GPU keeps streaming") {

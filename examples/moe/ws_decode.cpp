@@ -683,6 +683,7 @@ int run(cli& a) {
   // fixed GPU cost per HBM token, and the VRAM split's), at the nominal HBM rate
   const double hbm_seconds_per_token = double(geometry_of(c).token_bytes) / (nominal_hbm_read_gbps * 1e9);
   params.hbm_cost_per_token_seconds = hbm_seconds_per_token;
+  o.assist.resident_seconds_per_token = hbm_seconds_per_token;  // the assist's GPU side: resident time is fixed
   params.placement_headroom =
       a.placement_headroom >= 0.0                                                               ? a.placement_headroom
       : kind == device_kind::cuda || o.assist.mode == writescope::assist_mode::adaptive ? 0.05

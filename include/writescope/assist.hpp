@@ -51,17 +51,29 @@ struct assist_options {
   /// blocks (e.g. gpu_only placement) — give an initial CPU rate there.
   double initial_cpu_seconds_per_token = 0.0;
   double initial_gpu_seconds_per_token = 0.0;
+  /// adaptive mode: GPU seconds per KV token of the HBM-resident region
+  /// (partition_spec::hbm_capacity_tokens), e.g. the roofline's
+  /// roofline_params::hbm_cost_per_token_seconds; >= 0 and finite. The GPU side
+  /// attends those tokens in place before its streamed chunks, so the assist
+  /// takes H × (the step's resident tokens) off the GPU side's measured time
+  /// before dividing by the streamed tokens, and counts it as a fixed cost of
+  /// the GPU side in the balance. 0: resident time is not separated (it then
+  /// inflates the streamed per-token time, and the assist takes too much).
+  double resident_seconds_per_token = 0.0;
 };
 
 /// adaptive assist's balance (pure; exposed for tests): the fraction f of the
 /// `pinned_tokens` the CPU engine should take so that, at `cpu_seconds_per_token`
-/// and `gpu_seconds_per_token`, cpu·(cpu_tokens + f·pinned) = gpu·(1 − f)·pinned;
-/// clamped to [0, max_fraction]; 0 without pinned tokens or without both rates.
+/// and `gpu_seconds_per_token`, cpu·(cpu_tokens + f·pinned) = gpu·(1 − f)·pinned
+/// + gpu_fixed_seconds (the GPU side's work besides streaming, e.g. its
+/// HBM-resident tokens); clamped to [0, max_fraction]; 0 without pinned tokens
+/// or without both rates.
 [[nodiscard]] constexpr double assist_balance_fraction(double cpu_seconds_per_token, double gpu_seconds_per_token,
                                                        index_t cpu_tokens, index_t pinned_tokens,
-                                                       double max_fraction) noexcept {
+                                                       double max_fraction, double gpu_fixed_seconds = 0.0) noexcept {
   if (pinned_tokens <= 0 || !(cpu_seconds_per_token > 0.0) || !(gpu_seconds_per_token > 0.0)) return 0.0;
-  const double x = (gpu_seconds_per_token * double(pinned_tokens) - cpu_seconds_per_token * double(cpu_tokens)) /
+  const double x = (gpu_seconds_per_token * double(pinned_tokens) + gpu_fixed_seconds -
+                    cpu_seconds_per_token * double(cpu_tokens)) /
                    ((cpu_seconds_per_token + gpu_seconds_per_token) * double(pinned_tokens));
   return x < 0.0 ? 0.0 : x > max_fraction ? max_fraction : x;
 }

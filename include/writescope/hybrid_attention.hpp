@@ -166,6 +166,9 @@ class hybrid_attention {
       throw config_error("attention_options::assist: initial per-token times (" +
                          detail::format_double(a.initial_cpu_seconds_per_token) + ", " +
                          detail::format_double(a.initial_gpu_seconds_per_token) + " s) must be finite and >= 0");
+    if (!rate(a.resident_seconds_per_token))
+      throw config_error("attention_options::assist: resident_seconds_per_token " +
+                         detail::format_double(a.resident_seconds_per_token) + " s must be finite and >= 0");
     assist_cpu_rate_ = a.initial_cpu_seconds_per_token;
     assist_gpu_rate_ = a.initial_gpu_seconds_per_token;
     reserve_task_workspace();
@@ -484,14 +487,17 @@ class hybrid_attention {
     if (a.mode == assist_mode::off) return;
     double f = a.fixed_fraction;
     if (a.mode == assist_mode::adaptive) {
-      index_t cpu_tokens = 0, pinned_tokens = 0;
+      index_t cpu_tokens = 0, pinned_tokens = 0, resident_tokens = 0;
       for (sequence_id id : seqs) {
         const sequence_state& st = v.sequences[std::size_t(id)];
         cpu_tokens += index_t(st.cpu_blocks.size());
         pinned_tokens += index_t(st.pinned_blocks.size());
+        resident_tokens += index_t(st.hbm_blocks.size());
       }
+      // the GPU side's resident tokens: a fixed cost next to what it streams
+      const double gpu_fixed = a.resident_seconds_per_token * double(resident_tokens * v.format.block_tokens);
       f = assist_balance_fraction(assist_cpu_rate_, assist_gpu_rate_, cpu_tokens * v.format.block_tokens,
-                                  pinned_tokens * v.format.block_tokens, a.max_pinned_fraction);
+                                  pinned_tokens * v.format.block_tokens, a.max_pinned_fraction, gpu_fixed);
     }
     for (std::size_t i = 0; i < seqs.size(); ++i) {
       const index_t n = index_t(v.sequences[std::size_t(seqs[i])].pinned_blocks.size());
@@ -505,7 +511,9 @@ class hybrid_attention {
 
   // adaptive assist: smoothed seconds per KV token of each side. The GPU side
   // prefers the engine's critical time (from the caller's readiness to the end
-  // of the attention, excluding copies that ran ahead) where it reports one.
+  // of the attention, excluding copies that ran ahead) where it reports one,
+  // less its HBM-resident tokens at assist_options::resident_seconds_per_token
+  // (at least a tenth of it is kept as streaming time).
   // Dense samples only: a sparse step's volumes are selected tokens averaged
   // over heads (and an asynchronous engine's GPU sample may be an earlier launch's).
   void update_assist_rates(const cost_sample& s, double gpu_critical_seconds, bool gpu_sample_sparse) {
@@ -514,7 +522,9 @@ class hybrid_attention {
     auto blend = [w](double& rate, double sample) { rate = rate > 0.0 ? rate + w * (sample - rate) : sample; };
     if (!sparse_tasks_ && s.cpu_tokens > 0 && std::isfinite(s.cpu_seconds) && s.cpu_seconds > 0.0)
       blend(assist_cpu_rate_, s.cpu_seconds / double(s.cpu_tokens));
-    const double g = gpu_critical_seconds > 0.0 ? gpu_critical_seconds : s.gpu_seconds;
+    double g = gpu_critical_seconds > 0.0 ? gpu_critical_seconds : s.gpu_seconds;
+    if (s.gpu_resident_tokens > 0 && std::isfinite(g))
+      g = std::max(0.1 * g, g - options_.assist.resident_seconds_per_token * double(s.gpu_resident_tokens));
     if (!gpu_sample_sparse && s.gpu_streamed_tokens > 0 && std::isfinite(g) && g > 0.0)
       blend(assist_gpu_rate_, g / double(s.gpu_streamed_tokens));
   }
