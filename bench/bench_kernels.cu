@@ -3,7 +3,8 @@
 // instantiations of the GPU kernels' launchers (writescope/cuda/kernels.cuh)
 // for the layouts of the three presets (Qwen3-30B-A3B and Mixtral-8x7B: GQA
 // d 128; DeepSeek-V2-Lite: absorbed MLA 512 + 64), with the slow-consumer
-// kernels of the ablation arms' backend (cuda_test_hooks). Compiled by nvcc.
+// kernels of the ablation arms' backend (cuda_test_hooks) and the resident-region
+// kernels (resident_bench). Compiled by nvcc.
 #include <writescope/cuda/kernels.cuh>
 
 WS_CUDA_INSTANTIATE_COMMON()
@@ -11,6 +12,8 @@ WS_CUDA_INSTANTIATE(writescope::gqa_layout<128>)
 WS_CUDA_INSTANTIATE(writescope::mla_layout<512, 64>)
 WS_CUDA_INSTANTIATE_TEST_HOOKS(writescope::gqa_layout<128>)
 WS_CUDA_INSTANTIATE_TEST_HOOKS(writescope::mla_layout<512, 64>)
+WS_CUDA_INSTANTIATE_RESIDENT(writescope::gqa_layout<128>)
+WS_CUDA_INSTANTIATE_RESIDENT(writescope::mla_layout<512, 64>)
 
 // The same-run HBM read rate of ws_bench --mode hbm (bench/hbm_ceiling.hpp):
 // cub::DeviceReduce::Sum over a device buffer of 64-bit words, the best of a

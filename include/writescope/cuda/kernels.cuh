@@ -644,3 +644,7 @@ void launch_pull_blocks(const void* const* src, index_t count, void* dst, index_
                                                                  unsigned long long, cudaStream_t);       \
   template void writescope::gpu::launch_pull_blocks<void>(const void* const*, writescope::index_t, void*,  \
                                                           writescope::index_t, int, cudaStream_t);
+
+// The HBM-resident region's tensor-core kernels (launch_resident_attend,
+// launch_resident_fold; WS_CUDA_INSTANTIATE_RESIDENT).
+#include "kernels_resident.cuh"

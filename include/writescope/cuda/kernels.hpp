@@ -140,6 +140,75 @@ template <class Layout>
 void launch_init_state(float* o, float* lse, index_t rows, cudaStream_t stream);
 
 // -----------------------------------------------------------------------------
+// HBM-resident region: tensor-core split-K attention over a device item table
+// (kernels_resident.cuh; not yet used by the engine: docs/CUDA-ENGINE.md)
+// -----------------------------------------------------------------------------
+
+/// One run of tokens of one sequence in the HBM-resident region, in the block
+/// format of layout.hpp: token i lives in block `i / block_tokens` after `base`
+/// (blocks contiguous, each block_elems elements), row `i % block_tokens`. Only
+/// the first `tokens` tokens are read. 24 bytes; lives in a device table.
+struct resident_item {
+  const bf16* base;   ///< first block (device memory, 16-byte aligned)
+  int tokens;         ///< >= 0; 0 gives the empty partial (o = 0, lse = -inf)
+  int q_seq;          ///< batch index: query rows q[(q_seq*hq + h)*q_dim ...]
+  int out_index;      ///< partial rows part_o[(out_index*hq + h)*v_dim ...], part_lse[out_index*hq + h]
+  int reserved;       ///< 0 (padding)
+};
+static_assert(sizeof(resident_item) == 24, "resident_item: host and device must agree on its size");
+
+/// Split-K decode attention over `num_items` items of a device table, any
+/// count: grid (num_items, kv_heads, ceil(group / 16)), one CTA of
+/// resident_attend_threads threads per (item, KV head, 16 query heads). Writes
+/// each item's partial state for the KV head's query heads (o normalised, lse
+/// natural log, fp32; the merge contract, docs/MERGE-CONTRACT.md). Each partial
+/// depends only on its item and its queries (deterministic, batch-invariant).
+/// Tokens per CTA: an item's tokens are attended by one CTA, so items of a few
+/// hundred tokens keep the GPU busy; a long item is correct but serial.
+struct resident_attend_params {
+  const float* q;                 ///< [batch][hq][q_dim] fp32, unscaled
+  const resident_item* items;     ///< [num_items] device memory, read by the kernel
+  float* part_o;                  ///< [*][hq][v_dim] fp32, rows by out_index
+  float* part_lse;                ///< [*][hq] fp32
+  index_t block_elems;            ///< elements of one block
+  float scale;                    ///< softmax scale applied to q·k
+  int hq;
+  int hkv;
+  int group;                      ///< hq / hkv (MLA: hq)
+  int block_tokens;
+  int num_items;                  ///< >= 0, any count (grid.x)
+};
+
+/// Threads per CTA of the resident attention kernel.
+inline constexpr int resident_attend_threads = 128;
+
+/// Enqueues the resident attention kernel on `stream` (asynchronous; the
+/// tables and q are read when it runs). num_items <= 0: nothing. Throws
+/// cuda_error for a launch error (a grid dimension over the device limit
+/// included: hkv or the head groups above 65535).
+template <class Layout>
+void launch_resident_attend(const resident_attend_params& p, cudaStream_t stream);
+
+/// The resident path's in-order fold: for each segment {batch_index,
+/// split_begin, split_end} of the device table `segments`, partial rows
+/// [split_begin, split_end) (out_index values of launch_resident_attend) are
+/// folded into state row batch_index in row order, per query head, with
+/// fold_kernel's arithmetic (merge_state_row; deterministic). Grid
+/// (num_segments, hq). Segments name distinct batch indices.
+struct resident_fold_params {
+  float* state_o;                 ///< [batch][hq][v_dim]
+  float* state_lse;               ///< [batch][hq]
+  const float* part_o;            ///< [*][hq][v_dim]
+  const float* part_lse;          ///< [*][hq]
+  const fold_segment* segments;   ///< [num_segments] device memory
+  int hq;
+  int num_segments;               ///< >= 0, any count
+};
+
+template <class Layout>
+void launch_resident_fold(const resident_fold_params& p, cudaStream_t stream);
+
+// -----------------------------------------------------------------------------
 // Final merge
 // -----------------------------------------------------------------------------
 
