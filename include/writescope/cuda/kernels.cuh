@@ -341,26 +341,37 @@ __global__ void __launch_bounds__(256) attend_kernel(const __grid_constant__ att
 // Fold, init, merge
 // -----------------------------------------------------------------------------
 
+/// One CTA folds segment `sg` (its partials split_o/split_lse, rows
+/// [split_begin, split_end)) into the running state of its sequence, query
+/// head blockIdx.y, in the partials' order: the body of fold_kernel and of
+/// resident_fold_kernel, so both give the same bits for the same partials.
+/// Every thread of the CTA must call it (a barrier inside).
 template <class L>
-__global__ void __launch_bounds__(128) fold_kernel(const __grid_constant__ fold_params p) {
+__device__ __forceinline__ void fold_segment_into_state(const fold_segment& sg, int hq, float* state_o,
+                                                        float* state_lse, const float* split_o,
+                                                        const float* split_lse) {
   constexpr int V = L::v_dim;
-  const fold_segment& sg = p.segments[blockIdx.x];
   const int h = int(blockIdx.y);
-  const index_t row = index_t(sg.batch_index) * p.hq + h;
-  const float lse0 = p.state_lse[row];
+  const index_t row = index_t(sg.batch_index) * hq + h;
+  const float lse0 = state_lse[row];
   float lse_out = lse0;
   for (int i = int(threadIdx.x); i < V; i += int(blockDim.x)) {
-    float o = p.state_o[row * V + i];
+    float o = state_o[row * V + i];
     float lse = lse0;
     for (int s = sg.split_begin; s < sg.split_end; ++s) {
-      const index_t srow = index_t(s) * p.hq + h;
-      merge_into(o, lse, p.split_o[srow * V + i], p.split_lse[srow]);
+      const index_t srow = index_t(s) * hq + h;
+      merge_into(o, lse, split_o[srow * V + i], split_lse[srow]);
     }
-    p.state_o[row * V + i] = o;
+    state_o[row * V + i] = o;
     lse_out = lse;
   }
   __syncthreads();  // every thread read lse0 before it is overwritten
-  if (threadIdx.x == 0) p.state_lse[row] = lse_out;
+  if (threadIdx.x == 0) state_lse[row] = lse_out;
+}
+
+template <class L>
+__global__ void __launch_bounds__(128) fold_kernel(const __grid_constant__ fold_params p) {
+  fold_segment_into_state<L>(p.segments[blockIdx.x], p.hq, p.state_o, p.state_lse, p.split_o, p.split_lse);
 }
 
 template <class L>

@@ -392,24 +392,8 @@ __global__ void __launch_bounds__(resident_attend_threads, resident_cfg<L>::min_
 /// calls in the same order, so the same bits for the same partials.
 template <class L>
 __global__ void __launch_bounds__(128) resident_fold_kernel(const __grid_constant__ resident_fold_params p) {
-  constexpr int V = L::v_dim;
   const fold_segment sg = p.segments[blockIdx.x];
-  const int h = int(blockIdx.y);
-  const index_t row = index_t(sg.batch_index) * p.hq + h;
-  const float lse0 = p.state_lse[row];
-  float lse_out = lse0;
-  for (int i = int(threadIdx.x); i < V; i += int(blockDim.x)) {
-    float o = p.state_o[row * V + i];
-    float lse = lse0;
-    for (int s = sg.split_begin; s < sg.split_end; ++s) {
-      const index_t srow = index_t(s) * p.hq + h;
-      merge_into(o, lse, p.part_o[srow * V + i], p.part_lse[srow]);
-    }
-    p.state_o[row * V + i] = o;
-    lse_out = lse;
-  }
-  __syncthreads();  // every thread read lse0 before it is overwritten
-  if (threadIdx.x == 0) p.state_lse[row] = lse_out;
+  fold_segment_into_state<L>(sg, p.hq, p.state_o, p.state_lse, p.part_o, p.part_lse);
 }
 
 }  // namespace writescope::gpu::detail
