@@ -8,20 +8,9 @@
 # identical, A attended no KV token in HBM, B's region holds at least one
 # eviction batch and B attended KV tokens there; MATCH_B: a regex B's output
 # must match. Exit status 77 from either run (no CUDA device) is a skip.
+include(${CMAKE_CURRENT_LIST_DIR}/run_pair.cmake)
 foreach(x A B)
-  string(REPLACE "^^" ";" cmd "${CMD_${x}}")
-  file(REMOVE "${JSON_${x}}")
-  execute_process(COMMAND ${cmd} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(rc EQUAL 77)
-    message("SKIPPED: no usable CUDA device")
-    return()
-  endif()
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "run ${x} exited with ${rc}:\n${out}\n${err}")
-  endif()
-  if(x STREQUAL "B" AND DEFINED MATCH_B AND NOT out MATCHES "${MATCH_B}")
-    message(FATAL_ERROR "run B's output does not match \"${MATCH_B}\":\n${out}")
-  endif()
+  ws_run_pair_member(${x} "${JSON_${x}}")
   file(READ "${JSON_${x}}" j_${x})
   string(JSON tokens_${x} GET "${j_${x}}" tokens)
   string(JSON hbm_tokens_${x} GET "${j_${x}}" attention hbm_tokens)

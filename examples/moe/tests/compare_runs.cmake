@@ -6,20 +6,9 @@
 # (bit-exact logits: e.g. the prefill with host experts streamed to the device
 # against the prefill with every expert resident); MATCH_B: a regex run B's
 # output must match (that it did what it is compared for).
+include(${CMAKE_CURRENT_LIST_DIR}/run_pair.cmake)
 foreach(x A B)
-  string(REPLACE "^^" ";" cmd "${CMD_${x}}")
-  file(REMOVE "${OUT_${x}}")
-  execute_process(COMMAND ${cmd} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(rc EQUAL 77)
-    message("SKIPPED: no usable CUDA device")
-    return()
-  endif()
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "run ${x} exited with ${rc}:\n${out}\n${err}")
-  endif()
-  if(x STREQUAL "B" AND DEFINED MATCH_B AND NOT out MATCHES "${MATCH_B}")
-    message(FATAL_ERROR "run B's output does not match \"${MATCH_B}\":\n${out}")
-  endif()
+  ws_run_pair_member(${x} "${OUT_${x}}")
   file(SIZE "${OUT_${x}}" size_${x})
 endforeach()
 if(size_A EQUAL 0)
