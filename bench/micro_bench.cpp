@@ -26,6 +26,7 @@
 #include <writescope/cuda/cuda_error.hpp>
 #include <writescope/cuda/pinned_allocators.hpp>
 
+#include "cuda_timing.hpp"
 #include "monolithic.hpp"
 
 namespace {
@@ -128,44 +129,7 @@ class host_alloc_buffer {
   void* p_ = nullptr;
 };
 
-class device_buffer {
- public:
-  explicit device_buffer(index_t bytes) { WS_CUDA_TRY(cudaMalloc(&p_, std::size_t(bytes))); }
-  device_buffer(const device_buffer&) = delete;
-  device_buffer& operator=(const device_buffer&) = delete;
-  ~device_buffer() { (void)cudaFree(p_); }
-  [[nodiscard]] std::byte* data() const noexcept { return static_cast<std::byte*>(p_); }
 
- private:
-  void* p_ = nullptr;
-};
-
-struct timer_stream {
-  cudaStream_t s = nullptr;
-  cudaEvent_t e0 = nullptr, e1 = nullptr;
-  timer_stream() {
-    WS_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    WS_CUDA_TRY(cudaEventCreate(&e0));
-    WS_CUDA_TRY(cudaEventCreate(&e1));
-  }
-  ~timer_stream() {
-    (void)cudaStreamSynchronize(s);
-    (void)cudaEventDestroy(e0);
-    (void)cudaEventDestroy(e1);
-    (void)cudaStreamDestroy(s);
-  }
-  /// Seconds of the work `f` enqueues on the stream (events), synchronized.
-  template <class F>
-  double time(F&& f) {
-    WS_CUDA_TRY(cudaEventRecord(e0, s));
-    f(s);
-    WS_CUDA_TRY(cudaEventRecord(e1, s));
-    WS_CUDA_TRY(cudaEventSynchronize(e1));
-    float ms = 0;
-    WS_CUDA_TRY(cudaEventElapsedTime(&ms, e0, e1));
-    return double(ms) * 1e-3;
-  }
-};
 
 /// Best and median of `reps` timings after one warm-up.
 template <class F>

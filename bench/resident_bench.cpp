@@ -21,6 +21,7 @@
 #include <writescope/cuda/cuda_error.hpp>
 #include <writescope/cuda/kernels.hpp>
 
+#include "cuda_timing.hpp"
 #include "hbm_ceiling.hpp"
 
 namespace {
@@ -93,52 +94,7 @@ options parse(int argc, char** argv) {
   return o;
 }
 
-/// Device memory, freed on destruction.
-class dbuf {
- public:
-  explicit dbuf(std::size_t bytes) { WS_CUDA_TRY(cudaMalloc(&p_, std::max<std::size_t>(bytes, 16))); }
-  dbuf(const dbuf&) = delete;
-  dbuf& operator=(const dbuf&) = delete;
-  ~dbuf() { (void)cudaFree(p_); }
-  template <class T>
-  [[nodiscard]] T* as() const noexcept {
-    return static_cast<T*>(p_);
-  }
 
- private:
-  void* p_ = nullptr;
-};
-
-/// A stream with two timing events.
-struct timer_stream {
-  cudaStream_t s = nullptr;
-  cudaEvent_t e0 = nullptr, e1 = nullptr;
-  timer_stream() {
-    WS_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    WS_CUDA_TRY(cudaEventCreate(&e0));
-    WS_CUDA_TRY(cudaEventCreate(&e1));
-  }
-  timer_stream(const timer_stream&) = delete;
-  timer_stream& operator=(const timer_stream&) = delete;
-  ~timer_stream() {
-    (void)cudaStreamSynchronize(s);
-    (void)cudaEventDestroy(e0);
-    (void)cudaEventDestroy(e1);
-    (void)cudaStreamDestroy(s);
-  }
-  /// Seconds of the work `f` enqueues, after `before` (untimed) on the same stream.
-  template <class Before, class F>
-  double time(Before&& before, F&& f) {
-    before(s);
-    WS_CUDA_TRY(cudaEventRecord(e0, s));
-    f(s);
-    WS_CUDA_TRY(cudaEventRecord(e1, s));
-    WS_CUDA_TRY(cudaEventSynchronize(e1));
-    float ms = 0;
-    WS_CUDA_TRY(cudaEventElapsedTime(&ms, e0, e1));
-    return double(ms) * 1e-3;
-  }
-};
 
 struct run_state {
   const options* o;
@@ -173,14 +129,14 @@ void run_preset(run_state& st, const std::string& name, const Layout& L, double 
   const ws::block_format<Layout> fmt{L, o.block_tokens};
   const index_t be = fmt.block_elems();
   timer_stream ts;
-  dbuf flush(std::size_t(256) << 20);
+  device_buffer flush(std::size_t(256) << 20);
   auto flush_l2 = [&](cudaStream_t s) { WS_CUDA_TRY(cudaMemsetAsync(flush.as<void>(), 0, std::size_t(256) << 20, s)); };
 
   for (index_t len : o.lengths) {
     const index_t nb = (len + o.block_tokens - 1) / o.block_tokens;  // blocks per sequence
     const index_t blocks = nb * o.batch;
     const std::size_t region_bytes = std::size_t(blocks * fmt.block_bytes());
-    dbuf region(region_bytes);
+    device_buffer region(region_bytes);
     {  // random bf16, a 16 MiB host pattern tiled over the region
       const std::vector<ws::bf16> pat = random_bf16(index_t(8) << 20, 7);
       const std::size_t chunk = pat.size() * sizeof(ws::bf16);
@@ -193,7 +149,7 @@ void run_preset(run_state& st, const std::string& name, const Layout& L, double 
       splitmix64 rng{11};
       for (float& x : qh) x = rng.uniform(-1.0f, 1.0f);
     }
-    dbuf q(qh.size() * 4);
+    device_buffer q(qh.size() * 4);
     WS_CUDA_TRY(cudaMemcpy(q.as<float>(), qh.data(), qh.size() * 4, cudaMemcpyHostToDevice));
     const double kv_bytes = double(o.batch) * double(len) * double(L.token_bytes());
 
@@ -210,15 +166,15 @@ void run_preset(run_state& st, const std::string& name, const Layout& L, double 
         segs.push_back({s, begin, int(items.size())});
       }
       const std::size_t n = items.size();
-      dbuf d_items(n * sizeof(ws::gpu::resident_item)), d_segs(segs.size() * sizeof(ws::gpu::fold_segment));
+      device_buffer d_items(n * sizeof(ws::gpu::resident_item)), d_segs(segs.size() * sizeof(ws::gpu::fold_segment));
       WS_CUDA_TRY(cudaMemcpy(d_items.as<void>(), items.data(), n * sizeof(ws::gpu::resident_item), cudaMemcpyHostToDevice));
       WS_CUDA_TRY(cudaMemcpy(d_segs.as<void>(), segs.data(), segs.size() * sizeof(ws::gpu::fold_segment),
                              cudaMemcpyHostToDevice));
-      dbuf part_o(n * hq * V * 4), part_lse(n * hq * 4);
+      device_buffer part_o(n * hq * V * 4), part_lse(n * hq * 4);
       const std::size_t rows = std::size_t(o.batch) * hq;
-      dbuf new_o(rows * V * 4), new_lse(rows * 4), old_o(rows * V * 4), old_lse(rows * 4);
+      device_buffer new_o(rows * V * 4), new_lse(rows * 4), old_o(rows * V * 4), old_lse(rows * 4);
       const std::size_t old_rows = std::size_t(ws::gpu::max_attend_items) * hq;
-      dbuf split_o(old_rows * V * 4), split_lse(old_rows * 4);
+      device_buffer split_o(old_rows * V * 4), split_lse(old_rows * 4);
 
       auto new_path = [&](cudaStream_t s) {
         ws::gpu::launch_init_state<Layout>(new_o.as<float>(), new_lse.as<float>(), index_t(rows), s);
