@@ -360,6 +360,10 @@ def main():
     ap.add_argument("--block-tokens", type=int, default=64)
     ap.add_argument("--d-window", type=int, default=64)
     ap.add_argument("--cpu-threads", type=int, default=0)
+    ap.add_argument("--hbm-tokens", type=int, default=0,
+                    help="writescope's HBM-resident KV region, tokens per layer over all rows (a multiple of "
+                         "--d-window; 0: none; -1: the whole planned cache, batch x (context + new tokens), "
+                         "rounded up to eviction batches)")
     ap.add_argument("--warmup-context", type=int, default=512, help="prompt tokens per row of the warm-up runs "
                                                                     "(0: no warm-up)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -393,6 +397,10 @@ def main():
     ids = torch.randint(10, cfg.vocab_size, (args.batch, args.context), device=device)
     calibration = json.load(open(args.calibration)) if args.calibration else None
 
+    hbm_tokens = args.hbm_tokens
+    if hbm_tokens < 0:  # the whole planned cache: every row's eviction batches
+        per_row = -(-(args.context + args.new_tokens) // args.d_window) * args.d_window
+        hbm_tokens = args.batch * per_row
     runs = []  # (name, make_cache(max_cache_len)) in order
     for name in caches:
         if name == "writescope":
@@ -404,7 +412,7 @@ def main():
                                                 max_batch_size=args.batch, max_cache_len=max_len,
                                                 block_tokens=args.block_tokens, d_window_tokens=args.d_window,
                                                 cpu_threads=args.cpu_threads, pinned_initial_tokens=-1,
-                                                cpu_prefault_tokens=-1)
+                                                cpu_prefault_tokens=-1, hbm_capacity_tokens=hbm_tokens)
                 runs.append((f"writescope:{pol}", make))
         elif name == "dynamic":
             runs.append((DYNAMIC, lambda max_len: DynamicCache(config=cfg)))
@@ -415,6 +423,7 @@ def main():
 
     doc = {"model": type(model).__name__, "config": args.config, "layers": cfg.num_hidden_layers,
            "batch": args.batch, "context": args.context, "new_tokens": args.new_tokens, "dtype": args.dtype,
+           "hbm_tokens": hbm_tokens,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "writescope_build": writescope.build_info(),
            "model_build_s": build_s, "warmup": [], "results": [], "complete": False}
