@@ -268,7 +268,7 @@ inline std::string command_line(int argc, char** argv) {
   return cmd;
 }
 
-/// Machine facts recorded with every result file (DESIGN.md §8).
+/// Machine facts recorded with every result file (docs/BENCHMARKS.md).
 inline json machine_info(int argc, char** argv) {
   char host[256] = "unknown";
   ::gethostname(host, sizeof host - 1);

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // bench/cpu_attention_bench.cpp — effective bandwidth of the CPU engine's decode
-// attention (paper §6.1; DESIGN.md §6, §8), next to a streaming-read ceiling
+// attention (paper §6.1; docs/CPU-KERNEL.md), next to a streaming-read ceiling
 // measured in the same run with the same thread count.
 //
 // For every preset × batch × length it builds an inplace_kv_cache (host_backend,

@@ -38,7 +38,7 @@
 // flush, then a synchronization of the caller stream; "step_ms" is a decode
 // step divided by its layers (one layer's attention), median over the timed
 // steps. Layers are added until a step reads --rotation-mib of KV, so that
-// steps stream from DRAM and not from the 300 MiB L3 (DESIGN.md §8).
+// steps stream from DRAM and not from the 300 MiB L3 (docs/BENCHMARKS.md, "What a number means").
 //
 // Built against cuda_backend as `ws_bench` and against the emulated host
 // backend as `ws_bench_host` (CI smoke tests; the CUDA-only ablation arms and

@@ -6,7 +6,7 @@
 //   1. builds an inplace_kv_cache for a model-shaped attention config (Qwen3-30B-A3B
 //      GQA 32/4 d128 by default; Mixtral-8x7B and DeepSeek-V2-Lite MLA too) with a
 //      routing policy (the roofline policy of paper §5.3 by default, with
-//      calibration numbers derived from the bandwidths of DESIGN.md §6);
+//      calibration numbers derived from the bandwidths in docs/BENCHMARKS.md, "Machine facts");
 //   2. admits a ragged batch of sequences with prompts of different lengths:
 //      each prompt's whole eviction batches are routed at write time, the rest
 //      waits in the D-window;

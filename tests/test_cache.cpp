@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// InplaceKVCache + hybrid attention end to end (paper §4, §5; DESIGN.md §4-5):
+// InplaceKVCache + hybrid attention end to end (paper §4, §5; docs/ARCHITECTURE.md §2-5):
 // full decode loops of ragged batches against fp64 attention for every
 // policy, lengths through every boundary, poisoned regions and workspaces;
 // batch invariance bit for bit; GQA group sizes; and the format's bookkeeping

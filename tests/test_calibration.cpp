@@ -60,8 +60,8 @@ calibration sample_calibration() {
   calibration_entry q4 = q16;
   q4.batch = 4;
   q4.cpu_cost_per_token_seconds = 3e-11;
-  q4.launch_cost_per_token_seconds = 0.75e-11;  // K (session 6); the other entries have none
-  q4.block_tokens = 32;                          // the KV plan of the measurement (session 6)
+  q4.launch_cost_per_token_seconds = 0.75e-11;  // K; the other entries have none
+  q4.block_tokens = 32;                          // the KV plan of the measurement
   q4.gpu_split_blocks = 4;
   q4.points.clear();
   calibration_entry d16 = q16;

@@ -103,7 +103,7 @@ TEST_CASE("layouts: head counts, groups and token bytes") {
   CHECK_FALSE(gqa_layout<128>(8, 2) == gqa_layout<128>(8, 4));
 }
 
-TEST_CASE("presets: token bytes and softmax scales of the three models (DESIGN.md §7)") {
+TEST_CASE("presets: token bytes and softmax scales of the three models") {
   CHECK(presets::qwen3_30b_a3b::layout().token_bytes() == 2048);
   CHECK(presets::mixtral_8x7b::layout().token_bytes() == 4096);
   CHECK(presets::deepseek_v2_lite::layout().token_bytes() == 1152);

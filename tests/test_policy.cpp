@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Routing policies (paper §5; DESIGN.md §3): eq. 2 by hand-computed numbers,
+// Routing policies (paper §5; docs/ARCHITECTURE.md §1, §2a): eq. 2 by hand-computed numbers,
 // the marginal-share rule, online re-estimation of A (and B), and — through a
 // cache driven by decode appends and flushes — convergence of the placed CPU
 // share to B/(A+B) and re-targeting when the measured CPU cost changes. The

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// The pinned load region on a real GPU (FAULT-KINDS K8, DESIGN.md §6):
+// The pinned load region on a real GPU (fault kind K8, docs/RELIABILITY.md):
 // cuda_host_alloc and cuda_host_register page-lock what they claim, account
 // their time, refuse cleanly (a message naming pinned memory and the size,
 // nothing left registered) and serve streamed copies that cross

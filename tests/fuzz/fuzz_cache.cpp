@@ -638,7 +638,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       p.gpu_fixed_seconds = 1e-6 * in.ConsumeIntegralInRange<int>(0, 50);
       p.cost_window_samples = in.ConsumeIntegralInRange<int>(1, 8);
       // K, the enqueue cost per streamed token: 0 (the paper's eq. 2) up to past A and B,
-      // where the target share jumps to 0 or 1 (session 6)
+      // where the target share jumps to 0 or 1
       p.launch_cost_per_token_seconds = 1e-9 * in.ConsumeIntegralInRange<int>(0, 120);
       run_with(in, lay, s, roofline_policy(p), opts, seed);
     }

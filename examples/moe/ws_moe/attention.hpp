@@ -15,7 +15,7 @@
 // V = v_proj h; output = o_proj(a). Qwen3's q/k norms are per-head RMSNorms
 // over head_dim before RoPE (rotate-half convention).
 //
-// MLA (DeepSeek-V2) in absorbed form (DESIGN.md §4, paper §6.1):
+// MLA (DeepSeek-V2) in absorbed form (paper §6.1; docs/ARCHITECTURE.md §1):
 //   c      = kv_a_layernorm(kv_a_proj(h)[:rank])      latent, [rank]
 //   k_pe   = rope(kv_a_proj(h)[rank:])                shared by all heads, [rope]
 //   row    = c ‖ k_pe                                 the one cache row per token

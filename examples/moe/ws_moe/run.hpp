@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // ws_moe/run.hpp — load a model (checkpoint or random weights) and generate,
-// with the attention layout picked at run time from the config (STYLE.md §7):
+// with the attention layout picked at run time from the config (docs/ARCHITECTURE.md §6):
 //   GQA head_dim in {64, 128, 256}                  (run_gqa.cpp)
 //   MLA (kv_lora_rank, rope) in {(512, 64), (128, 32)}  (run_mla.cpp)
 // Each instantiation lives in its own translation unit (compile time).

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // ws_moe/gpu/device_run.hpp — the CUDA path behind ws_decode's --device:
-// runtime model config -> compile-time cache layout (STYLE.md §7) -> the
+// runtime model config -> compile-time cache layout (docs/ARCHITECTURE.md §6) -> the
 // device decoder on an executor:
 //   cuda      cuda_exec: the GPU (built only where CMake found CUDA and cuBLAS)
 //   emulated  emulated_exec: the same decoder on the host (always built; CI)

@@ -17,7 +17,7 @@
 // in float32: RMSNorm's mean square and the router's softmax sums in double,
 // RoPE angles in fp32 with cos/sin in double, SiLU x/(1+exp(-x)) in fp32.
 //
-// nvcc constraints (STYLE.md §15): no std:: containers, no concepts, no device
+// nvcc constraints: no std:: containers, no concepts, no device
 // lambdas; only <cstdint>, <cmath>, <cstring>.
 #pragma once
 
