@@ -12,8 +12,6 @@ WS_CUDA_INSTANTIATE(writescope::gqa_layout<128>)
 WS_CUDA_INSTANTIATE(writescope::mla_layout<512, 64>)
 WS_CUDA_INSTANTIATE_TEST_HOOKS(writescope::gqa_layout<128>)
 WS_CUDA_INSTANTIATE_TEST_HOOKS(writescope::mla_layout<512, 64>)
-WS_CUDA_INSTANTIATE_RESIDENT(writescope::gqa_layout<128>)
-WS_CUDA_INSTANTIATE_RESIDENT(writescope::mla_layout<512, 64>)
 
 // The same-run HBM read rate of ws_bench --mode hbm (bench/hbm_ceiling.hpp):
 // cub::DeviceReduce::Sum over a device buffer of 64-bit words, the best of a

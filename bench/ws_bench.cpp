@@ -84,6 +84,8 @@ constexpr const char* usage_text = R"(ws_bench — writescope attention benchmar
                         --hbm-small-length tokens per sequence comes first
   --hbm-small-length N  hbm: tokens per sequence of the first row, the fixed cost (default 512)
   --hbm-compare         hbm: also time every row with the region disabled
+  --hbm-resident-kernel hbm: also time every row with the split-K resident kernels
+                        (cuda_backend::set_resident_kernel; CUDA build only)
   --contend-kinds K     contend: tenant (a second cache), cpu (a CPU-side neighbour
                         streaming memory on half the tenant's cores), pcie (a
                         neighbour saturating H2D) (default tenant,cpu,pcie)
@@ -126,6 +128,7 @@ struct options {
   std::vector<double> hbm_fill{0.05, 0.25, 0.5, 0.9, 1.1, 1.5, 2, 3, 4};
   index_t hbm_small_length = 512;
   bool hbm_compare = false;
+  bool hbm_resident_kernel = false;
   int tenant_threads = std::max(1, (int(std::thread::hardware_concurrency()) - 2) / 2);
   int threads = default_threads();
   int steps = 12;
@@ -205,6 +208,9 @@ options parse(int argc, char** argv) {
       o.hbm_small_length = parse_number<index_t>(f, a.value());
     } else if (f == "--hbm-compare") {
       o.hbm_compare = true;
+    } else if (f == "--hbm-resident-kernel") {
+      if (!has_cuda) throw usage_error("--hbm-resident-kernel: the resident kernels run on cuda_backend only (ws_bench)");
+      o.hbm_resident_kernel = true;
     } else if (f == "--contend-kinds") {
       o.contend_kinds = split_list(a.value());
     } else if (f == "--contend-preset") {
@@ -977,7 +983,12 @@ void run_hbm(context& cx, double hbm_gbps) {
              {"region_tokens_per_layer", cap_tokens}, {"region_gib", o.hbm_gib}, {"fill", fill},
              {"threads", o.threads}, {"ceilings", ce.to_json()}, {"hbm_read_gbps", hbm_gbps},
              {"costs", costs_json(costs)}, {"H_ns_per_token", hbm_cost * 1e9}, {"H_source", hbm_cost_source}};
-    auto timed = [&](index_t region_tokens, double H) {
+    auto timed = [&](index_t region_tokens, double H, bool resident_kernel = false) {
+#if WS_BENCH_CUDA
+      cx.be->set_resident_kernel(resident_kernel);
+#else
+      (void)resident_kernel;  // refused at parsing on the host build
+#endif
       rig_config c = rc;
       c.hbm_capacity_tokens = region_tokens;
       ws::roofline_params p = online_params(costs.params, o.window);
@@ -1013,13 +1024,23 @@ void run_hbm(context& cx, double hbm_gbps) {
     }
     row["with_hbm"] = hb;
     std::string compare = "";
+    if (o.hbm_resident_kernel) {
+      json rk = timed(cap_tokens, hbm_cost, true);
+#if WS_BENCH_CUDA
+      cx.be->set_resident_kernel(false);
+#endif
+      char buf[64];
+      std::snprintf(buf, sizeof buf, " %9.3f %6.3f", rk["step_ms"].get<double>(), rk["ratio_to_bound"].get<double>());
+      compare += buf;
+      row["with_hbm_resident_kernel"] = std::move(rk);
+    }
     if (o.hbm_compare) {
       json off = timed(0, 0.0);
       row["without_hbm"] = off;
       row["speedup"] = hb["step_ms"].get<double>() > 0 ? off["step_ms"].get<double>() / hb["step_ms"].get<double>() : 0.0;
       char buf[64];
       std::snprintf(buf, sizeof buf, " %9.3f %7.2f", off["step_ms"].get<double>(), row["speedup"].get<double>());
-      compare = buf;
+      compare += buf;
     }
     progress(cx.bud, "  %.3f ms/layer, HBM %.0f MiB + host %.0f MiB, bound %.3f ms: %.2f of it", hb["step_ms"].get<double>(),
              hb["hbm_mib"].get<double>(), hb["host_mib"].get<double>(), hb["bound_ms"].get<double>(),
@@ -1067,7 +1088,8 @@ int main(int argc, char** argv) {
                                  {"hbm_batch", o.hbm_batch},
                                  {"hbm_fill", o.hbm_fill},
                                  {"hbm_small_length", o.hbm_small_length},
-                                 {"hbm_compare", o.hbm_compare}};
+                                 {"hbm_compare", o.hbm_compare},
+                                 {"hbm_resident_kernel", o.hbm_resident_kernel}};
     cx.out.doc["units"] = json{{"step_ms", "one layer's attention: median decode step (append + step per layer, flush, "
                                            "sync) divided by its layers"},
                                {"kv_gbps", "spilled KV bytes of one layer (both host regions) per step_ms"},
@@ -1078,7 +1100,9 @@ int main(int argc, char** argv) {
                                                 "concurrent_total_gbps), one layer, same run"},
                                {"hbm.ratio_to_bound", "bound_ms / step_ms (1 = the physical limit)"},
                                {"hbm.device_kv_gbps", "HBM-resident + D-window bytes of one layer per step_ms"},
-                               {"hbm.speedup", "step_ms with the region disabled / step_ms with it"}};
+                               {"hbm.speedup", "step_ms with the region disabled / step_ms with it"},
+                               {"hbm.with_hbm_resident_kernel", "the same row with the split-K resident kernels "
+                                                                "(set_resident_kernel)"}};
     for (const char* s : {"policies", "track", "ablate", "contend", "hbm"}) cx.out.doc[s] = json::array();
     cx.out.write();
 
@@ -1113,7 +1137,9 @@ int main(int argc, char** argv) {
       cx.out.doc["hbm_read_gbps"] = hbm_gbps;
       progress(cx.bud, "hbm: device read rate %.1f GB/s (cub::DeviceReduce::Sum over 4 GiB)", hbm_gbps);
       std::printf("%-17s %5s %7s %5s %8s %8s %9s %9s %8s %6s%s\n", "preset", "batch", "L", "fill", "HBM MiB",
-                  "host MiB", "step ms", "bound ms", "dev GB/s", "ratio", o.hbm_compare ? "    off ms speedup" : "");
+                  "host MiB", "step ms", "bound ms", "dev GB/s", "ratio",
+                  (std::string(o.hbm_resident_kernel ? "  split-K ms  ratio" : "") +
+                   (o.hbm_compare ? "    off ms speedup" : "")).c_str());
       for (const auto& p : o.hbm_presets) with_preset(p, [&](auto preset) { run_hbm<decltype(preset)>(cx, hbm_gbps); });
     }
     cx.out.doc["complete"] = cx.complete;

@@ -173,6 +173,14 @@ class hybrid_attention {
     assist_gpu_rate_ = a.initial_gpu_seconds_per_token;
     reserve_task_workspace();
     if (options_.sparse.reserve) reserve_sparse();
+    // an engine with a split-K path for the HBM-resident region (cuda_backend,
+    // set_resident_kernel): its workspace for the most resident splits a step
+    // can have, ceil(D-window blocks / split blocks) per eviction batch
+    if constexpr (requires(engine_type& e) { e.reserve_resident_items(index_t{0}); }) {
+      const partition_spec& sp = cache.spec();
+      const index_t per_batch = (sp.window_blocks() + sp.gpu_split_blocks - 1) / std::max(1, sp.gpu_split_blocks);
+      if (sp.hbm_capacity_batches() > 0) engine_.reserve_resident_items(sp.hbm_capacity_batches() * per_batch);
+    }
   }
 
   /// Attends `layer` for the batch `seqs` (distinct live sequences, ragged).

@@ -217,3 +217,61 @@ TEST_CASE("HBM (device): the policy's samples carry the resident tokens of the l
   CHECK(std::isfinite(b));
   CHECK(b > 0.0);
 }
+
+// ---------------------------------------------------------------------------
+// The same bodies with the split-K resident kernels (set_resident_kernel):
+// launch_resident_attend + launch_resident_fold over device tables instead of
+// the streamed-chunk kernel in launches of max_attend_items.
+// ---------------------------------------------------------------------------
+
+namespace {
+
+/// cuda_backend with the resident kernels on from construction, so that every
+/// hybrid_attention built on it reserves their workspace.
+struct resident_kernel_backend : cuda_backend {
+  resident_kernel_backend() { set_resident_kernel(true); }
+};
+
+}  // namespace
+
+template <>
+struct wstest::backend_traits<resident_kernel_backend> : wstest::backend_traits<cuda_backend> {};
+
+TEST_CASE("HBM (device, resident kernels): every subset of the four partials, solo and in one ragged batch") {
+  SUBCASE("GQA 32/4") { every_subset_of_partials<resident_kernel_backend>(G(32, 4), gqa_scale, 4); }
+  SUBCASE("MLA 16 heads") { every_subset_of_partials<resident_kernel_backend>(M(16), mla_scale, 4); }
+}
+
+TEST_CASE("HBM (device, resident kernels): boundary lengths, full mid-prefill and mid-decode, end and reuse") {
+  boundary_lengths<resident_kernel_backend>(G(32, 4), gqa_scale, 4);
+  full_mid_prefill_and_decode<resident_kernel_backend>(G(32, 4), gqa_scale, 4);
+  end_and_reuse<resident_kernel_backend>(G(32, 4), gqa_scale, 4);
+}
+
+TEST_CASE("HBM (device, resident kernels): batch-vs-solo bit identity at fixed shares") {
+  SUBCASE("GQA") { batch_vs_solo<resident_kernel_backend>(G(32, 4), gqa_scale, 4, scaled(70, 35, 8)); }
+  SUBCASE("MLA") { batch_vs_solo<resident_kernel_backend>(M(16), mla_scale, 4, scaled(40, 20, 8)); }
+}
+
+TEST_CASE("HBM (device, resident kernels): the steps ran on them, exact against fp64; off, the engine keeps its path") {
+  const G L(32, 4);
+  for (const bool on : {true, false}) {
+    CAPTURE(on);
+    cuda_backend be;
+    be.set_resident_kernel(on);
+    device_cache<G, gpu_only> cache(be, L, hbm_spec(L, 2, 3, 64), gpu_only{}, {}, cache_options{true});
+    device_decode_driver<decltype(cache)> d(cache, attention_options{4, true}, 95, gqa_scale);
+    std::vector<sequence_id> batch{d.add(5 * 32 + 7), d.add(31), d.add(2 * 32)};
+    for (int s = 0; s < 3; ++s) {
+      const compare_result r = d.step(batch);
+      INFO("step " << s << ": rel_l2 " << r.max_rel_l2 << " lse " << r.max_lse_err);
+      REQUIRE(r.ok());
+    }
+    CHECK(d.last_report.resident_tokens > 0);
+    const index_t launches = d.attention().engine().resident_kernel_launches();
+    if (on)
+      CHECK(launches == 3 * 2);  // every layer of every step
+    else
+      CHECK(launches == 0);
+  }
+}

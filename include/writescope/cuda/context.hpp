@@ -95,6 +95,7 @@ struct backend_context {
   [[no_unique_address]] typename Hooks::switches debug{};
   [[no_unique_address]] typename Hooks::ablation ablation{};
   bool launch_thread = false;  ///< set_launch_thread
+  bool resident_kernel = false;  ///< set_resident_kernel
   completion_list pending;
 };
 

@@ -151,6 +151,18 @@ class basic_cuda_backend {
   void set_launch_thread(bool on) noexcept { ctx_.launch_thread = on; }
   [[nodiscard]] bool launch_thread() const noexcept { return ctx_.launch_thread; }
 
+  /// Attends the HBM-resident region's splits with the split-K resident kernels
+  /// (launch_resident_attend + launch_resident_fold: one launch each per step
+  /// over a device table of items; docs/CUDA-ENGINE.md, "The resident kernel")
+  /// instead of the streamed-chunk kernel in launches of max_attend_items with a
+  /// fold after each (the default, off). Experimental: not the production path
+  /// until measured. Read by an engine at construction (its workspace for the
+  /// region's items is then reserved: set it before constructing
+  /// hybrid_attention) and at each launch; an engine without that workspace
+  /// keeps the default path. Set between steps from the thread that drives the cache.
+  void set_resident_kernel(bool on) noexcept { ctx_.resident_kernel = on; }
+  [[nodiscard]] bool resident_kernel() const noexcept { return ctx_.resident_kernel; }
+
   /// cudaMalloc of `bytes`; throws resource_error naming `what` and the size.
   device_buffer allocate_device(index_t bytes, const char* what) {
     return cuda_detail::allocate_device_buffer(bytes, what);
@@ -313,6 +325,15 @@ class basic_cuda_backend<Hooks>::gpu_engine {
   /// cudaDevAttrUnifiedAddressing or cudaDevAttrCanUseHostPointerForRegisteredMem
   /// (the pull kernel reads page-locked memory through its host addresses),
   /// when r.block_bytes is not a positive multiple of 16 or r.pull_ctas < 1.
+  /// With set_resident_kernel on: reserves the resident kernels' workspace for
+  /// `max_items` resident splits per step (partials, the device item and
+  /// segment tables); a no-op when off or already as large. Throws
+  /// resource_error naming the bytes when refused. hybrid_attention calls it at
+  /// construction with the bound of its partition_spec.
+  void reserve_resident_items(index_t max_items) { dense_.reserve_resident_items(max_items); }
+  /// Dense launches whose resident splits ran through the resident kernels.
+  [[nodiscard]] index_t resident_kernel_launches() const noexcept { return dense_.resident_kernel_launches(); }
+
   void reserve_sparse(const sparse_reservation& r) {
     dense_.join_launch();
     sparse_.reserve(r);

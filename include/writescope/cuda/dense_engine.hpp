@@ -258,10 +258,85 @@ class dense_engine {
   // event (begin_step), after which every write into those blocks (prefill
   // scatter, evictions by copy_blocks_on_device: both on the caller stream) is
   // complete (K7). Nothing to do for a plan without resident splits.
+  // With set_resident_kernel and a reserved workspace (reserve_resident_items),
+  // all resident splits instead go through the split-K resident kernels: the
+  // item and segment tables copied from pageable host memory onto the compute
+  // stream (cudaMemcpyAsync stages a pageable source before it returns, so the
+  // host tables are free again at once; the device tables are overwritten only
+  // behind the previous launch's readers on the same stream), one attention
+  // launch over every item, one fold of each sequence's items in order.
   void attend_resident(const args_type& a, const switches& dbg) {
     const std::vector<stream_split>& rs = a.plan->resident_splits;
+    if (rs.empty()) return;
+    bool slow_consumer = false;  // mutation tests time the default path's kernel
+    if constexpr (Hooks::enabled) slow_consumer = dbg.consumer_delay_cycles > 0;
+    if (ctx_->resident_kernel && index_t(rs.size()) <= resident_capacity_ && !slow_consumer) {
+      attend_resident_split_k(a, rs);
+      return;
+    }
     attend_and_fold(rs, 0, index_t(rs.size()), a.resident, a.format.block_tokens, nullptr, dbg, [](cudaStream_t) {});
   }
+
+  void attend_resident_split_k(const args_type& a, const std::vector<stream_split>& rs) {
+    cudaStream_t comp = compute_.get();
+    const int n = int(rs.size());
+    int segments = 0;
+    for (int k = 0; k < n; ++k) {
+      const stream_split& sp = rs[std::size_t(k)];
+      resident_items_host_[std::size_t(k)] = {a.resident.block(sp.first_block).data(),
+                                              int(sp.num_blocks * a.format.block_tokens), sp.batch_index, k, 0};
+      if (segments > 0 && resident_segments_host_[std::size_t(segments - 1)].batch_index == sp.batch_index)
+        resident_segments_host_[std::size_t(segments - 1)].split_end = k + 1;
+      else
+        resident_segments_host_[std::size_t(segments++)] = {sp.batch_index, k, k + 1};
+    }
+    WS_CUDA_TRY(cudaMemcpyAsync(resident_items_.data(), resident_items_host_.data(),
+                                std::size_t(n) * sizeof(gpu::resident_item), cudaMemcpyHostToDevice, comp));
+    WS_CUDA_TRY(cudaMemcpyAsync(resident_segments_.data(), resident_segments_host_.data(),
+                                std::size_t(segments) * sizeof(gpu::fold_segment), cudaMemcpyHostToDevice, comp));
+    gpu::resident_attend_params p{};
+    p.q = a.q.data();
+    p.items = resident_items_.as<const gpu::resident_item>();
+    p.part_o = resident_o_.as<float>();
+    p.part_lse = resident_lse_.as<float>();
+    p.block_elems = a.format.block_elems();
+    p.scale = a.softmax_scale;
+    p.hq = hq_;
+    p.hkv = layout_.kv_heads();
+    p.group = layout_.group_size();
+    p.block_tokens = a.format.block_tokens;
+    p.num_items = n;
+    gpu::launch_resident_attend<Layout>(p, comp);
+    gpu::resident_fold_params f{};
+    f.state_o = streamed_o_.as<float>();
+    f.state_lse = streamed_lse_.as<float>();
+    f.part_o = resident_o_.as<const float>();
+    f.part_lse = resident_lse_.as<const float>();
+    f.segments = resident_segments_.as<const gpu::fold_segment>();
+    f.hq = hq_;
+    f.num_segments = segments;
+    gpu::launch_resident_fold<Layout>(f, comp);
+    ++resident_kernel_launches_;
+  }
+
+  /// The resident kernels' workspace for `max_items` splits per step (see
+  /// basic_cuda_backend::reserve_resident_items); only with set_resident_kernel
+  /// on. Construction time, not a launch: allocates.
+  void reserve_resident_items(index_t max_items) {
+    if (!ctx_->resident_kernel || max_items <= resident_capacity_) return;
+    join_launch();  // a pending launch's enqueue may still read the host tables; cudaFree of the old
+                    // device buffers (move-assignment below) waits for the kernels that read them
+    resident_o_ = allocate_device_buffer(max_items * hq_ * V * 4, "resident partial workspace");
+    resident_lse_ = allocate_device_buffer(max_items * hq_ * 4, "resident partial workspace");
+    resident_items_ = allocate_device_buffer(max_items * index_t(sizeof(gpu::resident_item)), "resident item table");
+    resident_segments_ =
+        allocate_device_buffer(index_t(std::max(max_batch_, 1)) * index_t(sizeof(gpu::fold_segment)), "resident segment table");
+    resident_items_host_.assign(std::size_t(max_items), gpu::resident_item{});
+    resident_segments_host_.assign(std::size_t(std::max(max_batch_, 1)), gpu::fold_segment{});
+    resident_capacity_ = max_items;
+  }
+  [[nodiscard]] index_t resident_kernel_launches() const noexcept { return resident_kernel_launches_; }
+
 
   // Splits [begin, end) of `splits`, whose blocks lie in `region`, attended on
   // the compute stream, max_attend_items per launch (with `lists`, the listed
@@ -614,6 +689,12 @@ class dense_engine {
   double last_seconds_ = 0.0;
   std::array<index_t, 2> slot_tokens_{0, 0};
   std::array<index_t, 2> slot_resident_{0, 0};
+  // the resident kernels (set_resident_kernel; reserve_resident_items)
+  device_buffer resident_o_, resident_lse_, resident_items_, resident_segments_;
+  std::vector<gpu::resident_item> resident_items_host_;
+  std::vector<gpu::fold_segment> resident_segments_host_;
+  index_t resident_capacity_ = 0;
+  index_t resident_kernel_launches_ = 0;
   std::array<bool, 2> slot_sparse_{false, false};
   completed_gpu_cost fresh_cost_{};
   bool fresh_ = false;

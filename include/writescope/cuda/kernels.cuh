@@ -637,7 +637,8 @@ void launch_pull_blocks(const void* const* src, index_t count, void* dst, index_
   template void writescope::gpu::launch_fold<__VA_ARGS__>(const writescope::gpu::fold_params&, cudaStream_t);     \
   template void writescope::gpu::launch_init_state<__VA_ARGS__>(float*, float*, writescope::index_t, cudaStream_t); \
   template void writescope::gpu::launch_merge<__VA_ARGS__>(const writescope::gpu::merge_params&, cudaStream_t);   \
-  template void writescope::gpu::launch_scatter<__VA_ARGS__>(const writescope::gpu::scatter_params&, cudaStream_t);
+  template void writescope::gpu::launch_scatter<__VA_ARGS__>(const writescope::gpu::scatter_params&, cudaStream_t); \
+  WS_CUDA_INSTANTIATE_RESIDENT(__VA_ARGS__)
 
 /// Explicitly instantiates the attention kernels with a slow consumer
 /// (launch_attend_slow) for the layout given as the argument: only programs
@@ -657,5 +658,5 @@ void launch_pull_blocks(const void* const* src, index_t count, void* dst, index_
                                                           writescope::index_t, int, cudaStream_t);
 
 // The HBM-resident region's tensor-core kernels (launch_resident_attend,
-// launch_resident_fold; WS_CUDA_INSTANTIATE_RESIDENT).
+// launch_resident_fold; WS_CUDA_INSTANTIATE_RESIDENT, part of WS_CUDA_INSTANTIATE).
 #include "kernels_resident.cuh"

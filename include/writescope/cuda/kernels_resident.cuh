@@ -4,9 +4,9 @@
 // kernel"): launch_resident_attend (per-item partials) and
 // launch_resident_fold (the in-order fold of each sequence's partials into its
 // running state). nvcc only; kernels.cuh includes it, so either header gives
-// it. Instantiated per layout by WS_CUDA_INSTANTIATE_RESIDENT(Layout) (after
-// WS_CUDA_INSTANTIATE_COMMON etc., in the program's one kernels .cu). Not yet
-// called by the engine.
+// it. Instantiated per layout by WS_CUDA_INSTANTIATE_RESIDENT(Layout), which
+// WS_CUDA_INSTANTIATE(Layout) includes. The engine calls them only with
+// basic_cuda_backend::set_resident_kernel on (experimental; off by default).
 //
 // Design. One CTA of 4 warps per (item, KV head, 16 query heads). The query
 // heads are the M = 16 rows of mma.sync.m16n8k16 (bf16 in, fp32 accumulate);
@@ -426,7 +426,7 @@ void launch_resident_fold(const resident_fold_params& p, cudaStream_t stream) {
 
 /// Explicitly instantiates the resident-region launchers (launch_resident_attend,
 /// launch_resident_fold) for the layout given as the argument. Global namespace
-/// scope; once per layout per program.
+/// scope; part of WS_CUDA_INSTANTIATE (do not repeat it where that is used).
 #define WS_CUDA_INSTANTIATE_RESIDENT(...)                                                                  \
   template void writescope::gpu::launch_resident_attend<__VA_ARGS__>(                                      \
       const writescope::gpu::resident_attend_params&, cudaStream_t);                                       \
