@@ -430,6 +430,31 @@ def test_decode_mask_on_a_device_is_not_read_after_the_first_step(backend):
             torch.cuda.set_sync_debug_mode("default")
 
 
+def test_decode_steps_build_no_mask(backend, monkeypatch):
+    """The "writescope" mask function builds transformers' SDPA mask for a prompt and none for a decode step
+    over a WriteScopeCache (that would read the padding mask on the device every step); the tokens of a
+    ragged batch stay those of DynamicCache (test_greedy_tokens_match_dynamic_cache_fp32)."""
+    import writescope.hf as wshf
+    dev = device_of(backend)
+    model = tiny_model("llama", device=dev)
+    ids, mask = prompts(dev)
+    built = []
+    real = wshf.sdpa_mask
+    monkeypatch.setattr(wshf, "sdpa_mask", lambda *a, **k: built.append(k.get("q_length")) or real(*a, **k))
+    cache = WriteScopeCache(model, backend=backend, **SPEC)
+    model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    assert built == [ids.shape[1]]
+    step = mask
+    for _ in range(2):
+        step = torch.cat([step, torch.ones_like(mask[:, :1])], dim=1)
+        model(input_ids=ids[:, :1], attention_mask=step, past_key_values=cache)
+    assert built == [ids.shape[1]]  # no mask built for the two decode steps
+    assert getattr(wshf._active, "forward", None) is None  # nothing left bound after the forwards
+    # outside a WriteScopeCache forward, a one-token query gets the SDPA mask as before
+    wshf.writescope_mask(batch_size=1, q_length=1, kv_length=4, device=dev)
+    assert built[-1] == 1
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
 def test_hbm_region_gives_the_same_tokens(arch, backend):
     """hbm_capacity_tokens: the prompts' first batches go to the HBM-resident region (attended in place),

@@ -207,9 +207,12 @@ class WriteScopeCache(Cache):
                 mask = args[mask_pos]
             cache._in_forward = True
             cache._forward = mask
+            _active.forward = cache  # writescope_mask: this thread runs a forward over this cache
 
         def post(module, args, kwargs, output):
             cache = me()
+            if getattr(_active, "forward", None) is cache:
+                _active.forward = None
             if cache is not None:
                 cache._in_forward = False
                 cache._forward = None
@@ -503,5 +506,17 @@ def writescope_attention(module, query, key, value, attention_mask, dropout=0.0,
                                   **kwargs)
 
 
+def writescope_mask(*args, **kwargs):
+    """The mask of the "writescope" attention: none for a one-token query of a forward over a
+    WriteScopeCache (its decode attention reads the cache's own block tables and ignores a mask, and
+    building one reads the padding mask on the device: a synchronization per step;
+    WriteScopeCache._check_decode_mask checks the 2D mask itself), transformers' SDPA mask otherwise
+    (prompts, other caches, no cache)."""
+    cache = getattr(_active, "forward", None)
+    if cache is not None and cache._seqs and kwargs.get("q_length") == 1:  # sequences held: a decode step
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
 AttentionInterface.register(ATTN_IMPLEMENTATION, writescope_attention)
-AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, writescope_mask)
