@@ -25,3 +25,4 @@
 #include "region.hpp"
 #include "sparse_pipeline.hpp"
 #include "stream_plan.hpp"
+#include "tensor_parallel.hpp"
