@@ -225,6 +225,10 @@ class dense_engine {
       WS_CUDA_TRY(cudaMemsetAsync(split_lse_.data(), 0xff, static_cast<std::size_t>(split_lse_.size_bytes()), comp));
       WS_CUDA_TRY(cudaMemsetAsync(window_o_.data(), 0xff, static_cast<std::size_t>(rows * V * 4), comp));
       WS_CUDA_TRY(cudaMemsetAsync(window_lse_.data(), 0xff, static_cast<std::size_t>(rows * 4), comp));
+      if (resident_capacity_ > 0) {  // the resident kernels' partials: an item left unwritten shows
+        WS_CUDA_TRY(cudaMemsetAsync(resident_o_.data(), 0xff, static_cast<std::size_t>(resident_o_.size_bytes()), comp));
+        WS_CUDA_TRY(cudaMemsetAsync(resident_lse_.data(), 0xff, static_cast<std::size_t>(resident_lse_.size_bytes()), comp));
+      }
     }
     gpu::launch_init_state<Layout>(streamed_o_.as<float>(), streamed_lse_.as<float>(), rows, comp);
     gpu::attend_params& ap = attend_;
@@ -336,7 +340,6 @@ class dense_engine {
     resident_capacity_ = max_items;
   }
   [[nodiscard]] index_t resident_kernel_launches() const noexcept { return resident_kernel_launches_; }
-
 
   // Splits [begin, end) of `splits`, whose blocks lie in `region`, attended on
   // the compute stream, max_attend_items per launch (with `lists`, the listed
