@@ -141,7 +141,8 @@ void launch_init_state(float* o, float* lse, index_t rows, cudaStream_t stream);
 
 // -----------------------------------------------------------------------------
 // HBM-resident region: tensor-core split-K attention over a device item table
-// (kernels_resident.cuh; not yet used by the engine: docs/CUDA-ENGINE.md)
+// (kernels_resident.cuh; the engine's path only with basic_cuda_backend::set_resident_kernel,
+// experimental and off by default: docs/CUDA-ENGINE.md)
 // -----------------------------------------------------------------------------
 
 /// One run of tokens of one sequence in the HBM-resident region, in the block
