@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // writescope/tensor_parallel.hpp — one decode-attention layer over several
-// GPUs of one host (docs/MULTI-GPU.md): one inplace_kv_cache and one
+// GPUs of one host (beyond the paper, whose §4 system drives one GPU;
+// docs/MULTI-GPU.md): one inplace_kv_cache and one
 // hybrid_attention per GPU ("rank"), each on its own backend (its own pinned
 // region, ping-pong buffers, D-window and HBM region on its own device).
 //
