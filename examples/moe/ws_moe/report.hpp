@@ -516,6 +516,9 @@ inline void print_summary(std::FILE* f, const model_config& c, const generation_
                mib(u.cpu_used_blocks * per_block_all).c_str(), static_cast<long long>(u.cpu_used_blocks));
   std::fprintf(f, "           pinned load (host)      %s  %s (%lld blocks)\n", mib(u.pinned_region_bytes).c_str(),
                mib(u.pinned_used_blocks * per_block_all).c_str(), static_cast<long long>(u.pinned_used_blocks));
+  if (u.hbm_region_bytes > 0)
+    std::fprintf(f, "           HBM-resident (GPU)      %s  %s (%lld blocks)\n", mib(u.hbm_region_bytes).c_str(),
+                 mib(u.hbm_used_blocks * per_block_all).c_str(), static_cast<long long>(u.hbm_used_blocks));
   std::fprintf(f, "           D-window (GPU)          %s\n", mib(u.d_window_bytes).c_str());
   std::fprintf(f, "           ping-pong (GPU)         %s\n", mib(u.ping_pong_bytes).c_str());
   if (r.device.used) print_device(f, r);
