@@ -142,6 +142,46 @@ TEST_CASE("HBM routing: online B with the HBM tokens' time removed (track_gpu_co
   CHECK(roof.gpu_cost_per_token_seconds() == doctest::Approx(3e-9).epsilon(1e-9));
 }
 
+TEST_CASE("HBM routing: online H from the steps that streamed nothing (track_hbm_cost)") {
+  roofline_params rp;
+  rp.cpu_cost_per_token_seconds = 2e-9;
+  rp.gpu_cost_per_token_seconds = 1e-9;
+  rp.gpu_fixed_seconds = 30e-6;
+  rp.hbm_cost_per_token_seconds = 1e-9;  // the prior, five times the measured cost below
+  rp.cost_window_samples = 2;
+  roofline_policy roof(rp);
+  CHECK(roof.hbm_cost_per_token_seconds() == 1e-9);
+  cost_sample s;
+  s.gpu_resident_tokens = 100000;
+  s.gpu_seconds = 30e-6 + 0.2e-9 * 100000;  // H = 0.2 ns past C_GPU
+  roof.observe(s);
+  CHECK(roof.hbm_cost_per_token_seconds() == doctest::Approx(0.2e-9).epsilon(1e-9));
+  // eq. 2 with the measured H in Δ'
+  const double A = 2e-9, B = 1e-9, delta = 30e-6 + 0.2e-9 * 60000;
+  CHECK(roof.target_share(40000, 60000) ==
+        doctest::Approx(std::clamp(B / (A + B) + delta / ((A + B) * 40000.0), 0.0, 1.0)).epsilon(1e-12));
+  // a step that also streamed is B's sample, not H's
+  cost_sample mixed = s;
+  mixed.gpu_streamed_tokens = 5000;
+  mixed.gpu_seconds = 1.0;
+  roof.observe(mixed);
+  CHECK(roof.hbm_cost_per_token_seconds() == doctest::Approx(0.2e-9).epsilon(1e-9));
+  // a ratio of sums over the window: (s + t) / tokens, then t alone once s leaves it
+  cost_sample t;
+  t.gpu_resident_tokens = 300000;
+  t.gpu_seconds = 30e-6 + 0.4e-9 * 300000;
+  roof.observe(t);
+  CHECK(roof.hbm_cost_per_token_seconds() == doctest::Approx((0.2e-9 * 1e5 + 0.4e-9 * 3e5) / 4e5).epsilon(1e-9));
+  roof.observe(t);
+  roof.observe(t);
+  CHECK(roof.hbm_cost_per_token_seconds() == doctest::Approx(0.4e-9).epsilon(1e-9));
+  // off: the prior stays
+  rp.track_hbm_cost = false;
+  roofline_policy fixed_h(rp);
+  fixed_h.observe(s);
+  CHECK(fixed_h.hbm_cost_per_token_seconds() == 1e-9);
+}
+
 TEST_CASE("HBM routing: a policy that answers gpu_resident for a full region is asked again, then falls through") {
   const G L(4, 2);
   scripted_policy pol;

@@ -205,7 +205,14 @@ struct roofline_params {
   /// HBM tokens are placed first and never move, so for the host split they
   /// are a fixed cost of the GPU side: eq. 2's Δ becomes Δ + H·L_hbm
   /// (roofline_policy). 0 = HBM attention taken as free next to the host tiers.
+  /// With track_hbm_cost this is the prior, replaced by measurement.
   double hbm_cost_per_token_seconds = 0.0;
+  /// Re-measure H online from the steps whose GPU side attended only
+  /// HBM-resident (and D-window) tokens, no streamed ones: H = (GPU seconds −
+  /// C_GPU) / resident tokens, a sliding ratio of sums like A. While the KV
+  /// fits in the region every step is such a sample, so H is measured before
+  /// the host split needs it.
+  bool track_hbm_cost = true;
 
   /// Δ = C_GPU − C_CPU.
   [[nodiscard]] double fixed_overhead_gap_seconds() const noexcept { return gpu_fixed_seconds - cpu_fixed_seconds; }
@@ -227,7 +234,8 @@ struct roofline_params {
 /// With the HBM-resident region (docs/ARCHITECTURE.md, "The HBM tier"): a
 /// batch goes there while it has room; otherwise r is eq. 2 over the host
 /// tokens, L = L_host, with the HBM tokens' attention a fixed cost of the GPU
-/// side: Δ' = Δ + H·L_hbm (H = roofline_params::hbm_cost_per_token_seconds).
+/// side: Δ' = Δ + H·L_hbm (H: roofline_params::hbm_cost_per_token_seconds
+/// at first, re-measured online with track_hbm_cost).
 ///
 /// with L the placed tokens of all live sequences after the batch and the
 /// admissions in progress (route_query::coming_tokens: the length the next
@@ -248,7 +256,11 @@ class roofline_policy {
 
   /// Throws config_error unless A > 0, B > 0 (finite) and cost_window_samples >= 1.
   explicit roofline_policy(const roofline_params& p)
-      : p_(p), a_(p.cpu_cost_per_token_seconds), b_(p.gpu_cost_per_token_seconds), k_(p.launch_cost_per_token_seconds) {
+      : p_(p),
+        a_(p.cpu_cost_per_token_seconds),
+        b_(p.gpu_cost_per_token_seconds),
+        k_(p.launch_cost_per_token_seconds),
+        h_(p.hbm_cost_per_token_seconds) {
     auto positive = [](double v) { return v > 0.0 && std::isfinite(v); };
     if (!positive(p.cpu_cost_per_token_seconds) || !positive(p.gpu_cost_per_token_seconds))
       throw config_error("roofline_policy: per-token costs must be positive and finite (A=" +
@@ -278,7 +290,7 @@ class roofline_policy {
     double r = roofline_converged_share(a_, b_, k_);  // 0 or 1 where the paths do not cross
     if (k_ < a_ && k_ < b_) {
       const double ab = a_ + b_ - k_;
-      const double delta = p_.fixed_overhead_gap_seconds() + p_.hbm_cost_per_token_seconds * double(hbm_tokens);
+      const double delta = p_.fixed_overhead_gap_seconds() + h_ * double(hbm_tokens);
       if (total_placed_tokens > 0)
         r += delta / (ab * double(total_placed_tokens));
       else if (delta != 0.0)
@@ -300,10 +312,11 @@ class roofline_policy {
   void observe(const cost_sample& s) {
     if (s.cpu_tokens > 0 && std::isfinite(s.cpu_seconds))
       push(cpu_window_, cpu_sum_, std::max(0.0, s.cpu_seconds - p_.cpu_fixed_seconds), s.cpu_tokens, a_);
+    if (p_.track_hbm_cost && s.gpu_resident_tokens > 0 && s.gpu_streamed_tokens == 0 && std::isfinite(s.gpu_seconds))
+      push(hbm_window_, hbm_sum_, std::max(0.0, s.gpu_seconds - p_.gpu_fixed_seconds), s.gpu_resident_tokens, h_);
     if (p_.track_gpu_cost && s.gpu_streamed_tokens > 0 && std::isfinite(s.gpu_seconds))
       push(gpu_window_, gpu_sum_,
-           std::max(0.0, s.gpu_seconds - p_.gpu_fixed_seconds -
-                             p_.hbm_cost_per_token_seconds * double(s.gpu_resident_tokens)),
+           std::max(0.0, s.gpu_seconds - p_.gpu_fixed_seconds - h_ * double(s.gpu_resident_tokens)),
            s.gpu_streamed_tokens, b_);
     if (p_.track_launch_cost && s.launch_streamed_tokens > 0 && std::isfinite(s.launch_seconds))
       push(launch_window_, launch_sum_, std::max(0.0, s.launch_seconds), s.launch_streamed_tokens, k_);
@@ -315,6 +328,8 @@ class roofline_policy {
   [[nodiscard]] double gpu_cost_per_token_seconds() const noexcept { return b_; }
   /// Current K (host enqueue seconds per streamed token, on the CPU side's path).
   [[nodiscard]] double launch_cost_per_token_seconds() const noexcept { return k_; }
+  /// Current H (GPU seconds per token attended in the HBM-resident region).
+  [[nodiscard]] double hbm_cost_per_token_seconds() const noexcept { return h_; }
   [[nodiscard]] const roofline_params& params() const noexcept { return p_; }
 
  private:
@@ -356,8 +371,9 @@ class roofline_policy {
   double a_;
   double b_;
   double k_;
-  std::vector<sample> cpu_window_, gpu_window_, launch_window_;
-  window_sum cpu_sum_, gpu_sum_, launch_sum_;
+  double h_;
+  std::vector<sample> cpu_window_, gpu_window_, launch_window_, hbm_window_;
+  window_sum cpu_sum_, gpu_sum_, launch_sum_, hbm_sum_;
 };
 
 static_assert(routing_policy<gpu_only>);

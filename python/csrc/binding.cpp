@@ -104,6 +104,7 @@ engine_config parse_config(const std::string& layout, const std::string& policy,
     else if (k == "cost_window_samples") rp.cost_window_samples = as_int();
     else if (k == "track_gpu_cost") rp.track_gpu_cost = v != 0;
     else if (k == "track_launch_cost") rp.track_launch_cost = v != 0;
+    else if (k == "track_hbm_cost") rp.track_hbm_cost = v != 0;
     else if (k == "deferred_host_write_bytes") c.deferred_host_write_bytes = v;
     else if (k == "staging_bytes") c.staging_bytes = v;
     else if (k == "cpu_prefault_tokens") c.cpu_prefault_tokens = v;
@@ -119,6 +120,7 @@ engine_config parse_config(const std::string& layout, const std::string& policy,
     else if (k == "gpu_fixed_seconds") rp.gpu_fixed_seconds = v;
     else if (k == "placement_headroom") rp.placement_headroom = v;
     else if (k == "launch_cost_per_token_seconds") rp.launch_cost_per_token_seconds = v;
+    else if (k == "hbm_cost_per_token_seconds") rp.hbm_cost_per_token_seconds = v;
     else throw ws::config_error("Cache: unknown float option '" + k + "'");
   }
   // The library rounds the HBM region down to whole eviction batches; here a capacity that is

@@ -333,6 +333,7 @@ class engine_impl final : public engine {
             return {{"cpu_cost_per_token_seconds", p.cpu_cost_per_token_seconds()},
                     {"gpu_cost_per_token_seconds", p.gpu_cost_per_token_seconds()},
                     {"launch_cost_per_token_seconds", p.launch_cost_per_token_seconds()},
+                    {"hbm_cost_per_token_seconds", p.hbm_cost_per_token_seconds()},
                     {"converged_share", p.converged_share()},
                     {"target_share", p.target_share(ws::index_t(placed))}};
           } else if constexpr (std::is_same_v<P, ws::fixed_ratio>) {

@@ -213,6 +213,31 @@ def test_hbm_region_attends_right_and_is_counted_apart(backend):
         assert st["placed_tokens"] + st["window_tokens.0"] == p + 40
 
 
+def test_roofline_measures_h_from_steps_that_stream_nothing(backend):
+    """The roofline's H (GPU seconds per HBM-resident token) starts at the calibration's value and,
+    with track_hbm_cost (the default), is re-measured from the steps whose GPU side streamed nothing;
+    track_hbm_cost=0 keeps it."""
+    dev = device_of(backend)
+    lay = ws.gqa(8, 2, 64)
+    prior = 1.0  # one second per token: no measurement comes near it
+    cal = {"cpu_cost_per_token_seconds": 2e-8, "gpu_cost_per_token_seconds": 3e-8, "hbm_cost_per_token_seconds": prior}
+    got = {}
+    for track in (1, 0):
+        cache = make(lay, backend, r="roofline", layers=1, hbm_capacity_tokens=4 * 32, calibration=cal,
+                     track_hbm_cost=track)
+        assert cache.policy_state()["hbm_cost_per_token_seconds"] == prior
+        seq = cache.begin_sequence(64)  # two whole batches: both to the region, which has room for four
+        cache.append_prefill(0, seq, torch.randn(64, 2, 64).bfloat16().to(dev), torch.randn(64, 2, 64).bfloat16().to(dev))
+        for _ in range(4):
+            cache.append(0, [seq], torch.randn(1, 2, 64).bfloat16().to(dev), torch.randn(1, 2, 64).bfloat16().to(dev))
+            cache.attention(0, [seq], torch.randn(1, 8, 64).to(dev), 0.125)
+            cache.flush()
+        assert cache.split()["hbm_tokens"] == 64 and cache.last_step()["streamed_tokens"] == 0
+        got[track] = cache.policy_state()["hbm_cost_per_token_seconds"]
+    assert 0 < got[1] < 1e-2, got
+    assert got[0] == prior
+
+
 @pytest.mark.parametrize("tokens", [40, -32, 1])
 def test_hbm_capacity_not_whole_batches_is_refused(tokens, backend):
     with pytest.raises(ws.ConfigError, match=rf"hbm_capacity_tokens = {tokens} must be >= 0 and a whole number of "

@@ -153,9 +153,11 @@ def mla(num_q_heads: int, kv_lora_rank: int = MLA_KV_LORA_RANK, rope_dim: int = 
 _POLICIES = ("roofline", "fixed_ratio", "gpu_only", "cpu_only")
 _INT_OPTIONS = ("ping_pong_buffers", "first_chunk_bytes", "gpu_split_blocks", "cpu_task_blocks",
                 "pinned_initial_tokens", "pinned_growth_tokens", "task_workspace_reserve_bytes",
-                "cost_window_samples", "deferred_host_write_bytes", "staging_bytes", "cpu_prefault_tokens")
+                "cost_window_samples", "deferred_host_write_bytes", "staging_bytes", "cpu_prefault_tokens",
+                "track_gpu_cost", "track_launch_cost", "track_hbm_cost")
 _ROOFLINE_KEYS = ("cpu_cost_per_token_seconds", "gpu_cost_per_token_seconds", "cpu_fixed_seconds",
-                  "gpu_fixed_seconds", "placement_headroom", "launch_cost_per_token_seconds")
+                  "gpu_fixed_seconds", "placement_headroom", "launch_cost_per_token_seconds",
+                  "hbm_cost_per_token_seconds")
 # An uncalibrated starting point for the roofline policy (A, B per KV token of 2 KiB); A is
 # re-estimated online from measured steps. Calibrate (bench/calibrate) for real runs.
 DEFAULT_ROOFLINE = {"cpu_cost_per_token_seconds": 2.6e-8, "gpu_cost_per_token_seconds": 3.8e-8}

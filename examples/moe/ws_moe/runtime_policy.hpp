@@ -32,7 +32,7 @@ class runtime_policy {
 
   [[nodiscard]] const variant_type& get() const noexcept { return p_; }
 
-  /// "roofline (A=…, B=…, K=…)", "fixed r=0.25", "gpu_only (r=0)", "cpu_only (r=1)".
+  /// "roofline (A=…, B=…, K=…[, H=…])", "fixed r=0.25", "gpu_only (r=0)", "cpu_only (r=1)".
   [[nodiscard]] std::string describe() const {
     char buf[160];
     if (const auto* r = std::get_if<writescope::roofline_policy>(&p_)) {
@@ -40,6 +40,11 @@ class runtime_policy {
                     r->cpu_cost_per_token_seconds(), r->gpu_cost_per_token_seconds(),
                     r->launch_cost_per_token_seconds(), r->converged_share());
       std::string d = buf;
+      if (r->hbm_cost_per_token_seconds() > 0.0) {  // the HBM-resident region's H (prior, or measured)
+        std::snprintf(buf, sizeof buf, ", H=%.3g s/token%s", r->hbm_cost_per_token_seconds(),
+                      r->params().track_hbm_cost ? " (online)" : "");
+        d.insert(d.size() - 1, buf);
+      }
       if (r->params().placement_headroom > 0.0) {
         std::snprintf(buf, sizeof buf, ", placed %.3f below it", r->params().placement_headroom);
         d.insert(d.size() - 1, buf);
