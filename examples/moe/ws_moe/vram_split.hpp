@@ -158,6 +158,13 @@ inline vram_split split_vram(const vram_split_inputs& in) {
   const index_t batches = kv_bytes / batch_bytes;
   s.hbm_tokens = batches * in.batch_tokens;
   s.hbm_bytes = batches * batch_bytes;
+  if (batches == 0 && s.first == "KV") {  // say which bound left less than one whole batch
+    const char* by = in.cap_bytes > 0 && in.cap_bytes < batch_bytes ? "--hbm-kv-gib"
+                     : demand_bytes < batch_bytes                    ? "the planned KV"
+                                                                     : "the budget left";
+    s.reason += "; no region: " + std::string(by) + " holds no whole eviction batch of " +
+                writescope::format_bytes(batch_bytes);
+  }
   return s;
 }
 
