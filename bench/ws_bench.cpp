@@ -365,11 +365,15 @@ json costs_json(const cost_estimate& c) {
                                       (c.params.cpu_cost_per_token_seconds + c.params.gpu_cost_per_token_seconds)}};
 }
 
-json policy_state(const ws::roofline_policy& p, index_t total_placed) {
+/// The roofline's costs and its target share of the host tokens (the HBM-resident ones in Δ').
+template <class Cache>
+json policy_state(const ws::roofline_policy& p, const Cache& cache) {
+  const index_t hbm = cache.total_hbm_placed_tokens();
   return json{{"A_ns_per_token", p.cpu_cost_per_token_seconds() * 1e9},
               {"B_ns_per_token", p.gpu_cost_per_token_seconds() * 1e9},
+              {"H_ns_per_token", p.hbm_cost_per_token_seconds() * 1e9},
               {"converged_share", p.converged_share()},
-              {"target_share", p.target_share(total_placed)}};
+              {"target_share", p.target_share(cache.total_placed_tokens() - hbm, hbm)}};
 }
 
 // ---------------------------------------------------------------------------
@@ -410,7 +414,7 @@ void run_policies(context& cx) {
           j["ceiling_ms"] = ceil_ms;
           j["ratio_to_ceiling"] = s.step_ms_median > 0 ? ceil_ms / s.step_ms_median : 0.0;
           if constexpr (std::is_same_v<decltype(policy), ws::roofline_policy>)
-            j["roofline"] = policy_state(r.policy(), r.cache().total_placed_tokens());
+            j["roofline"] = policy_state(r.policy(), r.cache());
           row.update(j);
           return s;
         };
@@ -487,14 +491,14 @@ void run_track(context& cx) {
       rig<Preset, ws::roofline_policy> r(*cx.be, rc, *carried, pool);
       r.admit(L);
       row["initial_share"] = r.cpu_share();
-      row["initial_policy"] = policy_state(r.policy(), r.cache().total_placed_tokens());
+      row["initial_policy"] = policy_state(r.policy(), r.cache());
       r.decode(online_warmup(o, rc.layers));
       r.admit(L);
       if (o.warmup > 0) r.decode(1);
       const decode_stats s = r.decode(o.steps);
       row["deployed"] = stats_json(r, s);
       row["deployed_share"] = r.cpu_share();
-      row["deployed_policy"] = policy_state(r.policy(), r.cache().total_placed_tokens());
+      row["deployed_policy"] = policy_state(r.policy(), r.cache());
       carried = r.policy();
     }
     // Sweep of fixed shares: the coarse grid, then the 0.1-neighbours of its best.
@@ -798,7 +802,7 @@ void run_contend(context& cx) {
         solo_ms = median(r.decode(o.steps).step_seconds) / rc.layers * 1e3;
         solo_share = r.cpu_share();
         solo_policy = r.policy();
-        row["solo_policy"] = policy_state(r.policy(), r.cache().total_placed_tokens());
+        row["solo_policy"] = policy_state(r.policy(), r.cache());
       } catch (...) {
         err = std::current_exception();
       }
@@ -833,7 +837,7 @@ void run_contend(context& cx) {
             sync.arrive_and_wait();
             ms[t] = contended_steps(r, o.steps, done, 2);
             share[t] = r.cpu_share();
-            pol[t] = policy_state(r.policy(), r.cache().total_placed_tokens());
+            pol[t] = policy_state(r.policy(), r.cache());
           } else {
             rig<Preset, ws::fixed_ratio> r(be, c, ws::fixed_ratio(solo_share), pool);
             r.admit(L);
@@ -1011,7 +1015,7 @@ void run_hbm(context& cx, double hbm_gbps) {
       j["host_bound_ms"] = host_ms;
       j["bound_ms"] = std::max(hbm_ms, host_ms);
       j["ratio_to_bound"] = s.step_ms_median > 0 ? std::max(hbm_ms, host_ms) / s.step_ms_median : 0.0;
-      j["roofline"] = policy_state(r.policy(), r.cache().total_placed_tokens());
+      j["roofline"] = policy_state(r.policy(), r.cache());
       return j;
     };
     json hb = timed(cap_tokens, hbm_cost);

@@ -329,13 +329,14 @@ class engine_impl final : public engine {
         [&](const auto& p) -> std::vector<std::pair<std::string, double>> {
           using P = std::decay_t<decltype(p)>;
           if constexpr (std::is_same_v<P, ws::roofline_policy>) {
-            const double placed = double(cache_.total_placed_tokens());
+            const ws::index_t hbm = cache_.total_hbm_placed_tokens();  // in Δ', not in L
+            const ws::index_t host = cache_.total_placed_tokens() - hbm;
             return {{"cpu_cost_per_token_seconds", p.cpu_cost_per_token_seconds()},
                     {"gpu_cost_per_token_seconds", p.gpu_cost_per_token_seconds()},
                     {"launch_cost_per_token_seconds", p.launch_cost_per_token_seconds()},
                     {"hbm_cost_per_token_seconds", p.hbm_cost_per_token_seconds()},
                     {"converged_share", p.converged_share()},
-                    {"target_share", p.target_share(ws::index_t(placed))}};
+                    {"target_share", p.target_share(host, hbm)}};
           } else if constexpr (std::is_same_v<P, ws::fixed_ratio>) {
             return {{"target_share", p.cpu_share()}};
           } else if constexpr (std::is_same_v<P, ws::cpu_only>) {

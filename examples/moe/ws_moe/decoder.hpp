@@ -442,27 +442,33 @@ writescope::partition_spec make_partition_spec(const Layout& layout, int num_lay
   return s;
 }
 
-/// The policy's target CPU share at `placed` tokens (roofline: eq. 2; fixed: r; gpu_only 0; cpu_only 1).
-inline double target_share_of(const runtime_policy& p, index_t placed) {
+/// The policy's target CPU share of the host-placed tokens at `host_placed`
+/// host tokens and `hbm_placed` HBM-resident ones (roofline: eq. 2 with the HBM
+/// tokens in Δ'; fixed: r; gpu_only 0; cpu_only 1).
+inline double target_share_of(const runtime_policy& p, index_t host_placed, index_t hbm_placed = 0) {
   const auto& v = p.get();
-  if (const auto* r = std::get_if<writescope::roofline_policy>(&v)) return r->target_share(placed);
+  if (const auto* r = std::get_if<writescope::roofline_policy>(&v)) return r->target_share(host_placed, hbm_placed);
   if (const auto* f = std::get_if<writescope::fixed_ratio>(&v)) return f->cpu_share();
   return std::holds_alternative<writescope::cpu_only>(v) ? 1.0 : 0.0;
 }
 
-/// The deployed CPU share of the live sequences `seqs` of `cache` after `step`.
+/// The deployed CPU share of the live sequences `seqs` of `cache` after
+/// `step`: CPU-placed tokens over host-placed ones (HBM-resident tokens are in
+/// neither), the share the policies set.
 template <class Cache>
 share_point share_of(const Cache& cache, const std::vector<writescope::sequence_id>& seqs, int step) {
   share_point p;
   p.step = step;
-  index_t cpu = 0;
+  index_t cpu = 0, hbm = 0;
   for (auto id : seqs) {
     const auto& st = cache.sequence(id);
     p.placed_tokens += st.placed_tokens;
     cpu += st.cpu_placed_tokens;
+    hbm += st.hbm_placed_tokens;
   }
-  p.cpu_share = p.placed_tokens > 0 ? double(cpu) / double(p.placed_tokens) : 0.0;
-  p.target = target_share_of(cache.policy(), p.placed_tokens);
+  const index_t host = p.placed_tokens - hbm;
+  p.cpu_share = host > 0 ? double(cpu) / double(host) : 0.0;
+  p.target = target_share_of(cache.policy(), host, hbm);
   return p;
 }
 
