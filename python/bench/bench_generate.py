@@ -198,6 +198,33 @@ def warm_up(model, ids, name, make_cache, device, context):
     return rec
 
 
+def profile_prefill(model, ids, name, make_cache, device, path):
+    """One prefill (generate with one new token) under torch.profiler; appends the top operators by
+    device time and by host time to ``path``. Untimed: the profiler slows what it watches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    cache = None
+    try:
+        with torch.inference_mode():
+            cache = make_cache(ids.shape[1] + 1)
+            with profile(activities=acts) as prof:
+                generate(model, ids, cache, 1)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+        ka = prof.key_averages()
+        with open(path, "a") as f:
+            f.write(f"==== {name}: prefill of {ids.shape[0]} x {ids.shape[1]} tokens\n")
+            if device.type == "cuda":
+                f.write(ka.table(sort_by="self_cuda_time_total", row_limit=25) + "\n")
+            f.write(ka.table(sort_by="self_cpu_time_total", row_limit=25) + "\n")
+    except Exception as e:  # noqa: BLE001  (a diagnostic: never loses the measured results)
+        with open(path, "a") as f:
+            f.write(f"==== {name}: profile failed: {type(e).__name__}: {e}\n")
+    del cache
+    free_device_memory(device)
+
+
 def run_one(model, ids, args, name, make_cache, device):
     free_device_memory(device)
     if device.type == "cuda":
@@ -368,6 +395,9 @@ def main():
                                                                     "(0: no warm-up)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", help="write the results here (rewritten after every run)")
+    ap.add_argument("--profile-prefill", metavar="TXT",
+                    help="after the measured runs, profile one prefill per cache (torch.profiler) and append the "
+                         "top operators by device and host time to this file")
     ap.add_argument("--summarize", nargs="+", metavar="JSON", help="print one table of these result files and exit")
     args = ap.parse_args()
     if args.summarize:
@@ -450,6 +480,10 @@ def main():
         save()
     doc["complete"] = True
     save()
+    if args.profile_prefill:
+        for name, make in runs:
+            if make is not None:
+                profile_prefill(model, ids, name, make, device, args.profile_prefill)
     print_table(doc)
     sys.stdout.flush()
 

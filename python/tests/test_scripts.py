@@ -71,8 +71,12 @@ def test_bench_random_weights_from_config_json_and_summary(tmp_path):
     common = ["--config", cfg, "--random-weights", "--layers", "1", "--batch", "2", "--new-tokens", "4",
               "--caches", "writescope,offloaded,dynamic", "--policies", "0.5", "--block-tokens", "16",
               "--d-window", "32", "--cpu-threads", "1", "--warmup-context", "16", "--device", "cpu"]
-    out = run([PY / "bench" / "bench_generate.py", *common, "--context", "96", "--json", js])
+    prof = tmp_path / "prefill_profile.txt"
+    out = run([PY / "bench" / "bench_generate.py", *common, "--context", "96", "--json", js, "--profile-prefill", prof])
     doc = json.loads(js.read_text())
+    text = prof.read_text()  # one section per cache that ran, each with the profiler's operator table
+    assert text.count("==== ") == 2 and "==== writescope:0.5: prefill of 2 x 96 tokens" in text
+    assert "Self CPU" in text and "failed" not in text
     assert doc["layers"] == 1 and doc["model"] == "MixtralForCausalLM" and doc["complete"]
     assert [w["cache"] for w in doc["warmup"]] == ["writescope:0.5", "DynamicCache"]
     assert [r["cache"] for r in doc["results"]] == ["writescope:0.5", "DynamicCache(offloading=True)", "DynamicCache"]
