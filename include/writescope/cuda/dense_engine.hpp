@@ -264,11 +264,14 @@ class dense_engine {
   // complete (K7). Nothing to do for a plan without resident splits.
   // With set_resident_kernel and a reserved workspace (reserve_resident_items),
   // all resident splits instead go through the split-K resident kernels: the
-  // item and segment tables copied from pageable host memory onto the compute
-  // stream (cudaMemcpyAsync stages a pageable source before it returns, so the
-  // host tables are free again at once; the device tables are overwritten only
-  // behind the previous launch's readers on the same stream), one attention
-  // launch over every item, one fold of each sequence's items in order.
+  // item and segment tables written into one slot of a page-locked ring and
+  // copied to the device on the compute stream (a true asynchronous copy: a
+  // pageable source may make the driver wait for the stream, which would tie
+  // the host to the GPU once per layer); a slot is rewritten only after the
+  // copy out of it completed (its event, resident_table_slots calls back); the
+  // device tables are overwritten only behind the previous launch's readers on
+  // the same stream; then one attention launch over every item, one fold of
+  // each sequence's items in order.
   void attend_resident(const args_type& a, const switches& dbg) {
     const std::vector<stream_split>& rs = a.plan->resident_splits;
     if (rs.empty()) return;
@@ -284,20 +287,28 @@ class dense_engine {
   void attend_resident_split_k(const args_type& a, const std::vector<stream_split>& rs) {
     cudaStream_t comp = compute_.get();
     const int n = int(rs.size());
+    const std::size_t slot = std::size_t(resident_table_next_);
+    resident_table_next_ = (resident_table_next_ + 1) % resident_table_slots;
+    if (resident_table_used_[slot]) WS_CUDA_TRY(cudaEventSynchronize(resident_table_ev_[slot].get()));
+    std::byte* const base = resident_tables_host_.data() + index_t(slot) * resident_slot_bytes_;
+    auto* const items = reinterpret_cast<gpu::resident_item*>(base);
+    auto* const segs = reinterpret_cast<gpu::fold_segment*>(base + resident_segments_offset_);
     int segments = 0;
     for (int k = 0; k < n; ++k) {
       const stream_split& sp = rs[std::size_t(k)];
-      resident_items_host_[std::size_t(k)] = {a.resident.block(sp.first_block).data(),
-                                              int(sp.num_blocks * a.format.block_tokens), sp.batch_index, k, 0};
-      if (segments > 0 && resident_segments_host_[std::size_t(segments - 1)].batch_index == sp.batch_index)
-        resident_segments_host_[std::size_t(segments - 1)].split_end = k + 1;
+      items[k] = {a.resident.block(sp.first_block).data(), int(sp.num_blocks * a.format.block_tokens), sp.batch_index,
+                  k, 0};
+      if (segments > 0 && segs[segments - 1].batch_index == sp.batch_index)
+        segs[segments - 1].split_end = k + 1;
       else
-        resident_segments_host_[std::size_t(segments++)] = {sp.batch_index, k, k + 1};
+        segs[segments++] = {sp.batch_index, k, k + 1};
     }
-    WS_CUDA_TRY(cudaMemcpyAsync(resident_items_.data(), resident_items_host_.data(),
-                                std::size_t(n) * sizeof(gpu::resident_item), cudaMemcpyHostToDevice, comp));
-    WS_CUDA_TRY(cudaMemcpyAsync(resident_segments_.data(), resident_segments_host_.data(),
-                                std::size_t(segments) * sizeof(gpu::fold_segment), cudaMemcpyHostToDevice, comp));
+    WS_CUDA_TRY(cudaMemcpyAsync(resident_items_.data(), items, std::size_t(n) * sizeof(gpu::resident_item),
+                                cudaMemcpyHostToDevice, comp));
+    WS_CUDA_TRY(cudaMemcpyAsync(resident_segments_.data(), segs, std::size_t(segments) * sizeof(gpu::fold_segment),
+                                cudaMemcpyHostToDevice, comp));
+    record(resident_table_ev_[slot], comp);
+    resident_table_used_[slot] = true;
     gpu::resident_attend_params p{};
     p.q = a.q.data();
     p.items = resident_items_.as<const gpu::resident_item>();
@@ -335,8 +346,17 @@ class dense_engine {
     resident_items_ = allocate_device_buffer(max_items * index_t(sizeof(gpu::resident_item)), "resident item table");
     resident_segments_ =
         allocate_device_buffer(index_t(std::max(max_batch_, 1)) * index_t(sizeof(gpu::fold_segment)), "resident segment table");
-    resident_items_host_.assign(std::size_t(max_items), gpu::resident_item{});
-    resident_segments_host_.assign(std::size_t(std::max(max_batch_, 1)), gpu::fold_segment{});
+    // the host tables: resident_table_slots slots of [items | segments], page-locked (join_launch above:
+    // no enqueue reads the old slots; cudaFreeHost of the old ring waits for its copies)
+    const auto align = [](index_t b) { return (b + 255) / 256 * 256; };
+    resident_segments_offset_ = align(max_items * index_t(sizeof(gpu::resident_item)));
+    resident_slot_bytes_ =
+        align(resident_segments_offset_ + index_t(std::max(max_batch_, 1)) * index_t(sizeof(gpu::fold_segment)));
+    resident_tables_host_ = allocate_page_locked(resident_table_slots * resident_slot_bytes_);
+    for (std::size_t i = 0; i < resident_table_slots; ++i) {
+      if (!resident_table_ev_[i].get()) resident_table_ev_[i] = unique_event::create();
+      resident_table_used_[i] = false;
+    }
     resident_capacity_ = max_items;
   }
   [[nodiscard]] index_t resident_kernel_launches() const noexcept { return resident_kernel_launches_; }
@@ -694,8 +714,12 @@ class dense_engine {
   std::array<index_t, 2> slot_resident_{0, 0};
   // the resident kernels (set_resident_kernel; reserve_resident_items)
   device_buffer resident_o_, resident_lse_, resident_items_, resident_segments_;
-  std::vector<gpu::resident_item> resident_items_host_;
-  std::vector<gpu::fold_segment> resident_segments_host_;
+  static constexpr std::size_t resident_table_slots = 4;  // layers the host may enqueue ahead of the GPU's table copies
+  host_allocation resident_tables_host_;                   // page-locked ring of [items | segments] slots
+  index_t resident_slot_bytes_ = 0, resident_segments_offset_ = 0;
+  std::array<unique_event, resident_table_slots> resident_table_ev_{};  // after the copies out of each slot
+  std::array<bool, resident_table_slots> resident_table_used_{};
+  int resident_table_next_ = 0;
   index_t resident_capacity_ = 0;
   index_t resident_kernel_launches_ = 0;
   std::array<bool, 2> slot_sparse_{false, false};
