@@ -343,14 +343,15 @@ class rig {
     return st;
   }
 
-  /// Placed CPU share of the live batch (unpinned tokens / placed tokens).
+  /// Placed CPU share of the live batch: unpinned tokens / host-placed tokens
+  /// (HBM-resident tokens in neither, as the policies count them).
   [[nodiscard]] double cpu_share() const {
-    index_t placed = 0, cpu = 0;
+    index_t host = 0, cpu = 0;
     for (ws::sequence_id id : seqs_) {
-      placed += cache_.sequence(id).placed_tokens;
+      host += cache_.sequence(id).placed_tokens - cache_.sequence(id).hbm_placed_tokens;
       cpu += cache_.sequence(id).cpu_placed_tokens;
     }
-    return placed > 0 ? double(cpu) / double(placed) : 0.0;
+    return host > 0 ? double(cpu) / double(host) : 0.0;
   }
   /// Bytes of placed KV one layer-step reads out of the D-window: both host
   /// regions, and the HBM-resident region when there is one.

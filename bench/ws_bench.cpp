@@ -32,7 +32,8 @@
 //             host bytes / the same-run concurrent host ceiling); headline
 //             bound / step (while the KV fits: the fraction of the HBM read rate
 //             the step reaches). --hbm-compare adds the same row with the region
-//             disabled.
+//             disabled; --hbm-sweep, past the region, the same row at fixed host
+//             shares, and the roofline's step against the best of them.
 //
 // Timing: a decode step is every layer's append + hybrid_attention::step, then
 // flush, then a synchronization of the caller stream; "step_ms" is a decode
@@ -85,6 +86,8 @@ constexpr const char* usage_text = R"(ws_bench — writescope attention benchmar
   --hbm-small-length N  hbm: tokens per sequence of the first row, the fixed cost (default 512)
   --hbm-compare         hbm: also time every row with the region disabled
   --hbm-resident-kernel hbm: also time every row with the split-K resident kernels
+  --hbm-sweep LIST      hbm: past the region, also time these fixed host CPU shares (fixed_ratio, the
+                        region filled first as by every policy) and compare the roofline with the best
                         (cuda_backend::set_resident_kernel; CUDA build only)
   --contend-kinds K     contend: tenant (a second cache), cpu (a CPU-side neighbour
                         streaming memory on half the tenant's cores), pcie (a
@@ -129,6 +132,7 @@ struct options {
   index_t hbm_small_length = 512;
   bool hbm_compare = false;
   bool hbm_resident_kernel = false;
+  std::vector<double> hbm_sweep;  // fixed host shares timed past the region (the three-way rule's accuracy)
   int tenant_threads = std::max(1, (int(std::thread::hardware_concurrency()) - 2) / 2);
   int threads = default_threads();
   int steps = 12;
@@ -208,6 +212,10 @@ options parse(int argc, char** argv) {
       o.hbm_small_length = parse_number<index_t>(f, a.value());
     } else if (f == "--hbm-compare") {
       o.hbm_compare = true;
+    } else if (f == "--hbm-sweep") {
+      o.hbm_sweep = parse_list<double>(f, a.value());
+      for (double x : o.hbm_sweep)
+        if (!(x >= 0 && x <= 1)) throw usage_error("--hbm-sweep: share " + std::to_string(x) + " is not in [0, 1]");
     } else if (f == "--hbm-resident-kernel") {
       if (!has_cuda) throw usage_error("--hbm-resident-kernel: the resident kernels run on cuda_backend only (ws_bench)");
       o.hbm_resident_kernel = true;
@@ -1046,6 +1054,34 @@ void run_hbm(context& cx, double hbm_gbps) {
       std::snprintf(buf, sizeof buf, " %9.3f %7.2f", off["step_ms"].get<double>(), row["speedup"].get<double>());
       compare += buf;
     }
+    if (!o.hbm_sweep.empty() && hb["host_mib"].get<double>() > 0) {
+      // the three-way rule against its swept optimum: the same region, fixed host shares
+      json sweep = json::array();
+      std::size_t best = 0;
+      for (double share : o.hbm_sweep) {
+        if (cx.skip("hbm sweep")) break;
+        rig_config c = rc;
+        c.hbm_capacity_tokens = cap_tokens;
+        rig<Preset, ws::fixed_ratio> r(*cx.be, c, ws::fixed_ratio(share), pool);
+        r.admit(L);
+        if (o.warmup > 0) r.decode(o.warmup);
+        json j = stats_json(r, r.decode(o.steps));
+        j["fixed_share"] = share;
+        sweep.push_back(std::move(j));
+        if (sweep.back()["step_ms"].get<double>() < sweep[best]["step_ms"].get<double>()) best = sweep.size() - 1;
+      }
+      if (!sweep.empty()) {
+        const json& b = sweep[best];
+        row["best_share"] = b["fixed_share"];
+        row["best_step_ms"] = b["step_ms"];
+        row["deployed_over_best"] = hb["step_ms"].get<double>() / b["step_ms"].get<double>();
+        char buf[96];
+        std::snprintf(buf, sizeof buf, "  r %.3f vs r_opt %.2f: x%.3f", hb["cpu_share"].get<double>(),
+                      b["fixed_share"].get<double>(), row["deployed_over_best"].get<double>());
+        compare += buf;
+      }
+      row["sweep"] = std::move(sweep);
+    }
     progress(cx.bud, "  %.3f ms/layer, HBM %.0f MiB + host %.0f MiB, bound %.3f ms: %.2f of it", hb["step_ms"].get<double>(),
              hb["hbm_mib"].get<double>(), hb["host_mib"].get<double>(), hb["bound_ms"].get<double>(),
              hb["ratio_to_bound"].get<double>());
@@ -1093,7 +1129,8 @@ int main(int argc, char** argv) {
                                  {"hbm_fill", o.hbm_fill},
                                  {"hbm_small_length", o.hbm_small_length},
                                  {"hbm_compare", o.hbm_compare},
-                                 {"hbm_resident_kernel", o.hbm_resident_kernel}};
+                                 {"hbm_resident_kernel", o.hbm_resident_kernel},
+                                 {"hbm_sweep", o.hbm_sweep}};
     cx.out.doc["units"] = json{{"step_ms", "one layer's attention: median decode step (append + step per layer, flush, "
                                            "sync) divided by its layers"},
                                {"kv_gbps", "spilled KV bytes of one layer (both host regions) per step_ms"},
@@ -1106,7 +1143,9 @@ int main(int argc, char** argv) {
                                {"hbm.device_kv_gbps", "HBM-resident + D-window bytes of one layer per step_ms"},
                                {"hbm.speedup", "step_ms with the region disabled / step_ms with it"},
                                {"hbm.with_hbm_resident_kernel", "the same row with the split-K resident kernels "
-                                                                "(set_resident_kernel)"}};
+                                                                "(set_resident_kernel)"},
+                               {"hbm.deployed_over_best", "the roofline's step_ms / the best swept fixed share's "
+                                                          "(--hbm-sweep; 1 = the sweep's optimum)"}};
     for (const char* s : {"policies", "track", "ablate", "contend", "hbm"}) cx.out.doc[s] = json::array();
     cx.out.write();
 
