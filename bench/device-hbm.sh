@@ -13,7 +13,8 @@
 # Run from the repository root with .deps staged (scripts/stage-deps) and carried:
 #   OUT=$OUT bench/device-hbm.sh
 # Environment: OUT (default build/device-hbm), STAGES (default "build test kernel step"),
-# HBM_GIB (default 8), PRESETS (default "qwen3 dsv2"), STEP_BUDGET (seconds per preset, default 40).
+# HBM_GIB (default 8), PRESETS (default "qwen3 dsv2"), STEP_BUDGET (seconds per preset, default 40),
+# HBM_SWEEP (fixed host shares for ws_bench --hbm-sweep past the region; default none).
 # Output in $OUT: build.log, tests.log, resident.json, hbm_<preset>.json, hbm.txt, summary.txt.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -48,7 +49,8 @@ fi
 if want step; then
   for p in $PRESETS; do
     timeout $((STEP_BUDGET + 25)) "$b/bench/ws_bench" --mode hbm --hbm-presets "$p" --hbm-gib "$HBM_GIB" \
-      --hbm-fill 0.25,0.5,0.9,1.1,1.5,2,4 --hbm-resident-kernel --hbm-compare --budget-seconds "$STEP_BUDGET" \
+      --hbm-fill 0.25,0.5,0.9,1.1,1.5,2,4 --hbm-resident-kernel --hbm-compare ${HBM_SWEEP:+--hbm-sweep "$HBM_SWEEP"} \
+      --budget-seconds "$STEP_BUDGET" \
       --json "$OUT/hbm_$p.json" >>"$OUT/hbm.txt" 2>>"$OUT/hbm.err"
     say "ws_bench hbm $p rc=$?"
   done
