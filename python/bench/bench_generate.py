@@ -79,7 +79,7 @@ class OverheadMeter:
     def __enter__(self):
         self._wrap(wshf.WriteScopeCache, "update", "total")
         self._wrap(wshf.WriteScopeCache, "_decode", "total")
-        for op in ("append", "attention", "flush", "append_prefill", "append_prefill_batch"):
+        for op in ("append", "attention", "mla_attention", "flush", "append_prefill", "append_prefill_batch"):
             self._wrap(writescope.KVCache, op, "ops")
         self._wrap(writescope.KVCache, "complete_writes", "completion")  # from a forward hook, outside update
         return self

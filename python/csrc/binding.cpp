@@ -8,6 +8,8 @@
 //   writescope::append_prefill_batch(Cache cache, int layer, int[] seqs, int[] first_tokens, Tensor k, Tensor? v) -> ()
 //   writescope::append(Cache cache, int layer, int[] seqs, Tensor k, Tensor? v) -> ()
 //   writescope::decode_attention(Cache cache, int layer, int[] seqs, Tensor q, float scale) -> (Tensor, Tensor)
+//   writescope::mla_decode_attention(Cache cache, int layer, int[] seqs, Tensor query, Tensor w_uk, Tensor w_uv_t,
+//                                    float scale) -> Tensor
 //   writescope::flush(Cache cache) -> int[]
 //
 // Errors: the library's typed exceptions leave here as c10 errors whose
@@ -199,6 +201,44 @@ std::tuple<at::Tensor, at::Tensor> op_decode_attention(const c10::intrusive_ptr<
                                                        std::vector<int64_t> seqs, const at::Tensor& q, double scale) {
   return c->locked([&] { return c->impl->attention(layer, seqs, q, scale); });
 }
+/// Absorbed MLA decode attention from the model's query (docs/PYTHON.md): q' =
+/// q_nope·W_UK ‖ q_pe per head, the cache's attention over the latent rows, the
+/// output W_UV per head. query [batch, heads, 1, nope + rope] (any float dtype,
+/// the cache's device), w_uk [heads, nope, rank] and w_uv_t [heads, rank, v]
+/// float32 on the same device; returns [batch, 1, heads, v] in query's dtype.
+/// One call from Python instead of the eight tensor ops around decode_attention.
+at::Tensor op_mla_decode_attention(const c10::intrusive_ptr<Cache>& c, int64_t layer, std::vector<int64_t> seqs,
+                                   const at::Tensor& query, const at::Tensor& w_uk, const at::Tensor& w_uv_t,
+                                   double scale) {
+  const auto shape = [](const at::Tensor& t) {
+    std::string s = "[";
+    for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+    return s + "]";
+  };
+  guarded([&] {
+    if (query.dim() != 4 || query.size(2) != 1)
+      throw ws::shape_error("mla_decode_attention: query " + shape(query) + " is not [batch, heads, 1, nope + rope]");
+    const int64_t h = query.size(1);
+    if (w_uk.dim() != 3 || w_uk.size(0) != h || w_uk.size(1) >= query.size(3) || w_uk.scalar_type() != at::kFloat)
+      throw ws::shape_error("mla_decode_attention: w_uk " + shape(w_uk) + " (" + std::string(c10::toString(w_uk.scalar_type())) +
+                            ") is not float32 [" + std::to_string(h) + ", nope < " + std::to_string(query.size(3)) +
+                            ", rank]");
+    if (w_uv_t.dim() != 3 || w_uv_t.size(0) != h || w_uv_t.size(1) != w_uk.size(2) ||
+        w_uv_t.scalar_type() != at::kFloat)
+      throw ws::shape_error("mla_decode_attention: w_uv_t " + shape(w_uv_t) + " (" +
+                            std::string(c10::toString(w_uv_t.scalar_type())) + ") is not float32 [" +
+                            std::to_string(h) + ", " + std::to_string(w_uk.size(2)) + ", v]");
+    if (w_uk.device() != query.device() || w_uv_t.device() != query.device())
+      throw ws::shape_error("mla_decode_attention: query on " + query.device().str() + ", w_uk on " +
+                            w_uk.device().str() + ", w_uv_t on " + w_uv_t.device().str() + ": one device");
+  });
+  const int64_t nope = w_uk.size(1);
+  const at::Tensor q = query.select(2, 0).to(at::kFloat);                    // [batch, heads, nope + rope]
+  const at::Tensor q_lat = at::bmm(q.narrow(2, 0, nope).transpose(0, 1), w_uk);  // [heads, batch, rank]
+  const at::Tensor qp = at::cat({q_lat.transpose(0, 1), q.narrow(2, nope, q.size(2) - nope)}, 2);
+  const at::Tensor out = std::get<0>(c->locked([&] { return c->impl->attention(layer, seqs, qp, scale); }));
+  return at::bmm(out.transpose(0, 1), w_uv_t).transpose(0, 1).to(query.scalar_type()).unsqueeze(1);
+}
 std::vector<int64_t> op_flush(const c10::intrusive_ptr<Cache>& c) {
   return c->locked([&] { return c->impl->flush(); });
 }
@@ -259,6 +299,10 @@ TORCH_LIBRARY(writescope, m) {
       "decode_attention(__torch__.torch.classes.writescope.Cache cache, int layer, int[] seqs, Tensor q, float scale) "
       "-> (Tensor, Tensor)",
       &writescope_py::op_decode_attention);
+  m.def(
+      "mla_decode_attention(__torch__.torch.classes.writescope.Cache cache, int layer, int[] seqs, Tensor query, "
+      "Tensor w_uk, Tensor w_uv_t, float scale) -> Tensor",
+      &writescope_py::op_mla_decode_attention);
   m.def("flush(__torch__.torch.classes.writescope.Cache cache) -> int[]", &writescope_py::op_flush);
   m.def("validate_layout(str kind, int num_q_heads, int num_kv_heads, int row, int rope_dim=0) -> ()",
         &writescope_py::op_validate_layout);

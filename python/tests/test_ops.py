@@ -97,6 +97,53 @@ def test_mla_decode_matches_reference(backend):
     assert cache.split()["cpu_tokens"] > 0 and cache.split()["pinned_tokens"] > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_attention_from_the_model_query_matches_float64(dtype, backend):
+    """KVCache.mla_attention (one op: absorb W_UK into the query, attend the latent rows, apply W_UV)
+    against the unabsorbed float64 reference: per head, K = [W_UK c ‖ k_pe] and V = W_UV c over the cached
+    rows; bad weights raise ShapeError naming the shape and leave the cache as it was."""
+    dev = device_of(backend)
+    heads, nope, rope, rank, v_dim = 4, 32, 64, 512, 48
+    cache = make(ws.mla(heads), backend, r=0.5, layers=1, cpu_capacity_tokens=1024, pinned_capacity_tokens=1024,
+                 ping_pong_bytes=4 << 20)
+    torch.manual_seed(3)
+    w_uk = torch.randn(heads, nope, rank) * 0.05
+    w_uv_t = torch.randn(heads, rank, v_dim) * 0.05
+    seq = cache.begin_sequence(70)
+    rows = torch.randn(70, 1, rank + rope).bfloat16()
+    cache.append_prefill(0, seq, rows.to(dev))
+    scale = 0.09
+    for step in range(3):
+        new = torch.randn(1, 1, rank + rope).bfloat16()
+        cache.append(0, [seq], new.to(dev))
+        rows = torch.cat([rows, new])
+        query = torch.randn(1, heads, 1, nope + rope).to(dtype)
+        out = cache.mla_attention(0, [seq], query.to(dev), w_uk.to(dev), w_uv_t.to(dev), scale)
+        assert out.shape == (1, 1, heads, v_dim) and out.dtype == dtype
+        c, k_pe = rows[:, 0, :rank].double(), rows[:, 0, rank:].double()
+        q = query[0, :, 0].double()
+        for h in range(heads):
+            k = torch.cat([c @ w_uk[h].double().T, k_pe], dim=-1)  # [T, nope + rope]
+            p = ((k @ q[h]) * scale).softmax(-1)
+            ref = p @ (c @ w_uv_t[h].double())
+            tol = 2e-4 if dtype == torch.float32 else 2e-2
+            assert torch.allclose(out[0, 0, h].cpu().double(), ref, atol=tol, rtol=tol), (step, h)
+        cache.flush()
+    before = cache.sequence(seq)
+    q = torch.randn(1, heads, 1, nope + rope).to(dev)
+    with pytest.raises(ws.ShapeError, match=r"w_uk \[4, 96, 512\] \(Float\) is not float32 \[4, nope < 96"):
+        cache.mla_attention(0, [seq], q, torch.zeros(heads, nope + rope, rank).to(dev), w_uv_t.to(dev), scale)
+    with pytest.raises(ws.ShapeError, match=r"q"):  # a rank other than the cache's: the latent query's width
+        cache.mla_attention(0, [seq], q, w_uk[:, :, :500].contiguous().to(dev), w_uv_t[:, :500].contiguous().to(dev),
+                            scale)
+    with pytest.raises(ws.ShapeError, match=r"w_uv_t \[4, 512, 48\] \(BFloat16\)"):
+        cache.mla_attention(0, [seq], q, w_uk.to(dev), w_uv_t.bfloat16().to(dev), scale)
+    with pytest.raises(ws.ShapeError, match=r"query \[1, 4, 2, 96\]"):
+        cache.mla_attention(0, [seq], torch.randn(1, heads, 2, nope + rope).to(dev), w_uk.to(dev), w_uv_t.to(dev),
+                            scale)
+    assert cache.sequence(seq) == before
+
+
 def test_strided_kv_is_taken_as_is(backend):
     """K/V as views of a fused [tokens, 2, kv_heads, D] buffer (a token stride) are read correctly."""
     dev = device_of(backend)

@@ -280,6 +280,18 @@ class KVCache:
         with _errors():
             return torch.ops.writescope.decode_attention(self._c, int(layer), [int(s) for s in seqs], q, float(scale))
 
+    def mla_attention(self, layer: int, seqs: Sequence[int], query: torch.Tensor, w_uk: torch.Tensor,
+                      w_uv_t: torch.Tensor, scale: float) -> torch.Tensor:
+        """Absorbed MLA decode attention from a model's query, in one op: q' = q_nope W_UK ‖ q_pe per head,
+        :meth:`attention` over the latent rows, the output times W_UV per head.
+
+        query ``[len(seqs), heads, 1, nope + rope]`` (any float dtype), w_uk ``[heads, nope, kv_lora_rank]``
+        and w_uv_t ``[heads, kv_lora_rank, v_head_dim]`` float32, all on the cache's device ->
+        ``[len(seqs), 1, heads, v_head_dim]`` in query's dtype."""
+        with _errors():
+            return torch.ops.writescope.mla_decode_attention(self._c, int(layer), [int(s) for s in seqs], query, w_uk,
+                                                             w_uv_t, float(scale))
+
     def flush(self) -> dict:
         """After the last layer of a decode step: evicts every full D-window to the side the policy picks."""
         with _errors():

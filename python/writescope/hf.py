@@ -176,7 +176,7 @@ class WriteScopeCache(Cache):
         self._forward = None  # the attention mask of the model forward in progress, or None when none is
         self._in_forward = False
         self._prefilling = False
-        self._absorbed = {}  # MLA: id(attention module) -> (weight, version, W_UK, W_UV)
+        self._absorbed = {}  # MLA: id(attention module) -> (weight, version, W_UK, W_UV^T)
         self._valid = None
         self._firsts = None  # the prefill's first token of each row in the flattened [batch * tokens] K/V
         self._gather = None  # rows that are no suffix of the prompt: the kept positions of the flattened K/V
@@ -447,33 +447,32 @@ class WriteScopeCache(Cache):
                              f"{self._model_name}")
         layer = module.layer_idx
         b, hq, t, dh = query.shape
-        q = query[:, :, 0, :].to(torch.float32)
         if scaling is None:
             scaling = dh ** -0.5
         if self.layout.kind == "mla":
             # Absorbed MLA: the score of head h is q_nope·(W_UK_h c) + q_pe·k_pe = (q_nope W_UK_h)·c + q_pe·k_pe,
-            # and its output W_UV_h (sum_t p_t c_t): attend the latent rows with q' = q_nope W_UK ‖ q_pe.
-            w_uk, w_uv = self._absorbed_weights(module)
-            nope = module.qk_nope_head_dim
-            q_lat = torch.einsum("bhn,hnc->bhc", q[..., :nope], w_uk)
-            q = torch.cat([q_lat, q[..., nope:]], dim=-1).contiguous()
-        out, _ = self.kv.attention(layer, self._seqs, q, float(scaling))
-        if self.layout.kind == "mla":
-            out = torch.einsum("bhc,hvc->bhv", out, w_uv)
+            # and its output W_UV_h (sum_t p_t c_t): the latent rows attended with q' = q_nope W_UK ‖ q_pe, all in
+            # one op (KVCache.mla_attention).
+            w_uk, w_uv_t = self._absorbed_weights(module)
+            out = self.kv.mla_attention(layer, self._seqs, query, w_uk, w_uv_t, float(scaling))
+        else:
+            out, _ = self.kv.attention(layer, self._seqs, query[:, :, 0, :].to(torch.float32), float(scaling))
+            out = out.to(query.dtype).unsqueeze(1)
         if layer == self._num_layers - 1:
             self.last_flush = self.kv.flush()
             self._seq_len += 1
-        return out.to(query.dtype).unsqueeze(1)
+        return out
 
     def _absorbed_weights(self, module):
-        """W_UK [heads, nope, rank] and W_UV [heads, v, rank] of an MLA module's kv_b_proj, fp32 (kept per module)."""
+        """W_UK [heads, nope, rank] and W_UV^T [heads, rank, v] of an MLA module's kv_b_proj, fp32 (kept per module
+        while the weight is unchanged)."""
         w = getattr(module, "kv_b_proj").weight
         cached = self._absorbed.get(id(module))
         if cached is None or cached[0] is not w or cached[1] != w._version:
             per_head = w.detach().to(torch.float32).view(module.num_heads, module.qk_nope_head_dim + module.v_head_dim,
                                                          self.layout.kv_lora_rank)
             cached = (w, w._version, per_head[:, :module.qk_nope_head_dim].contiguous(),
-                      per_head[:, module.qk_nope_head_dim:].contiguous())
+                      per_head[:, module.qk_nope_head_dim:].transpose(1, 2).contiguous())
             self._absorbed[id(module)] = cached
         return cached[2], cached[3]
 
