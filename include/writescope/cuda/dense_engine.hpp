@@ -347,7 +347,9 @@ class dense_engine {
     resident_segments_ =
         allocate_device_buffer(index_t(std::max(max_batch_, 1)) * index_t(sizeof(gpu::fold_segment)), "resident segment table");
     // the host tables: resident_table_slots slots of [items | segments], page-locked (join_launch above:
-    // no enqueue reads the old slots; cudaFreeHost of the old ring waits for its copies)
+    // no enqueue reads the old slots; their pending copies are waited for before the old ring goes)
+    for (std::size_t i = 0; i < resident_table_slots; ++i)
+      if (resident_table_used_[i]) WS_CUDA_TRY(cudaEventSynchronize(resident_table_ev_[i].get()));
     const auto align = [](index_t b) { return (b + 255) / 256 * 256; };
     resident_segments_offset_ = align(max_items * index_t(sizeof(gpu::resident_item)));
     resident_slot_bytes_ =
