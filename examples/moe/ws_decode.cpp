@@ -76,6 +76,7 @@ struct cli {
   double placement_headroom = -1.0;  // < 0: 0.05 with --device cuda or an adaptive assist, else 0
   double assist_max_fraction = 0.5, eviction_bounce_mib = 32.0;
   std::string launch_thread = "off", grouped_experts = "on";
+  std::string hbm_resident_kernel = "off";  // --hbm-resident-kernel
   int grouped_expert_max_rows = 32, grouped_expert_min_active = 16;
   std::string device_experts_issue = "before";
   std::string stream_experts = "on", flash_prefill = "on", cudnn_prefill = "on";
@@ -506,7 +507,7 @@ int run(cli& a) {
         "--cudnn-prefill",    "--no-warmup",               "--router-zipf",               "--expert-placement",
         "--migrate-max-experts", "--migration",          "--prefill-expert-gemm",       "--prefill-expert-groups",
         "--decode-routing",   "--no-dram-ceiling",         "--device-experts-issue",      "--hbm-kv",
-        "--hbm-kv-gib"};
+        "--hbm-kv-gib",       "--hbm-resident-kernel"};
     for (const char* opt : cuda_only)
       if (a.gave(opt))
         refuse(opt, "acts on the CUDA path only (--device cuda or emulated)",
@@ -549,6 +550,11 @@ int run(cli& a) {
   // fixed takes --hbm-kv-gib as the size; off has none
   if (a.hbm_kv == "off" && a.gave("--hbm-kv-gib"))
     refuse("--hbm-kv-gib", "acts with --hbm-kv auto or fixed only", "--hbm-kv off");
+  if (a.hbm_resident_kernel == "on" && a.hbm_kv == "off")
+    refuse("--hbm-resident-kernel", "attends the HBM KV region, which --hbm-kv off does not build", "--hbm-kv off");
+  if (a.hbm_resident_kernel == "on" && kind == device_kind::emulated)
+    refuse("--hbm-resident-kernel", "is a cuda_backend kernel (the emulated device attends the region on the host)",
+           "--device emulated");
   if (a.hbm_kv == "fixed" && !(a.hbm_kv_gib > 0.0))
     refuse("--hbm-kv", "fixed needs --hbm-kv-gib > 0 (the region's size)",
            "fixed with --hbm-kv-gib " + (a.gave("--hbm-kv-gib") ? a.given["--hbm-kv-gib"] : std::string("not given")));
@@ -713,6 +719,7 @@ int run(cli& a) {
   dopt.dram_ceiling = !a.no_dram_ceiling;
   dopt.eviction_bounce_bytes = writescope::index_t(a.eviction_bounce_mib * double(1 << 20));
   dopt.launch_thread = a.launch_thread == "on";
+  dopt.resident_kernel = a.hbm_resident_kernel == "on";
   dopt.grouped_experts = a.grouped_experts == "on";
   dopt.grouped_expert_max_rows = a.grouped_expert_max_rows;
   dopt.grouped_expert_min_active = a.grouped_expert_min_active;
@@ -762,6 +769,7 @@ int run(cli& a) {
                    {"max_pinned_fraction", o.assist.max_pinned_fraction},
                    {"placement_headroom", params.placement_headroom}};
     j["launch_thread"] = dopt.launch_thread && kind == device_kind::cuda;
+    j["hbm_resident_kernel"] = dopt.resident_kernel && kind == device_kind::cuda;
     j["command_line"] = a.command_line;  // with the fields below, what reproduces the run
     j["model_source"] = a.random_weights ? "random weights (seed " + std::to_string(a.seed) + ") from " + config_path.string()
                                          : a.model_dir;
@@ -1037,6 +1045,10 @@ int main(int argc, char** argv) {
                  "--device cuda: page-locked bounce buffer for evictions into the unpinned region "
                  "(0 = direct copies into pageable memory)")
       ->group(g_kv)->capture_default_str()->check(CLI::Range(0.0, 4096.0));
+  app.add_option("--hbm-resident-kernel", a.hbm_resident_kernel,
+                 "--device cuda: on = the HBM KV region attended by the split-K resident kernels "
+                 "(experimental); off = by the streamed-chunk kernel")
+      ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
   app.add_option("--launch-thread", a.launch_thread,
                  "--device cuda: on = a launcher thread enqueues each layer's streamed chunks while the "
                  "CPU engine runs; off = the host thread enqueues them before it starts the CPU engine")

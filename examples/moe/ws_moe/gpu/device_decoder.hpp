@@ -102,6 +102,9 @@ struct device_options {
   /// Off by default: on the 16-core GPU machine the CPU engine lost what the
   /// launch gained (docs/DECISIONS.md, the launcher-thread entry).
   bool launch_thread = false;
+  /// cuda_backend: the HBM-resident region attended by the split-K resident
+  /// kernels (cuda_backend::set_resident_kernel; experimental, off by default).
+  bool resident_kernel = false;
   /// Decode MoE layers run their device experts in two launches (gate‖up with
   /// SiLU, then down: launch_expert_gemv) instead of one cuBLAS product per
   /// expert and matrix, when the experts are bf16, no expert has more than
@@ -328,6 +331,8 @@ class device_decoder {
       x_.backend().set_launch_thread(d_.launch_thread);
     if constexpr (requires(backend_type& b) { b.set_deferred_host_writes(index_t{0}); })
       x_.backend().set_deferred_host_writes(d_.deferred_kv_write_bytes);
+    if constexpr (requires(backend_type& b) { b.set_resident_kernel(true); })
+      x_.backend().set_resident_kernel(d_.resident_kernel);  // before hybrid_attention: it reserves the workspace
     attention_options ao;
     ao.cpu_threads = o.threads;
     ao.assist = o.assist;
