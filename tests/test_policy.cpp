@@ -166,6 +166,48 @@ TEST_CASE("roofline with an enqueue cost K: B - K replaces B, matching the brute
   }
 }
 
+TEST_CASE("roofline placement_headroom_z: eq. 2 with A + z·σ_A, σ_A the token-weighted spread of the window") {
+  roofline_params pr;
+  pr.cpu_cost_per_token_seconds = 2e-9;
+  pr.gpu_cost_per_token_seconds = 2e-9;
+  pr.cost_window_samples = 3;
+  pr.placement_headroom_z = 1.5;
+  roofline_policy p(pr);
+  CHECK(p.cpu_cost_spread_seconds() == 0.0);
+  CHECK(p.target_share(100000) == doctest::Approx(0.5));
+  cost_sample s;
+  s.cpu_tokens = 1000;
+  s.cpu_seconds = 1e-6;  // 1 ns per token
+  p.observe(s);
+  CHECK(p.cpu_cost_spread_seconds() == 0.0);  // one sample: no spread yet
+  s.cpu_tokens = 3000;
+  s.cpu_seconds = 9e-6;  // 3 ns per token
+  p.observe(s);
+  // mean = 10 µs / 4000 = 2.5 ns; σ² = (1000·1.5² + 3000·0.5²) / 4000 ns² = 0.75 ns²
+  const double mean = 2.5e-9, sigma = std::sqrt(0.75) * 1e-9;
+  CHECK(p.cpu_cost_per_token_seconds() == doctest::Approx(mean).epsilon(1e-9));
+  CHECK(p.cpu_cost_spread_seconds() == doctest::Approx(sigma).epsilon(1e-9));
+  const double a = mean + 1.5 * sigma, b = 2e-9;
+  CHECK(p.planned_cpu_cost_per_token_seconds() == doctest::Approx(a).epsilon(1e-9));
+  CHECK(p.target_share(100000) == doctest::Approx(b / (a + b)).epsilon(1e-9));
+  CHECK(p.converged_share() == doctest::Approx(b / (mean + b)).epsilon(1e-9));  // the balance, unshifted
+  // steady samples: the spread leaves the window and the plan returns to the mean
+  s.cpu_tokens = 2000;
+  s.cpu_seconds = 4e-6;
+  for (int i = 0; i < 3; ++i) p.observe(s);
+  CHECK(p.cpu_cost_spread_seconds() == doctest::Approx(0.0).epsilon(1e-12));
+  CHECK(p.target_share(100000) == doctest::Approx(0.5).epsilon(1e-9));
+  // z = 0 (the default): no spread kept, eq. 2 on the mean
+  pr.placement_headroom_z = 0.0;
+  roofline_policy q(pr);
+  s.cpu_seconds = 1e-6;
+  q.observe(s);
+  s.cpu_seconds = 9e-6;
+  q.observe(s);
+  CHECK(q.cpu_cost_spread_seconds() == 0.0);
+  CHECK(q.planned_cpu_cost_per_token_seconds() == q.cpu_cost_per_token_seconds());
+}
+
 TEST_CASE("the marginal-share rule keeps the cumulative share within D/(2L) of a constant target") {
   for (double target : {0.0, 0.1, 0.3, 0.5, 0.77, 1.0}) {
     CAPTURE(target);
@@ -319,6 +361,12 @@ TEST_CASE("policy parameters out of range are config errors naming the value") {
     roofline_params pr = params(1e-9, 1e-9);
     pr.launch_cost_per_token_seconds = bad;
     CHECK_THROWS_WITH_AS(roofline_policy{pr}, doctest::Contains("launch_cost_per_token_seconds (K)"), config_error);
+  }
+  for (double bad : {-0.5, std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
+    roofline_params pr = params(1e-9, 1e-9);
+    pr.placement_headroom_z = bad;
+    const std::string want = "placement_headroom_z " + detail::format_double(bad);
+    CHECK_THROWS_WITH_AS(roofline_policy{pr}, doctest::Contains(want.c_str()), config_error);
   }
 }
 

@@ -74,6 +74,7 @@ struct cli {
   bool track_gpu_cost = false;
   std::string cpu_assist = "off";
   double placement_headroom = -1.0;  // < 0: 0.05 with --device cuda or an adaptive assist, else 0
+  double placement_headroom_z = 0.0;  // --placement-headroom-z: A planned at its mean + z standard deviations
   double assist_max_fraction = 0.5, eviction_bounce_mib = 32.0;
   std::string launch_thread = "off", grouped_experts = "on";
   std::string hbm_resident_kernel = "off";  // --hbm-resident-kernel
@@ -441,7 +442,8 @@ int run(cli& a) {
   if (a.policy != "roofline") {
     (void)parse_policy(a.policy, writescope::roofline_params{});  // a bad --policy is named first
     const bool adaptive = parse_assist(a.cpu_assist).mode == writescope::assist_mode::adaptive;
-    for (const char* opt : {"--placement-headroom", "--cpu-fixed-us", "--gpu-fixed-us", "--track-gpu-cost"})
+    for (const char* opt : {"--placement-headroom", "--placement-headroom-z", "--cpu-fixed-us", "--gpu-fixed-us",
+                            "--track-gpu-cost"})
       if (a.gave(opt)) refuse(opt, "acts on --policy roofline only", "--policy " + a.policy);
     for (const char* opt : {"--cpu-bw-gbps", "--h2d-bw-gbps", "--calibration", "--calibration-preset"})
       if (a.gave(opt) && !adaptive)
@@ -694,6 +696,7 @@ int run(cli& a) {
       a.placement_headroom >= 0.0                                                               ? a.placement_headroom
       : kind == device_kind::cuda || o.assist.mode == writescope::assist_mode::adaptive ? 0.05
                                                                                         : 0.0;
+  params.placement_headroom_z = a.placement_headroom_z;
   runtime_policy policy = parse_policy(a.policy, params);
 
   const bool show = !a.no_progress && (a.progress || progress_bar::stderr_is_tty());
@@ -767,7 +770,8 @@ int run(cli& a) {
     j["assist"] = {{"mode", writescope::to_string(o.assist.mode)},
                    {"fixed_fraction", o.assist.fixed_fraction},
                    {"max_pinned_fraction", o.assist.max_pinned_fraction},
-                   {"placement_headroom", params.placement_headroom}};
+                   {"placement_headroom", params.placement_headroom},
+                   {"placement_headroom_z", params.placement_headroom_z}};
     j["launch_thread"] = dopt.launch_thread && kind == device_kind::cuda;
     j["hbm_resident_kernel"] = dopt.resident_kernel && kind == device_kind::cuda;
     j["command_line"] = a.command_line;  // with the fields below, what reproduces the run
@@ -1041,6 +1045,10 @@ int main(int argc, char** argv) {
                  "cuda, whose GPU side is steadier than the CPU side, and with --cpu-assist adaptive, which takes it "
                  "back per step; else 0 = the paper's balance)")
       ->group(g_kv)->check(CLI::Range(0.0, 0.99));
+  app.add_option("--placement-headroom-z", a.placement_headroom_z,
+                 "roofline policy: plan the CPU side for A + Z standard deviations of its measured per-step A "
+                 "(the headroom follows how much the CPU engine's time wanders; 0 = off, A's mean)")
+      ->group(g_kv)->capture_default_str()->check(CLI::Range(0.0, 10.0));
   app.add_option("--eviction-bounce-mib", a.eviction_bounce_mib,
                  "--device cuda: page-locked bounce buffer for evictions into the unpinned region "
                  "(0 = direct copies into pageable memory)")

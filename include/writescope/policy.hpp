@@ -193,6 +193,13 @@ struct roofline_params {
   /// pinned region — in either direction as the CPU engine's speed drifts.
   /// 0 (the paper's policy) without an assist.
   double placement_headroom = 0.0;
+  /// A headroom from the measured spread of A, in standard deviations (>= 0;
+  /// 0 = off): eq. 2 is evaluated with A + z·σ_A in place of A, σ_A the
+  /// token-weighted standard deviation of the per-step A samples in the cost
+  /// window, so that the CPU side is planned for a slower step than its mean
+  /// by as much as its time has been seen to wander; placement_headroom is
+  /// then subtracted as before. Until two samples exist σ_A is 0.
+  double placement_headroom_z = 0.0;
   /// K: host seconds per streamed token spent building and enqueueing the GPU
   /// side before the CPU engine starts (cost_sample::launch_seconds). It lies
   /// on the CPU side's path but grows with the GPU's share, so eq. 2's
@@ -271,6 +278,9 @@ class roofline_policy {
     if (p.cost_window_samples < 1)
       throw config_error("roofline_policy: cost_window_samples " + std::to_string(p.cost_window_samples) +
                          " must be >= 1");
+    if (!(p.placement_headroom_z >= 0.0 && std::isfinite(p.placement_headroom_z)))
+      throw config_error("roofline_policy: placement_headroom_z " + detail::format_double(p.placement_headroom_z) +
+                         " must be >= 0 and finite");
     if (!(p.placement_headroom >= 0.0 && p.placement_headroom < 1.0))
       throw config_error("roofline_policy: placement_headroom " + detail::format_double(p.placement_headroom) +
                          " is outside [0, 1)");
@@ -287,9 +297,10 @@ class roofline_policy {
   /// the GPU side's fixed cost (Δ' = Δ + H·hbm_tokens), less
   /// roofline_params::placement_headroom, clamped to [0, 1].
   [[nodiscard]] double target_share(index_t total_placed_tokens, index_t hbm_tokens = 0) const noexcept {
-    double r = roofline_converged_share(a_, b_, k_);  // 0 or 1 where the paths do not cross
-    if (k_ < a_ && k_ < b_) {
-      const double ab = a_ + b_ - k_;
+    const double a = planned_cpu_cost_per_token_seconds();
+    double r = roofline_converged_share(a, b_, k_);  // 0 or 1 where the paths do not cross
+    if (k_ < a && k_ < b_) {
+      const double ab = a + b_ - k_;
       const double delta = p_.fixed_overhead_gap_seconds() + h_ * double(hbm_tokens);
       if (total_placed_tokens > 0)
         r += delta / (ab * double(total_placed_tokens));
@@ -310,8 +321,10 @@ class roofline_policy {
 
   /// Feeds one measured step. Samples without CPU tokens leave A unchanged.
   void observe(const cost_sample& s) {
-    if (s.cpu_tokens > 0 && std::isfinite(s.cpu_seconds))
+    if (s.cpu_tokens > 0 && std::isfinite(s.cpu_seconds)) {
       push(cpu_window_, cpu_sum_, std::max(0.0, s.cpu_seconds - p_.cpu_fixed_seconds), s.cpu_tokens, a_);
+      if (p_.placement_headroom_z > 0.0) a_spread_ = spread(cpu_window_, a_);
+    }
     if (p_.track_hbm_cost && s.gpu_resident_tokens > 0 && s.gpu_streamed_tokens == 0 && std::isfinite(s.gpu_seconds))
       push(hbm_window_, hbm_sum_, std::max(0.0, s.gpu_seconds - p_.gpu_fixed_seconds), s.gpu_resident_tokens, h_);
     if (p_.track_gpu_cost && s.gpu_streamed_tokens > 0 && std::isfinite(s.gpu_seconds))
@@ -324,6 +337,13 @@ class roofline_policy {
 
   /// Current A (seconds per CPU-attended token).
   [[nodiscard]] double cpu_cost_per_token_seconds() const noexcept { return a_; }
+  /// σ_A: the token-weighted standard deviation of the per-step A samples in
+  /// the window (kept only with placement_headroom_z > 0, else 0).
+  [[nodiscard]] double cpu_cost_spread_seconds() const noexcept { return a_spread_; }
+  /// The A eq. 2 plans with: A + placement_headroom_z·σ_A.
+  [[nodiscard]] double planned_cpu_cost_per_token_seconds() const noexcept {
+    return a_ + p_.placement_headroom_z * a_spread_;
+  }
   /// Current B (seconds per streamed token).
   [[nodiscard]] double gpu_cost_per_token_seconds() const noexcept { return b_; }
   /// Current K (host enqueue seconds per streamed token, on the CPU side's path).
@@ -367,8 +387,21 @@ class roofline_policy {
     }
   }
 
+  // token-weighted standard deviation of the samples' ratios about `mean`
+  static double spread(const std::vector<sample>& w, double mean) {
+    double tokens = 0.0, sq = 0.0;
+    for (const sample& x : w) {
+      if (x.tokens <= 0) continue;
+      const double d = x.seconds / double(x.tokens) - mean;
+      tokens += double(x.tokens);
+      sq += double(x.tokens) * d * d;
+    }
+    return w.size() >= 2 && tokens > 0.0 ? std::sqrt(sq / tokens) : 0.0;
+  }
+
   roofline_params p_;
   double a_;
+  double a_spread_ = 0.0;
   double b_;
   double k_;
   double h_;

@@ -121,6 +121,7 @@ engine_config parse_config(const std::string& layout, const std::string& policy,
     else if (k == "cpu_fixed_seconds") rp.cpu_fixed_seconds = v;
     else if (k == "gpu_fixed_seconds") rp.gpu_fixed_seconds = v;
     else if (k == "placement_headroom") rp.placement_headroom = v;
+    else if (k == "placement_headroom_z") rp.placement_headroom_z = v;
     else if (k == "launch_cost_per_token_seconds") rp.launch_cost_per_token_seconds = v;
     else if (k == "hbm_cost_per_token_seconds") rp.hbm_cost_per_token_seconds = v;
     else throw ws::config_error("Cache: unknown float option '" + k + "'");

@@ -157,7 +157,7 @@ _INT_OPTIONS = ("ping_pong_buffers", "first_chunk_bytes", "gpu_split_blocks", "c
                 "track_gpu_cost", "track_launch_cost", "track_hbm_cost")
 _ROOFLINE_KEYS = ("cpu_cost_per_token_seconds", "gpu_cost_per_token_seconds", "cpu_fixed_seconds",
                   "gpu_fixed_seconds", "placement_headroom", "launch_cost_per_token_seconds",
-                  "hbm_cost_per_token_seconds")
+                  "hbm_cost_per_token_seconds", "placement_headroom_z")
 # An uncalibrated starting point for the roofline policy (A, B per KV token of 2 KiB); A is
 # re-estimated online from measured steps. Calibrate (bench/calibrate) for real runs.
 DEFAULT_ROOFLINE = {"cpu_cost_per_token_seconds": 2.6e-8, "gpu_cost_per_token_seconds": 3.8e-8}

@@ -45,6 +45,11 @@ class runtime_policy {
                       r->params().track_hbm_cost ? " (online)" : "");
         d.insert(d.size() - 1, buf);
       }
+      if (r->params().placement_headroom_z > 0.0) {  // A planned above its mean by z·σ_A
+        std::snprintf(buf, sizeof buf, ", planned A=%.3g = A + %.2g·σ_A", r->planned_cpu_cost_per_token_seconds(),
+                      r->params().placement_headroom_z);
+        d.insert(d.size() - 1, buf);
+      }
       if (r->params().placement_headroom > 0.0) {
         std::snprintf(buf, sizeof buf, ", placed %.3f below it", r->params().placement_headroom);
         d.insert(d.size() - 1, buf);
