@@ -109,6 +109,7 @@ engine_config parse_config(const std::string& layout, const std::string& policy,
     else if (k == "track_hbm_cost") rp.track_hbm_cost = v != 0;
     else if (k == "deferred_host_write_bytes") c.deferred_host_write_bytes = v;
     else if (k == "staging_bytes") c.staging_bytes = v;
+    else if (k == "resident_kernel") c.resident_kernel = v != 0;
     else if (k == "cpu_prefault_tokens") c.cpu_prefault_tokens = v;
     else throw ws::config_error("Cache: unknown integer option '" + k + "'");
   }

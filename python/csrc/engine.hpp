@@ -106,6 +106,11 @@ struct engine_config {
   /// cuda backend: the device staging buffer of prefill writes to host blocks,
   /// at most (cuda_backend::set_max_staging_bytes); 0 = the library's default.
   int64_t staging_bytes = 0;
+  /// cuda backend: the HBM-resident region attended by the split-K resident
+  /// kernels (cuda_backend::set_resident_kernel, set before the attention
+  /// engine reserves their workspace); experimental, off by default. Ignored by
+  /// the host backend.
+  bool resident_kernel = false;
   /// Tokens per layer of the unpinned CPU region whose pages are made resident
   /// at construction (inplace_kv_cache::prefault_cpu_region, by all cores), so
   /// that the prefill's writes into it do not fault page by page: -1 = the
@@ -152,11 +157,17 @@ class engine_impl final : public engine {
   using cache_type = ws::inplace_kv_cache<Layout, Backend, PinnedAllocator, any_policy>;
   using attention_type = ws::hybrid_attention<cache_type>;
 
+  // The backend's switches that must precede the cache and the attention engine.
+  static Backend& configured(Backend& b, const engine_config& c) {
+    if constexpr (requires { b.set_resident_kernel(true); }) b.set_resident_kernel(c.resident_kernel);
+    return b;
+  }
+
   template <class... BackendArgs>
   engine_impl(const Layout& layout, const engine_config& c, BackendArgs&&... backend_args)
       : backend_(std::forward<BackendArgs>(backend_args)...),
         layout_(layout),
-        cache_(backend_, layout, c.spec, c.policy, PinnedAllocator{}, ws::cache_options{c.poison}),
+        cache_(configured(backend_, c), layout, c.spec, c.policy, PinnedAllocator{}, ws::cache_options{c.poison}),
         attention_(cache_, c.options) {
     if constexpr (has_deferred_writes) {
       if (c.deferred_host_write_bytes < 0)

@@ -215,13 +215,15 @@ def test_cpu_prefault_tokens_makes_the_unpinned_region_resident(backend):
         make(lay, backend, cpu_prefault_tokens=-2)
 
 
-def test_hbm_region_attends_right_and_is_counted_apart(backend):
+@pytest.mark.parametrize("resident_kernel", [0, 1])
+def test_hbm_region_attends_right_and_is_counted_apart(resident_kernel, backend):
     """hbm_capacity_tokens: the policies fill the HBM-resident region first (whole D-token batches), the
     rest goes to the host regions; attention over all three plus the D-window matches the float64
-    reference; usage/sequence/split count HBM tokens apart from the pinned ones."""
+    reference; usage/sequence/split count HBM tokens apart from the pinned ones. resident_kernel=1:
+    the same through the split-K resident kernels (CUDA backend; the host backend ignores it)."""
     dev = device_of(backend)
     lay = ws.gqa(8, 2, 64)
-    cache = make(lay, backend, r=0.5, layers=1, hbm_capacity_tokens=3 * 32)
+    cache = make(lay, backend, r=0.5, layers=1, hbm_capacity_tokens=3 * 32, resident_kernel=resident_kernel)
     u = cache.usage()
     assert u["hbm_capacity_blocks"] == 3 * 2 and u["hbm_used_blocks"] == 0
     assert u["hbm_region_bytes"] == 3 * 32 * lay.token_bytes  # one layer
