@@ -125,3 +125,23 @@ TEST_CASE("off, unsized, fixed and fixed's refusals") {
   in.cap_bytes = 128 * MiB;
   CHECK_THROWS_WITH_AS(split_vram(in), doctest::Contains("but the VRAM budget has"), writescope::config_error);
 }
+
+TEST_CASE("--kv-vram-budget-mib: auto's region capped at what it leaves, fixed refused above it") {
+  auto in = base();
+  in.cpu_expert_bytes_per_second = 1e15;  // KV first
+  in.kv_budget_left_bytes = 64 * 1024 * 5 + 7;
+  CHECK(split_vram(in).hbm_tokens == 64 * 5);
+  in.kv_budget_left_bytes = 0;  // the D-window and ping-pong took it all
+  const auto none = split_vram(in);
+  CHECK(none.hbm_bytes == 0);
+  CHECK(none.reason.find("no region: --kv-vram-budget-mib holds no whole eviction batch") != std::string::npos);
+  in = base();
+  in.mode = hbm_kv_mode::fixed;
+  in.cap_bytes = 64 * 1024 * 3;
+  in.kv_budget_left_bytes = 64 * 1024 * 3;
+  CHECK(split_vram(in).hbm_tokens == 64 * 3);
+  in.kv_budget_left_bytes = 64 * 1024 * 2;
+  CHECK_THROWS_WITH_AS(split_vram(in), doctest::Contains("needs 0.19 MiB (196608 bytes)"), writescope::config_error);
+  CHECK_THROWS_WITH_AS(split_vram(in), doctest::Contains("--kv-vram-budget-mib leaves 0.12 MiB (131072 bytes)"),
+                       writescope::config_error);
+}

@@ -65,6 +65,10 @@ struct vram_split_inputs {
   double hbm_seconds_per_token = 0.0;     ///< H (one layer, attended in place)
   hbm_kv_mode mode = hbm_kv_mode::automatic;
   writescope::index_t cap_bytes = 0;  ///< automatic: at most this (0: no cap); fixed: this
+  /// What --kv-vram-budget-mib leaves for the region after the D-window and
+  /// ping-pong (< 0: no KV budget): automatic caps the region there, fixed is
+  /// refused above it.
+  writescope::index_t kv_budget_left_bytes = -1;
 };
 
 /// The split and why.
@@ -122,6 +126,12 @@ inline vram_split split_vram(const vram_split_inputs& in) {
                                      " (--d-window tokens over all layers)");
     s.hbm_tokens = batches * in.batch_tokens;
     s.hbm_bytes = batches * batch_bytes;
+    if (in.kv_budget_left_bytes >= 0 && s.hbm_bytes > in.kv_budget_left_bytes)
+      throw writescope::config_error("--hbm-kv fixed: the HBM KV region of --hbm-kv-gib needs " +
+                                     writescope::format_bytes(s.hbm_bytes) + ", but --kv-vram-budget-mib leaves " +
+                                     writescope::format_bytes(in.kv_budget_left_bytes) +
+                                     " after the D-window and ping-pong (a smaller --hbm-kv-gib or a larger "
+                                     "--kv-vram-budget-mib)");
     if (s.hbm_bytes > avail)
       throw writescope::config_error(
           "--hbm-kv fixed: the HBM KV region of --hbm-kv-gib needs " + writescope::format_bytes(s.hbm_bytes) + ", " +
@@ -138,7 +148,8 @@ inline vram_split split_vram(const vram_split_inputs& in) {
     return s;
   }
   const index_t demand_bytes = (in.kv_demand_tokens / in.batch_tokens) * batch_bytes;
-  const index_t cap = in.cap_bytes > 0 ? std::min(in.cap_bytes, demand_bytes) : demand_bytes;
+  index_t cap = in.cap_bytes > 0 ? std::min(in.cap_bytes, demand_bytes) : demand_bytes;
+  if (in.kv_budget_left_bytes >= 0) cap = std::min(cap, in.kv_budget_left_bytes);
   const index_t experts_bytes = in.experts_total * in.expert_slab_bytes;
   index_t kv_bytes = 0;
   if (s.kv_seconds_per_gib <= 0.0) {
@@ -159,9 +170,10 @@ inline vram_split split_vram(const vram_split_inputs& in) {
   s.hbm_tokens = batches * in.batch_tokens;
   s.hbm_bytes = batches * batch_bytes;
   if (batches == 0 && s.first == "KV") {  // say which bound left less than one whole batch
-    const char* by = in.cap_bytes > 0 && in.cap_bytes < batch_bytes ? "--hbm-kv-gib"
-                     : demand_bytes < batch_bytes                    ? "the planned KV"
-                                                                     : "the budget left";
+    const char* by = in.cap_bytes > 0 && in.cap_bytes < batch_bytes                   ? "--hbm-kv-gib"
+                     : in.kv_budget_left_bytes >= 0 && in.kv_budget_left_bytes < batch_bytes ? "--kv-vram-budget-mib"
+                     : demand_bytes < batch_bytes                                       ? "the planned KV"
+                                                                                        : "the budget left";
     s.reason += "; no region: " + std::string(by) + " holds no whole eviction batch of " +
                 writescope::format_bytes(batch_bytes);
   }

@@ -901,6 +901,10 @@ class device_decoder {
     vram_split_inputs in;
     in.mode = d_.hbm_kv;
     in.cap_bytes = d_.hbm_kv_bytes;
+    if (o.kv.kv_vram_budget_bytes > 0) {  // the D-window and ping-pong count first
+      const writescope::region_usage u = cache_->usage();
+      in.kv_budget_left_bytes = std::max<index_t>(0, o.kv.kv_vram_budget_bytes - u.d_window_bytes - u.ping_pong_bytes);
+    }
     in.sized = !(Exec::is_emulated && d_.vram_budget_bytes <= 0);
     const index_t H4 = index_t(c_.hidden_size) * index_t(sizeof(float));
     const index_t reserve = Exec::is_emulated ? 0 : d_.budget_reserve_bytes;
