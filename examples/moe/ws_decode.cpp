@@ -101,6 +101,7 @@ struct cli {
   std::string decode_routing = "auto";
   std::string hbm_kv = "auto";  // --hbm-kv auto|fixed|off: the HBM-resident KV region (CUDA path)
   double hbm_kv_gib = 0.0;      // --hbm-kv-gib: auto's cap (0 = off), fixed's size
+  double hbm_read_gbps = nominal_hbm_read_gbps;  // --hbm-read-gbps: the region's attention rate (H's prior)
   int migrate_max_experts = 8;
   /// The options the user gave, by long name, with their values as typed
   /// (several uses joined by ','): an option acts or is refused (run()).
@@ -509,7 +510,7 @@ int run(cli& a) {
         "--cudnn-prefill",    "--no-warmup",               "--router-zipf",               "--expert-placement",
         "--migrate-max-experts", "--migration",          "--prefill-expert-gemm",       "--prefill-expert-groups",
         "--decode-routing",   "--no-dram-ceiling",         "--device-experts-issue",      "--hbm-kv",
-        "--hbm-kv-gib",       "--hbm-resident-kernel"};
+        "--hbm-kv-gib",       "--hbm-resident-kernel",     "--hbm-read-gbps"};
     for (const char* opt : cuda_only)
       if (a.gave(opt))
         refuse(opt, "acts on the CUDA path only (--device cuda or emulated)",
@@ -552,6 +553,8 @@ int run(cli& a) {
   // fixed takes --hbm-kv-gib as the size; off has none
   if (a.hbm_kv == "off" && a.gave("--hbm-kv-gib"))
     refuse("--hbm-kv-gib", "acts with --hbm-kv auto or fixed only", "--hbm-kv off");
+  if (a.hbm_kv == "off" && a.gave("--hbm-read-gbps"))
+    refuse("--hbm-read-gbps", "acts with --hbm-kv auto or fixed only", "--hbm-kv off");
   if (a.hbm_resident_kernel == "on" && a.hbm_kv == "off")
     refuse("--hbm-resident-kernel", "attends the HBM KV region, which --hbm-kv off does not build", "--hbm-kv off");
   if (a.hbm_resident_kernel == "on" && kind == device_kind::emulated)
@@ -688,8 +691,9 @@ int run(cli& a) {
   o.assist.initial_gpu_seconds_per_token = costs.params.gpu_cost_per_token_seconds;
   writescope::roofline_params params = costs.params;
   // H: a KV token attended in place in the HBM-resident region (the roofline's
-  // fixed GPU cost per HBM token, and the VRAM split's), at the nominal HBM rate
-  const double hbm_seconds_per_token = double(geometry_of(c).token_bytes) / (nominal_hbm_read_gbps * 1e9);
+  // fixed GPU cost per HBM token, its prior, and the VRAM split's), at
+  // --hbm-read-gbps (default: the nominal HBM rate)
+  const double hbm_seconds_per_token = double(geometry_of(c).token_bytes) / (a.hbm_read_gbps * 1e9);
   params.hbm_cost_per_token_seconds = hbm_seconds_per_token;
   o.assist.resident_seconds_per_token = hbm_seconds_per_token;  // the assist's GPU side: resident time is fixed
   params.placement_headroom =
@@ -1053,6 +1057,10 @@ int main(int argc, char** argv) {
                  "--device cuda: page-locked bounce buffer for evictions into the unpinned region "
                  "(0 = direct copies into pageable memory)")
       ->group(g_kv)->capture_default_str()->check(CLI::Range(0.0, 4096.0));
+  app.add_option("--hbm-read-gbps", a.hbm_read_gbps,
+                 "GB/s at which the HBM KV region's attention reads its KV: the VRAM split's and the roofline's "
+                 "H (the roofline re-measures it online); e.g. ws_bench --mode hbm's device_kv_gbps")
+      ->group(g_dev)->capture_default_str()->check(CLI::Range(1.0, 1e5));
   app.add_option("--hbm-resident-kernel", a.hbm_resident_kernel,
                  "--device cuda: on = the HBM KV region attended by the split-K resident kernels "
                  "(experimental); off = by the streamed-chunk kernel")
