@@ -391,6 +391,9 @@ def main():
                     help="writescope's HBM-resident KV region, tokens per layer over all rows (a multiple of "
                          "--d-window; 0: none; -1: the whole planned cache, batch x (context + new tokens), "
                          "rounded up to eviction batches)")
+    ap.add_argument("--resident-kernel", action="store_true",
+                    help="attend the HBM-resident region (--hbm-tokens) with the split-K resident kernels "
+                         "(the KVCache option resident_kernel; CUDA)")
     ap.add_argument("--warmup-context", type=int, default=512, help="prompt tokens per row of the warm-up runs "
                                                                     "(0: no warm-up)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -442,7 +445,8 @@ def main():
                                                 max_batch_size=args.batch, max_cache_len=max_len,
                                                 block_tokens=args.block_tokens, d_window_tokens=args.d_window,
                                                 cpu_threads=args.cpu_threads, pinned_initial_tokens=-1,
-                                                cpu_prefault_tokens=-1, hbm_capacity_tokens=hbm_tokens)
+                                                cpu_prefault_tokens=-1, hbm_capacity_tokens=hbm_tokens,
+                                                resident_kernel=int(args.resident_kernel))
                 runs.append((f"writescope:{pol}", make))
         elif name == "dynamic":
             runs.append((DYNAMIC, lambda max_len: DynamicCache(config=cfg)))
@@ -453,7 +457,7 @@ def main():
 
     doc = {"model": type(model).__name__, "config": args.config, "layers": cfg.num_hidden_layers,
            "batch": args.batch, "context": args.context, "new_tokens": args.new_tokens, "dtype": args.dtype,
-           "hbm_tokens": hbm_tokens,
+           "hbm_tokens": hbm_tokens, "resident_kernel": bool(args.resident_kernel),
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "writescope_build": writescope.build_info(),
            "model_build_s": build_s, "warmup": [], "results": [], "complete": False}
