@@ -693,7 +693,9 @@ int run(cli& a) {
   // H: a KV token attended in place in the HBM-resident region (the roofline's
   // fixed GPU cost per HBM token, its prior, and the VRAM split's), at
   // --hbm-read-gbps (default: the nominal HBM rate)
-  const double hbm_seconds_per_token = double(geometry_of(c).token_bytes) / (a.hbm_read_gbps * 1e9);
+  // (0 on the host path, which has no HBM tier)
+  const double hbm_seconds_per_token =
+      kind == device_kind::host ? 0.0 : double(geometry_of(c).token_bytes) / (a.hbm_read_gbps * 1e9);
   params.hbm_cost_per_token_seconds = hbm_seconds_per_token;
   o.assist.resident_seconds_per_token = hbm_seconds_per_token;  // the assist's GPU side: resident time is fixed
   params.placement_headroom =
