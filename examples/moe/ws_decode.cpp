@@ -564,7 +564,7 @@ int run(cli& a) {
     refuse("--hbm-kv", "fixed needs --hbm-kv-gib > 0 (the region's size)",
            "fixed with --hbm-kv-gib " + (a.gave("--hbm-kv-gib") ? a.given["--hbm-kv-gib"] : std::string("not given")));
   if (kind == device_kind::emulated && a.hbm_kv == "auto" && !(a.vram_budget_gib > 0.0))
-    for (const char* opt : {"--hbm-kv", "--hbm-kv-gib"})
+    for (const char* opt : {"--hbm-kv", "--hbm-kv-gib", "--hbm-read-gbps"})
       if (a.gave(opt))
         refuse(opt, "auto acts on the emulated device with --vram-budget only (without it the device has no size to split)",
                std::string(opt) + " " + a.given[opt] + " without --vram-budget");
