@@ -55,6 +55,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -134,6 +135,19 @@ class basic_cuda_backend {
   }
   /// Largest device staging buffer write_blocks uses for host destinations.
   void set_max_staging_bytes(index_t bytes) noexcept { writes_.set_max_staging_bytes(bytes); }
+  /// How the D2H copies of one write_blocks / copy_blocks_to_host call into
+  /// page-locked memory (pinned blocks, bounce buffers) are enqueued: true
+  /// (default) gathers them, merges adjacent pieces and submits one
+  /// cudaMemcpyBatchAsync (copy_batch.hpp; single copies where the runtime or
+  /// driver predates 12.8); false issues one cudaMemcpyAsync per piece (the
+  /// baseline of bench/prefill_write_bench). Between calls; never throws.
+  void set_batched_host_copies(bool on) noexcept { writes_.set_batched_host_copies(on); }
+  /// {submissions, copies after the registration split, CUDA copy calls} of
+  /// the D2H batches since construction (api calls == copies when nothing was
+  /// batched).
+  [[nodiscard]] std::array<std::uint64_t, 3> host_copy_counters() const noexcept {
+    return writes_.host_copy_counters();
+  }
 
   /// Whether a dense launch hands its chunk loop (the H2D copies of the
   /// streamed chunks, their split attention and folds, the D-window kernel)

@@ -10,7 +10,8 @@
 // Memory spaces: appended KV and the D-window are device memory; the unpinned
 // compute region is pageable host memory, the pinned load region page-locked
 // host memory. Streams (context.hpp): device destinations are written on the
-// caller stream; host destinations by D2H copies on the d2h stream, ordered
+// caller stream; host destinations by D2H copies on the d2h stream (those
+// into page-locked memory gathered and submitted together, copy_batch.hpp), ordered
 // after the caller's work (RAW) and after every earlier streamed H2D read
 // (h2d_done, C9; launches still with a launcher thread are joined first), and
 // the d2h_done event recorded after them. Pageable destinations are complete
@@ -30,6 +31,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -44,6 +46,7 @@
 #include "../host_memory.hpp"
 #include "../layout.hpp"
 #include "context.hpp"
+#include "copy_batch.hpp"
 #include "cuda_error.hpp"
 #include "handles.hpp"
 #include "hooks.hpp"
@@ -73,6 +76,11 @@ class host_writes {
 
   /// Largest device staging buffer write_blocks uses for host destinations.
   void set_max_staging_bytes(index_t bytes) noexcept { max_staging_bytes_ = std::max<index_t>(bytes, 1); }
+  /// See basic_cuda_backend::set_batched_host_copies.
+  void set_batched_host_copies(bool on) noexcept { d2h_copies_.set_batched(on); }
+  [[nodiscard]] std::array<std::uint64_t, 3> host_copy_counters() const noexcept {
+    return {d2h_copies_.submissions(), d2h_copies_.copies(), d2h_copies_.api_calls()};
+  }
 
   /// Scatters token-major KV (device memory) into blocks. Device destinations
   /// (the D-window) are written by a kernel on the caller stream. Host
@@ -88,6 +96,7 @@ class host_writes {
   void write_blocks(const block_format<Layout>& fmt, const kv_tokens<Layout, device_space>& kv,
                     std::span<const block_write> writes) {
     if (writes.empty()) return;
+    d2h_copies_.clear();            // pieces an earlier call left after an error
     ctx_->join_pending_launches();  // C9: a launched step's H2D reads are enqueued before h2d_done is waited on
     complete_host_writes();          // the previous call's deferred bytes: the bounce buffer is reused from offset 0
     gpu::scatter_params& sp = scatter_;
@@ -153,7 +162,7 @@ class host_writes {
         if (kind == memory_kind::pageable_host && eviction_bounce_max_bytes_ > 0)
           bounced.push_back(block_copy{src, dst, bytes, kind});
         else
-          copy_d2h(dst, src, bytes);
+          copy_d2h(dst, src, bytes, kind);
       };
       for (index_t j = g0; j < g1;) {
         const block_write& w = writes[host_dst_[std::size_t(j)]];
@@ -187,10 +196,11 @@ class host_writes {
         } else if (ensure_eviction_bounce(bounced)) {
           bounce_to_pageable(bounced);  // returns with the bytes in place
         } else {
-          for (const block_copy& c : bounced) copy_d2h(c.dst, c.src, c.bytes);
+          for (const block_copy& c : bounced) copy_d2h(c.dst, c.src, c.bytes, c.dst_kind);
           pageable_direct_ = true;
         }
       }
+      submit_d2h();  // the group's page-locked destinations, in one submission
       record(staging_free_, ctx_->d2h.get());
       record(ctx_->d2h_done, ctx_->d2h.get());
     }
@@ -214,6 +224,7 @@ class host_writes {
   /// an eviction batch is one copy per sequence and layer (docs/DECISIONS.md). If the bounce buffer cannot be
   /// page-locked, evictions fall back to direct copies (nothing else changes).
   void copy_blocks_to_host(std::span<const block_copy> copies) {
+    d2h_copies_.clear();
     ctx_->join_pending_launches();  // C9, as in write_blocks
     complete_host_writes();          // deferred prefill bytes land before any later write can reach their blocks
     if (copies.empty()) return;
@@ -226,8 +237,9 @@ class host_writes {
     if (bounce) bounce_to_pageable(copies);  // first: its waits then cover no pinned copy
     for (const block_copy& c : copies) {
       if (c.bytes <= 0 || (bounce && c.dst_kind == memory_kind::pageable_host)) continue;
-      copy_d2h(c.dst, c.src, c.bytes);
+      copy_d2h(c.dst, c.src, c.bytes, c.dst_kind);
     }
+    submit_d2h();
     record(ctx_->d2h_done, ctx_->d2h.get());
     wait(ctx_->caller, ctx_->d2h_done);
     if (pageable) WS_CUDA_TRY(cudaStreamSynchronize(ctx_->d2h.get()));
@@ -403,6 +415,7 @@ class host_writes {
     if (have < std::min(used + total, deferred_max_bytes_)) {
       const index_t want = std::min(std::max(used + total, 2 * have), deferred_max_bytes_);
       if (!deferred_.empty()) {  // the pending bytes live in the old buffer
+        submit_d2h();
         record(deferred_done_, ctx_->d2h.get());
         complete_host_writes();
         used = 0;
@@ -415,7 +428,7 @@ class host_writes {
         if (ensure_eviction_bounce(copies)) {
           bounce_to_pageable(copies);
         } else {
-          for (const block_copy& c : copies) copy_d2h(c.dst, c.src, c.bytes);
+          for (const block_copy& c : copies) copy_d2h(c.dst, c.src, c.bytes, c.dst_kind);
           pageable_direct_ = true;
         }
         return;
@@ -424,20 +437,22 @@ class host_writes {
     const index_t cap = deferred_bounce_.size_bytes();
     for (const block_copy& c : copies) {
       if (c.bytes > cap) {  // a single copy larger than the buffer: direct (driver-staged)
-        copy_d2h(c.dst, c.src, c.bytes);
+        copy_d2h(c.dst, c.src, c.bytes, c.dst_kind);
         pageable_direct_ = true;
         continue;
       }
       if (used + c.bytes > cap) {
+        submit_d2h();
         record(deferred_done_, ctx_->d2h.get());
         complete_host_writes();
         used = 0;
       }
-      WS_CUDA_TRY(cudaMemcpyAsync(deferred_bounce_.data() + used, c.src, static_cast<std::size_t>(c.bytes),
-                                  cudaMemcpyDeviceToHost, ctx_->d2h.get()));
+      // into the bounce buffer: consecutive staging images land back to back, one piece
+      d2h_copies_.add(deferred_bounce_.data() + used, c.src, c.bytes);
       deferred_.push_back({c.dst, used, c.bytes});
       used += c.bytes;
     }
+    submit_d2h();
     // every pending D2H so far is behind this record (one stream), also when a later step throws
     if (!deferred_.empty()) record(deferred_done_, ctx_->d2h.get());
   }
@@ -452,6 +467,7 @@ class host_writes {
     group_.clear();
     auto drain = [&] {
       if (group_.empty()) return;
+      submit_d2h();
       WS_CUDA_TRY(cudaStreamSynchronize(ctx_->d2h.get()));
       copy_out_of_bounce(buf, group_, 8);
       group_.clear();
@@ -463,18 +479,24 @@ class host_writes {
         drain();
         used = 0;
       }
-      WS_CUDA_TRY(cudaMemcpyAsync(buf + used, c.src, static_cast<std::size_t>(c.bytes), cudaMemcpyDeviceToHost,
-                                  ctx_->d2h.get()));
+      d2h_copies_.add(buf + used, c.src, c.bytes);
       group_.push_back({c.dst, used, c.bytes});
       used += c.bytes;
     }
     drain();
   }
 
-  // Device -> host, split where the host range crosses a page-locked
+  // Device -> host. Page-locked destinations join the d2h batch (submit_d2h
+  // enqueues it; every record or wait on the d2h stream after copies comes
+  // after a submit_d2h). Pageable ones are one driver-staged cudaMemcpyAsync
+  // now. Both are split where the host range crosses a page-locked
   // registration (the driver rejects such copies); whole with the K8 mutation
   // switch cuda_debug_options::skip_registration_split.
-  void copy_d2h(void* dst, const void* src, index_t bytes) {
+  void copy_d2h(void* dst, const void* src, index_t bytes, memory_kind dst_kind) {
+    if (dst_kind != memory_kind::pageable_host) {
+      d2h_copies_.add(dst, src, bytes);
+      return;
+    }
     auto issue = [&](index_t off, index_t len) {
       WS_CUDA_TRY(cudaMemcpyAsync(static_cast<std::byte*>(dst) + off, static_cast<const std::byte*>(src) + off,
                                   static_cast<std::size_t>(len), cudaMemcpyDeviceToHost, ctx_->d2h.get()));
@@ -483,6 +505,10 @@ class host_writes {
       issue(0, bytes);
     else
       pinned_registry::instance().split(dst, bytes, issue);
+  }
+
+  void submit_d2h() {
+    d2h_copies_.submit(ctx_->d2h.get(), copy_direction::device_to_host, !ctx_->debug.skip_registration_split);
   }
 
   void ensure_staging(index_t bytes) {
@@ -510,6 +536,7 @@ class host_writes {
   bool pageable_direct_ = false;                ///< this write_blocks made a direct pageable copy
   gpu::scatter_params scatter_{};
   std::vector<std::size_t> host_dst_;           ///< write_blocks: indices of the host-destination writes
+  copy_batch d2h_copies_;                       ///< page-locked D2H pieces not yet submitted (submit_d2h)
 };
 
 }  // namespace writescope::cuda_detail
