@@ -35,6 +35,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <span>
 #include <string>
 #include <utility>
@@ -135,6 +136,16 @@ class host_writes {
     }
     flush_scatter();
     if (host_dst_.empty()) return;
+    // Staging images in destination order (memory kind, then address): a prompt routed one
+    // eviction batch at a time alternates between the regions, and in write order no two
+    // blocks of one region are neighbours; sorted, a sequence's blocks of one region are, so
+    // the loop below copies each such run as one piece out of adjacent images.
+    std::stable_sort(host_dst_.begin(), host_dst_.end(), [&](std::size_t x, std::size_t y) {
+      const block_write& a = writes[x];
+      const block_write& b = writes[y];
+      if (a.dst_kind != b.dst_kind) return a.dst_kind < b.dst_kind;
+      return std::less<const bf16*>{}(a.dst, b.dst);
+    });
 
     // Host destinations: scatter into staging block images, then D2H.
     const index_t block_bytes = fmt.block_bytes();
