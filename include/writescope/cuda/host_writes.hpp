@@ -137,9 +137,9 @@ class host_writes {
     flush_scatter();
     if (host_dst_.empty()) return;
     // Staging images in destination order (memory kind, then address): a prompt routed one
-    // eviction batch at a time alternates between the regions, and in write order no two
-    // blocks of one region are neighbours; sorted, a sequence's blocks of one region are, so
-    // the loop below copies each such run as one piece out of adjacent images.
+    // eviction batch at a time alternates between the regions, so in write order few blocks
+    // of one region are neighbours; sorted, a sequence's blocks of one region are, and the
+    // loop below copies each such run as one piece out of adjacent images.
     std::stable_sort(host_dst_.begin(), host_dst_.end(), [&](std::size_t x, std::size_t y) {
       const block_write& a = writes[x];
       const block_write& b = writes[y];
