@@ -261,6 +261,10 @@ def run_one(model, ids, args, name, make_cache, device):
         rec["peak_device_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     if isinstance(cache, wshf.WriteScopeCache):
         rec["split"] = cache.split()
+        usage = cache.kv.usage()
+        # device-to-host pieces of the KV writes (prefill and evictions) and the CUDA calls issuing them
+        rec["host_copies"] = {k: usage[k] for k in ("host_copy_submissions", "host_copy_pieces",
+                                                     "host_copy_api_calls") if k in usage}
         total0, ops0, completion0 = clock.at_prefill or (0.0, 0.0, 0.0)
         decode_overhead = (meter.total - total0) - (meter.ops - ops0)
         rec["python_overhead_prefill_s"] = total0 - ops0

@@ -16,6 +16,7 @@
 
 #include <torch/types.h>
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -305,7 +306,10 @@ class engine_impl final : public engine {
             {"num_layers", sp.num_layers},
             {"total_placed_tokens", cache_.total_placed_tokens()},
             {"total_hbm_placed_tokens", cache_.total_hbm_placed_tokens()},
-            {"deferred_host_write_bytes", deferred_bytes()}};
+            {"deferred_host_write_bytes", deferred_bytes()},
+            {"host_copy_submissions", int64_t(host_copies()[0])},
+            {"host_copy_pieces", int64_t(host_copies()[1])},
+            {"host_copy_api_calls", int64_t(host_copies()[2])}};
   }
 
   std::vector<std::pair<std::string, int64_t>> sequence(int64_t seq) const override {
@@ -381,6 +385,15 @@ class engine_impl final : public engine {
   int64_t cpu_prefaulted_bytes_ = 0;  ///< bytes of the unpinned region made resident at construction
 
   static constexpr bool has_deferred_writes = ws::deferred_host_write_backend<Backend>;
+
+  // cuda backend: {submissions, copies, CUDA copy calls} of the D2H batches into
+  // page-locked host memory (basic_cuda_backend::host_copy_counters); zeros elsewhere.
+  std::array<std::uint64_t, 3> host_copies() const {
+    if constexpr (requires { backend_.host_copy_counters(); })
+      return backend_.host_copy_counters();
+    else
+      return {0, 0, 0};
+  }
 
   int64_t deferred_bytes() const {
     if constexpr (has_deferred_writes)

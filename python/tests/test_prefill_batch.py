@@ -258,3 +258,28 @@ def test_generate_with_deferred_writes_equals_synchronous_cuda(arch, backend):
     for r in reads[1:]:
         for key in reads[0]:
             assert torch.equal(reads[0][key], r[key]), key
+
+
+def test_host_copy_counters(backend):
+    """usage()'s host_copy_* keys: zero on the host backend; on the CUDA backend a prefill split
+    between the pinned and the unpinned region is copied device to host in pieces, and the CUDA
+    calls that issue them are at most the pieces (one per staging group where the batch call exists)."""
+    dev = device_of(backend)
+    lay, heads, row = LAYOUTS["gqa"]
+    cache = make(lay, backend, r=0.5)
+    before = cache.usage()
+    seqs = [cache.begin_sequence(n) for n in (300, 200)]
+    buf = torch.randn(500, 2, heads, row).bfloat16().to(dev)
+    for layer in range(2):
+        cache.append_prefill_batch(layer, seqs, [0, 300], buf[:, 0], buf[:, 1])
+    cache.complete_writes()
+    after = cache.usage()
+    keys = ("host_copy_submissions", "host_copy_pieces", "host_copy_api_calls")
+    delta = {k: after[k] - before[k] for k in keys}
+    if backend == "host":
+        assert all(after[k] == 0 for k in keys), after
+    else:
+        split = cache.split()
+        assert split["cpu_tokens"] > 0 and split["pinned_tokens"] > 0, split
+        assert delta["host_copy_submissions"] >= 2, delta  # at least one per layer
+        assert 1 <= delta["host_copy_api_calls"] <= delta["host_copy_pieces"], delta
