@@ -79,7 +79,7 @@ struct cli {
   std::string launch_thread = "off", grouped_experts = "on";
   std::string hbm_resident_kernel = "off";  // --hbm-resident-kernel
   int grouped_expert_max_rows = 32, grouped_expert_min_active = 16;
-  std::string device_experts_issue = "before";
+  std::string device_experts_issue = "auto";
   std::string stream_experts = "on", flash_prefill = "on", cudnn_prefill = "on";
   double stream_min_rows = 32.0, expert_staging_mib = 0.0, kv_write_bounce_mib = 512.0;
   std::string batched_prefill_experts = "on";
@@ -732,7 +732,8 @@ int run(cli& a) {
   dopt.grouped_experts = a.grouped_experts == "on";
   dopt.grouped_expert_max_rows = a.grouped_expert_max_rows;
   dopt.grouped_expert_min_active = a.grouped_expert_min_active;
-  dopt.device_experts_during_cpu = a.device_experts_issue == "during";
+  dopt.device_experts_during_cpu = a.device_experts_issue != "before";  // auto: during where host experts exist
+  dopt.device_experts_during_cpu_default = a.device_experts_issue == "auto";
   dopt.decode_routing = a.decode_routing == "device" ? decode_routing_mode::device
                         : a.decode_routing == "host" ? decode_routing_mode::host
                                                      : decode_routing_mode::automatic;
@@ -879,8 +880,9 @@ int main(int argc, char** argv) {
   app.add_option("--device-experts-issue", a.device_experts_issue,
                  "CUDA path, decode MoE layers with host experts: before = enqueue the device experts, then run the CPU "
                  "experts; during = the CPU experts' threads start while this thread enqueues the device experts, then "
-                 "it joins them (same results; refused where no routed expert is in host memory)")
-      ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"before", "during"}));
+                 "it joins them (same results; refused where no routed expert is in host memory); auto = during where "
+                 "routed experts are in host memory")
+      ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"auto", "before", "during"}));
   app.add_option("--decode-routing", a.decode_routing,
                  "CUDA path: host = each decode MoE layer downloads its routing and the host groups the rows; device = a "
                  "decode layer with no host expert groups them on the device and runs the grouped launches from there "

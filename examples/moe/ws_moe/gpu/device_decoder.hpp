@@ -121,8 +121,13 @@ struct device_options {
   /// experts and then joins the team (cpu::side_work), so that the host time
   /// of that enqueue (one cuBLAS product per expert and matrix below
   /// grouped_expert_min_active) overlaps the CPU experts. The same results
-  /// either way; refused at setup where no routed expert is on the host.
+  /// either way; refused at setup where no routed expert is on the host
+  /// unless device_experts_during_cpu_default (then it is dropped there).
   bool device_experts_during_cpu = false;
+  /// device_experts_during_cpu came from the default (ws_decode
+  /// --device-experts-issue auto), not from the user: where no routed expert is
+  /// on the host it turns off instead of being refused.
+  bool device_experts_during_cpu_default = false;
   /// Decode MoE layers without host experts group their routed rows on the
   /// device (the prefill's sort, bounds and scatter kernels) and run the
   /// grouped kernels from those device-side offsets: no routing download, no
@@ -2271,6 +2276,7 @@ class device_decoder {
   /// every routed expert is on the device.
   void measure_dram_ceiling(device_report& rep) {
     if (!any_host_experts_) {
+      if (d_.device_experts_during_cpu && d_.device_experts_during_cpu_default) d_.device_experts_during_cpu = false;
       if (d_.device_experts_during_cpu)
         throw writescope::config_error(
             "--device-experts-issue during: acts only where routed experts are in host memory (it orders the "
