@@ -93,7 +93,7 @@ struct cli {
   std::string per_sequence = "0";  // --per-sequence N|all: per-sequence summary lines for the first N sequences
   std::string device = "auto", precision = "bf16";
   double vram_budget_gib = 0.0, prefill_attn_mib = 2048.0;
-  long long max_gpu_experts = -1, prefill_chunk_tokens = 32768;
+  long long max_gpu_experts = -1, prefill_chunk_tokens = 32768, prefill_moe_chunk_tokens = 0;
   bool skip_if_no_device = false, teacher_force = false, no_warmup = false, no_dram_ceiling = false;
   bool allow_long_context = false;
   double router_zipf = 0.0;
@@ -510,7 +510,7 @@ int run(cli& a) {
         "--cudnn-prefill",    "--no-warmup",               "--router-zipf",               "--expert-placement",
         "--migrate-max-experts", "--migration",          "--prefill-expert-gemm",       "--prefill-expert-groups",
         "--decode-routing",   "--no-dram-ceiling",         "--device-experts-issue",      "--hbm-kv",
-        "--hbm-kv-gib",       "--hbm-resident-kernel",     "--hbm-read-gbps"};
+        "--hbm-kv-gib",       "--hbm-resident-kernel",     "--hbm-read-gbps",             "--prefill-moe-chunk-tokens"};
     for (const char* opt : cuda_only)
       if (a.gave(opt))
         refuse(opt, "acts on the CUDA path only (--device cuda or emulated)",
@@ -721,6 +721,7 @@ int run(cli& a) {
   dopt.vram_budget_bytes = writescope::index_t(a.vram_budget_gib * double(1ull << 30));
   dopt.max_gpu_experts = a.max_gpu_experts;
   dopt.prefill_chunk_tokens = a.prefill_chunk_tokens;
+  dopt.prefill_moe_chunk_tokens = a.prefill_moe_chunk_tokens;
   dopt.prefill_attention_bytes = writescope::index_t(a.prefill_attn_mib * double(1 << 20));
   dopt.max_host_expert_gib = a.max_host_weights_gib;
   dopt.physical_memory_gib = physical_memory_gib();
@@ -935,6 +936,11 @@ int main(int argc, char** argv) {
   app.add_option("--prefill-chunk-tokens", a.prefill_chunk_tokens,
                  "CUDA path: prefill whole sequences in waves of at most this many tokens")
       ->group(g_dev)->capture_default_str()->check(at_least(0, true));
+  app.add_option("--prefill-moe-chunk-tokens", a.prefill_moe_chunk_tokens,
+                 "CUDA path: a prefill wave's MoE layers run over chunks of at most this many tokens, so that the "
+                 "routed experts' workspaces hold a chunk, not the wave (each chunk streams the layer's host experts "
+                 "again); 0 = the whole wave")
+      ->group(g_dev)->capture_default_str()->check(at_least(0, false));
   app.add_option("--prefill-attn-mib", a.prefill_attn_mib,
                  "CUDA path: scores + probabilities of one prefill attention block, MiB")
       ->group(g_dev)->capture_default_str()->check(at_least(0, true));

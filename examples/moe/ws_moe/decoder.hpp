@@ -187,6 +187,7 @@ struct device_report {
   std::string prefill_expert_groups; ///< "batched": the groups by "ladder" size or "fitted" to the loads
   index_t batched_groups = 0;        ///< groups of experts over those passes (three GEMMs each when batched)
   int prefill_waves = 0;             ///< groups of sequences prefilled together
+  long long prefill_moe_chunk_tokens = 0;  ///< tokens of one prefill MoE pass at most, where a wave is cut (0: whole waves)
   index_t prefill_block_rows = 0;    ///< query rows per prefill attention block (materialised-score path)
   std::string prefill_attention;     ///< which prefill attention ran: "flash" or "materialised scores"
   /// Host experts streamed to the device in prefill (--stream-experts): the

@@ -306,6 +306,9 @@ inline void print_device(std::FILE* f, const generation_result& r) {
                  d.prefill_attention.c_str(), static_cast<long long>(d.prefill_block_rows));
   else
     std::fprintf(f, "prefill    %d wave(s), attention: %s\n", d.prefill_waves, d.prefill_attention.c_str());
+  if (d.prefill_moe_chunk_tokens > 0)
+    std::fprintf(f, "           MoE layers over chunks of at most %lld of a wave's tokens (--prefill-moe-chunk-tokens)\n",
+                 d.prefill_moe_chunk_tokens);
   if (d.kv_prefault_bytes > 0)
     std::fprintf(f, "           before it (setup): the unpinned region's pages for the prompts made resident, %s in "
                     "%.3f s\n",
@@ -651,6 +654,7 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
                    {"peak_process_bytes", d.peak_process_bytes},
                    {"process_memory_source", d.process_memory_source},
                    {"prefill_waves", d.prefill_waves},
+                   {"prefill_moe_chunk_tokens", d.prefill_moe_chunk_tokens},
                    {"prefill_block_rows", d.prefill_block_rows},
                    {"prefill_attention", d.prefill_attention}};
     j["vram_split"] = {{"hbm_kv", d.hbm_kv},

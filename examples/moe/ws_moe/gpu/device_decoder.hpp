@@ -90,6 +90,13 @@ struct device_options {
   index_t vram_budget_bytes = 0;            ///< device memory for everything; 0 = free at start - 1 GiB
   long long max_gpu_experts = -1;           ///< at most this many routed experts on the device (-1: no cap)
   index_t prefill_chunk_tokens = 32768;     ///< tokens per prefill wave (whole sequences)
+  /// A prefill wave's MoE layers run over chunks of at most this many of its
+  /// tokens, one after the other, so that the routed experts' workspaces (packed
+  /// rows, their bf16 copies, gate/up/SiLU products, outputs, the routing and its
+  /// sort) hold one chunk instead of the wave; each chunk streams the layer's
+  /// host experts again. 0 = the whole wave at once. Results are those of the
+  /// whole wave (each token's experts see the same rows).
+  index_t prefill_moe_chunk_tokens = 0;
   index_t prefill_attention_bytes = index_t{2} << 30;  ///< scores + probabilities of one prefill block
   double max_host_expert_gib = 0.0;         ///< refuse more host-resident expert bytes (0 = 80% of RAM)
   double physical_memory_gib = 0.0;         ///< host RAM (for the default above)
@@ -381,6 +388,7 @@ class device_decoder {
     res.device.total_bytes = x_.device_total_bytes();
     res.device.used_bytes = device_used();
     res.device.prefill_waves = int(waves_.size());
+    res.device.prefill_moe_chunk_tokens = moe_tokens_cap_ < T_ ? static_cast<long long>(moe_tokens_cap_) : 0;
     res.device.prefill_block_rows = use_flash_ ? 0 : rows_blk_;
     if (use_cudnn_)
       res.device.prefill_attention = std::string(Exec::is_emulated ? "cuDNN SDPA path (emulated: the flash host twin, bf16 output)"
@@ -715,6 +723,9 @@ class device_decoder {
     for (const wave& w : waves_) T = std::max(T, w.offset.back());
     for (const auto& p : prompts) longest = std::max(longest, index_t(p.size()));
     T_ = T;
+    // the MoE passes' tokens at most: a prefill wave's chunk (prefill_moe_chunk_tokens), at least a decode batch
+    const index_t Tm = d_.prefill_moe_chunk_tokens > 0 ? std::min(T, std::max<index_t>(d_.prefill_moe_chunk_tokens, B)) : T;
+    moe_tokens_cap_ = Tm;
     const index_t H = c_.hidden_size;
     const int hq = c_.num_heads;
     const int hkv = layout().kv_heads();
@@ -723,7 +734,7 @@ class device_decoder {
     x_buf_ = buffer<float>(T * H, "hidden states");
     h_ = buffer<float>(T * H, "normalised hidden states");
     y_ = buffer<float>(T * H, "layer outputs");
-    y2_ = buffer<float>(T * H, "shared-expert outputs");
+    y2_ = buffer<float>(Tm * H, "shared-expert outputs");  // also the last prompt rows at the head (B <= Tm)
     q_ = buffer<float>(T * hq * QD, "queries");
     att_ = buffer<float>(T * hq * VD, "attention outputs");
     index_t max_in = std::max<index_t>(H, index_t(hq) * VD);
@@ -757,17 +768,17 @@ class device_decoder {
     u_ = buffer<float>(T * inter, "MLP up");
     if (any_moe) {
       const index_t E = c_.num_experts, k = c_.experts_per_tok;
-      router_logits_ = buffer<float>(T * E, "router logits");
-      sel_e_ = buffer<int>(T * k, "routing: experts");
-      sel_w_ = buffer<float>(T * k, "routing: weights");
+      router_logits_ = buffer<float>(Tm * E, "router logits");
+      sel_e_ = buffer<int>(Tm * k, "routing: experts");
+      sel_w_ = buffer<float>(Tm * k, "routing: weights");
       // one upload per MoE layer: gather rows, combine rows, combine weights, expert row offsets
       // batched prefill experts (bf16, bf16 experts): padded packed rows and the operand tables
       batched_prefill_ = d_.batched_prefill_experts && prec_ == wtype::bf16 && T > B &&
                          gpu::expert_bytes(c_, *src_, first_moe_layer()) == 6 * H * c_.moe_intermediate_size;
       // packed rows: a batched prefill adds at most batch_pad - 1 per expert and 1/8 of the rest (padded_rows)
-      const index_t np_cap = T * k + (batched_prefill_ ? E * batch_pad + T * k / 8 : 0);
+      const index_t np_cap = Tm * k + (batched_prefill_ ? E * batch_pad + Tm * k / 8 : 0);
       padded_rows_cap_ = np_cap;
-      route_cap_ints_ = np_cap + 2 * T * k + E + 1 + 2 + (batched_prefill_ ? 2 * 9 * E : 0);
+      route_cap_ints_ = np_cap + 2 * Tm * k + E + 1 + 2 + (batched_prefill_ ? 2 * 9 * E : 0);
       route_dev_ = buffer<int>(route_cap_ints_, "routing: rows, weights, expert offsets, batched GEMM tables");
       if (batched_prefill_ && d_.grouped_prefill_gemm) x_.check_grouped_gemm();  // refused at init, not mid-prefill
       if (d_.grouped_experts) {
@@ -796,13 +807,13 @@ class device_decoder {
         u_batch_ = buffer<float>(np_cap * I, "batched prefill experts: up outputs");
         a16_ = buffer<std::uint16_t>(np_cap * I, "batched prefill experts: bf16 SiLU products");
         // the grouping on the device: sorted experts and pairs, pair indices, expert bounds, sort scratch
-        sort_keys_ = buffer<unsigned>(T * k, "prefill routing: sorted experts");
-        sort_pairs_ = buffer<int>(T * k, "prefill routing: sorted pairs");
-        pair_ids_ = buffer<int>(T * k, "prefill routing: pair indices");
+        sort_keys_ = buffer<unsigned>(Tm * k, "prefill routing: sorted experts");
+        sort_pairs_ = buffer<int>(Tm * k, "prefill routing: sorted pairs");
+        pair_ids_ = buffer<int>(Tm * k, "prefill routing: pair indices");
         expert_first_ = buffer<int>(E + 1, "prefill routing: expert bounds");
-        sort_temp_bytes_ = index_t(Exec::sort_pairs_temp_bytes(T * k));
+        sort_temp_bytes_ = index_t(Exec::sort_pairs_temp_bytes(Tm * k));
         sort_temp_ = buffer<std::byte>(sort_temp_bytes_, "prefill routing: sort scratch");
-        x_.run(gpu::iota_op{pair_ids_}, T * k);
+        x_.run(gpu::iota_op{pair_ids_}, Tm * k);
       }
     }
     if (prec_ == wtype::bf16) {
@@ -1624,10 +1635,31 @@ class device_decoder {
     const gpu::dlayer& L = m_.layers[std::size_t(l)];
     const index_t H = c_.hidden_size;
     rms_norm(x_buf_, H, L.post_norm, n, int(H), h_, H);
-    if (!L.is_moe)
+    if (!L.is_moe) {
       mlp(L.dense, h_, n, y_);
-    else
+    } else if (decode || n <= moe_tokens_cap_) {
       moe(L, l, n, decode);
+    } else {  // prefill_moe_chunk_tokens: the pass over chunks of the wave's rows, h_ / y_ viewed at each
+      float* const h0 = h_;
+      float* const y0 = y_;
+      const index_t C = moe_tokens_cap_;
+      try {
+        moe_chunk_ = 0;
+        for (index_t c0 = 0; c0 < n; c0 += C, ++moe_chunk_) {
+          h_ = h0 + c0 * H;
+          y_ = y0 + c0 * H;
+          moe(L, l, std::min(C, n - c0), decode);
+        }
+      } catch (...) {
+        h_ = h0;
+        y_ = y0;
+        moe_chunk_ = 0;
+        throw;
+      }
+      h_ = h0;
+      y_ = y0;
+      moe_chunk_ = 0;
+    }
     x_.run(gpu::add_op{x_buf_, y_}, n * H);
   }
 
@@ -1655,7 +1687,8 @@ class device_decoder {
     stream_batched_ = !decode && batched_prefill_ && streams_batched(L);
     if (stream_batched_) {  // each streamed expert's slot: its place in the wave's copy order
       streamed_slot_.assign(std::size_t(E), -1);
-      for (index_t i = layer_first_item_[std::size_t(l)]; i < layer_first_item_[std::size_t(l) + 1]; ++i)
+      const auto [i0, i1] = stream_range(l);
+      for (index_t i = i0; i < i1; ++i)
         streamed_slot_[std::size_t(stream_items_[std::size_t(i)].expert)] = int(i % staging_slots_);
     }
     device_routed_ = decode && device_routes_decode(l, n);
@@ -2060,8 +2093,8 @@ class device_decoder {
         ++grouped_passes_;
       } else if (batched) {
         const auto t_gemms = std::chrono::steady_clock::now();
-        const index_t s0 = stream_batched_ ? layer_first_item_[std::size_t(l)] : 0;
-        const index_t s1 = stream_batched_ ? layer_first_item_[std::size_t(l) + 1] : 0;
+        const index_t s0 = stream_batched_ ? stream_range(l).first : 0;
+        const index_t s1 = stream_batched_ ? stream_range(l).second : 0;
         for (index_t i = s0; i < s1; ++i) x_.ring_acquire(int(i % staging_slots_));  // the layer's copies landed
         run_batched_experts(tables, np);
         for (index_t i = s0; i < s1; ++i) {  // its slots free: the next copies go into them
@@ -2651,17 +2684,29 @@ class device_decoder {
     if (mean_rows < d_.stream_min_rows) return;
     streaming_ = true;
     stream_items_.clear();
-    layer_first_item_.assign(std::size_t(c_.num_layers) + 1, 0);
+    // per MoE layer, its host experts once per chunk of the wave's MoE pass (ffn_residual)
+    stream_chunks_ = tokens > moe_tokens_cap_ ? (tokens + moe_tokens_cap_ - 1) / moe_tokens_cap_ : 1;
+    const std::size_t ranges = std::size_t(c_.num_layers) * std::size_t(stream_chunks_);
+    layer_first_item_.assign(ranges + 1, 0);
     for (int l = 0; l < c_.num_layers; ++l) {
-      layer_first_item_[std::size_t(l)] = index_t(stream_items_.size());
       const gpu::dlayer& L = m_.layers[std::size_t(l)];
-      if (!L.is_moe) continue;
-      for (int e = 0; e < c_.num_experts; ++e)
-        if (L.on_host[std::size_t(e)]) stream_items_.push_back({l, e, L.host_experts[std::size_t(e)].bytes()});
+      for (index_t c = 0; c < stream_chunks_; ++c) {
+        layer_first_item_[std::size_t(l) * std::size_t(stream_chunks_) + std::size_t(c)] = index_t(stream_items_.size());
+        if (!L.is_moe) continue;
+        for (int e = 0; e < c_.num_experts; ++e)
+          if (L.on_host[std::size_t(e)]) stream_items_.push_back({l, e, L.host_experts[std::size_t(e)].bytes()});
+      }
     }
-    layer_first_item_[std::size_t(c_.num_layers)] = index_t(stream_items_.size());
+    layer_first_item_[ranges] = index_t(stream_items_.size());
     next_copy_ = 0;
     while (next_copy_ < index_t(stream_items_.size()) && next_copy_ < staging_slots_) enqueue_stream_copy();
+  }
+
+  /// The stream items [first, last) of layer l's MoE pass over the current
+  /// chunk (moe_chunk_) of a streaming wave.
+  std::pair<index_t, index_t> stream_range(int l) const {
+    const std::size_t r = std::size_t(l) * std::size_t(stream_chunks_) + std::size_t(moe_chunk_);
+    return {layer_first_item_[r], layer_first_item_[r + 1]};
   }
 
   void enqueue_stream_copy() {
@@ -2677,7 +2722,8 @@ class device_decoder {
   /// the next copy is enqueued into it.
   void run_streamed_experts(int l) {
     const index_t H = c_.hidden_size, I = c_.moe_intermediate_size;
-    for (index_t i = layer_first_item_[std::size_t(l)]; i < layer_first_item_[std::size_t(l) + 1]; ++i) {
+    const auto [i0, i1] = stream_range(l);
+    for (index_t i = i0; i < i1; ++i) {
       const stream_item& it = stream_items_[std::size_t(i)];
       const int slot = int(i % staging_slots_);
       const gpu::hmlp& h = m_.layers[std::size_t(l)].host_experts[std::size_t(it.expert)];
@@ -2854,7 +2900,10 @@ class device_decoder {
   index_t staging_slot_bytes_ = 0;
   bool streaming_ = false;
   std::vector<stream_item> stream_items_;
-  std::vector<index_t> layer_first_item_;
+  std::vector<index_t> layer_first_item_;  ///< per (layer, chunk): its first stream item; the end last
+  index_t stream_chunks_ = 1;              ///< chunks of each MoE pass in the streaming wave
+  index_t moe_chunk_ = 0;                  ///< the chunk the current prefill MoE pass runs (ffn_residual)
+  index_t moe_tokens_cap_ = 0;             ///< tokens of one MoE pass at most (a wave, or its chunk)
   index_t next_copy_ = 0;
   // flash prefill
   bool use_flash_ = false;
