@@ -11,6 +11,9 @@
 
 #include <writescope/tensor_parallel.hpp>
 
+#include <atomic>
+#include <thread>
+
 #include "support/harness.hpp"
 
 using namespace wstest;
@@ -283,5 +286,47 @@ TEST_CASE("tensor_parallel: refusals name the numbers; rank errors propagate; en
     const sequence_id s = tp.begin_sequence(64);
     CHECK(tp.cache(0).sequence(tp.rank_sequence(0, s)).placed_tokens == 32);
     CHECK(tp.cache(1).sequence(tp.rank_sequence(1, s)).placed_tokens == 32);
+  }
+}
+
+TEST_CASE("rank_team: persistent rank threads, every rank each run, the lowest rank's exception after all finished") {
+  for (int n : {1, 2, 4}) {
+    CAPTURE(n);
+    writescope::detail::rank_team team(n);
+    CHECK(team.workers() == n - 1);
+    const auto un = static_cast<std::size_t>(n);
+    std::vector<std::thread::id> first(un);
+    for (int run = 0; run < 3; ++run) {
+      std::vector<std::thread::id> ids(un);
+      std::vector<int> hits(un, 0);
+      team.run([&](int r) {
+        ids[std::size_t(r)] = std::this_thread::get_id();
+        ++hits[std::size_t(r)];
+      });
+      CHECK(hits == std::vector<int>(un, 1));
+      CHECK(ids[0] == std::this_thread::get_id());  // rank 0 on the caller
+      for (int r = 1; r < n; ++r) {
+        CHECK(ids[std::size_t(r)] != std::this_thread::get_id());
+        if (run == 0) first[std::size_t(r)] = ids[std::size_t(r)];
+        CHECK(ids[std::size_t(r)] == first[std::size_t(r)]);  // the same thread every run
+        for (int q = 1; q < r; ++q) CHECK(ids[std::size_t(q)] != ids[std::size_t(r)]);
+      }
+    }
+    // ranks n-1 and (if any) 1 throw: every rank still runs, the lowest thrower's exception comes back
+    std::atomic<int> done{0};
+    try {
+      team.run([&](int r) {
+        done.fetch_add(1);
+        if (r == n - 1 || r == 1) throw config_error("rank " + std::to_string(r));
+      });
+      CHECK(n == 1);  // only rank 0 ran, and it did not throw
+    } catch (const config_error& e) {
+      CHECK(std::string(e.what()) == "rank " + std::to_string(std::min(1, n - 1)));
+    }
+    CHECK(done.load() == n);
+    // and the team serves the next run
+    std::atomic<int> again{0};
+    team.run([&](int) { again.fetch_add(1); });
+    CHECK(again.load() == n);
   }
 }

@@ -26,8 +26,10 @@
 // in practice: every rank sees the same begins and ends).
 //
 // Threading: drive an object from one thread. step() runs rank 0 on the
-// calling thread and ranks 1..N−1 on one std::thread each (started per call,
-// joined before step() returns; none when N = 1). Each rank's CPU engine gets
+// calling thread and ranks 1..N−1 on one persistent std::thread each, started
+// with the object and joined at its destruction (none when N = 1; a rank whose
+// thread could not start runs on the calling thread); step() returns when
+// every rank has finished. Each rank's CPU engine gets
 // its share of attention_options::cpu_threads (the total, split as evenly as
 // possible, at least 1 each), so the ranks' steps running at once do not
 // oversubscribe the host. Prefill, append, flush and end_sequence run the
@@ -52,10 +54,13 @@
 #pragma once
 
 #include <algorithm>
+#include <condition_variable>
+#include <cstdint>
 #include <cstring>
 #include <exception>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <thread>
@@ -83,42 +88,101 @@ namespace detail {
   return std::max(1, share);
 }
 
-/// Runs f(r) for r in [0, n): r = 0 on the calling thread, the others on one
-/// std::thread each; joins all, then rethrows the lowest rank's exception.
-template <class F>
-void run_ranks(int n, F&& f) {
-  if (n == 1) {
-    f(0);
-    return;
+/// One persistent thread per rank 1..n−1 (rank 0 is the caller's): run(f)
+/// runs f(r) for every rank at once, returns when all have finished and then
+/// rethrows the lowest rank's exception. The threads live as long as the team,
+/// so each keeps its OpenMP thread pool between steps instead of a new thread
+/// (and pool) per rank and call. A thread that cannot be started leaves its
+/// rank to the calling thread (after rank 0's peers are posted). run() is not
+/// reentrant: one caller at a time (the composite's driving thread).
+class rank_team {
+ public:
+  explicit rank_team(int n) : n_(n), errors_(std::size_t(std::max(n, 1))) {
+    threads_.reserve(std::size_t(std::max(n - 1, 0)));
+    for (int r = 1; r < n; ++r) {
+      try {
+        threads_.emplace_back([this, r] { serve(r); });
+      } catch (...) {
+        break;  // ranks from here on run on the calling thread
+      }
+    }
   }
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
-  std::vector<std::thread> threads;
-  threads.reserve(std::size_t(n - 1));
-  try {
-    for (int r = 1; r < n; ++r)
-      threads.emplace_back([&, r] {
-        try {
-          f(r);
-        } catch (...) {
-          errors[std::size_t(r)] = std::current_exception();
-        }
-      });
-  } catch (...) {  // a thread could not start: run the rest here
-    for (int r = int(threads.size()) + 1; r < n; ++r) try {
+  rank_team(const rank_team&) = delete;
+  rank_team& operator=(const rank_team&) = delete;
+  ~rank_team() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    posted_.notify_all();
+    for (std::thread& t : threads_) t.join();
+  }
+
+  /// Threads started (ranks 1..workers() have one).
+  [[nodiscard]] int workers() const noexcept { return int(threads_.size()); }
+
+  template <class F>
+  void run(F&& f) {
+    std::fill(errors_.begin(), errors_.end(), nullptr);
+    auto call = [&](int r) {
+      try {
         f(r);
       } catch (...) {
-        errors[std::size_t(r)] = std::current_exception();
+        errors_[std::size_t(r)] = std::current_exception();
       }
+    };
+    using call_type = decltype(call);
+    if (!threads_.empty()) {
+      std::lock_guard<std::mutex> lk(mu_);
+      job_ = [](void* c, int r) { (*static_cast<call_type*>(c))(r); };
+      job_ctx_ = &call;
+      pending_ = int(threads_.size());
+      ++generation_;
+    }
+    posted_.notify_all();
+    for (int r = workers() + 1; r < n_; ++r) call(r);
+    call(0);
+    if (!threads_.empty()) {
+      std::unique_lock<std::mutex> lk(mu_);
+      finished_.wait(lk, [&] { return pending_ == 0; });
+      job_ = nullptr;
+      job_ctx_ = nullptr;
+    }
+    for (const std::exception_ptr& e : errors_)
+      if (e) std::rethrow_exception(e);
   }
-  try {
-    f(0);
-  } catch (...) {
-    errors[0] = std::current_exception();
+
+ private:
+  void serve(int r) {
+    std::uint64_t seen = 0;
+    for (;;) {
+      void (*job)(void*, int) = nullptr;
+      void* ctx = nullptr;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        posted_.wait(lk, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        job = job_;
+        ctx = job_ctx_;
+      }
+      job(ctx, r);  // never throws: the call wrapper keeps the exception
+      std::lock_guard<std::mutex> lk(mu_);
+      if (--pending_ == 0) finished_.notify_one();
+    }
   }
-  for (std::thread& t : threads) t.join();
-  for (const std::exception_ptr& e : errors)
-    if (e) std::rethrow_exception(e);
-}
+
+  int n_;
+  std::vector<std::exception_ptr> errors_;
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::condition_variable posted_, finished_;
+  void (*job_)(void*, int) = nullptr;
+  void* job_ctx_ = nullptr;
+  int pending_ = 0;
+  std::uint64_t generation_ = 0;
+  bool stop_ = false;
+};
 
 /// The per-rank caches and steps and the sequence-id map shared by both
 /// compositions (not a public API).
@@ -154,7 +218,16 @@ class tp_ranks {
       ao.cpu_threads = rank_cpu_threads(total_cpu_threads_, n, r);
       ranks_.push_back(std::make_unique<rank>(*backends[std::size_t(r)], rank_layout, spec, policy, pinned, co, ao));
     }
+    team_ = std::make_unique<rank_team>(n);
   }
+
+  /// f(r) for every rank at once on the rank threads (rank_team::run).
+  template <class F>
+  void run(F&& f) {
+    team_->run(std::forward<F>(f));
+  }
+  /// Rank threads running (ranks beyond them run on the calling thread).
+  [[nodiscard]] int rank_threads() const noexcept { return team_->workers(); }
 
   [[nodiscard]] int size() const noexcept { return int(ranks_.size()); }
   [[nodiscard]] rank& at(int r) noexcept { return *ranks_[std::size_t(r)]; }
@@ -224,6 +297,7 @@ class tp_ranks {
   std::vector<std::vector<sequence_id>> ids_;  // [rank][composite id] -> the rank's id (-1: none)
   std::vector<std::vector<sequence_id>> id_buf_;  // [rank] ids_on()'s result
   int total_cpu_threads_ = 1;
+  std::unique_ptr<rank_team> team_;  // after ranks_: its threads end (idle) before the ranks go
 };
 
 inline void check_ranks(int n, const char* what) {
@@ -337,7 +411,7 @@ class tensor_parallel_gqa {
     reports_.resize(std::size_t(n));
     step_ids_.resize(std::size_t(n));
     for (int r = 0; r < n; ++r) step_ids_[std::size_t(r)] = ranks_.ids_on(r, seqs);  // before the threads start
-    detail::run_ranks(n, [&](int r) {
+    ranks_.run([&](int r) {
       float* qr = q_[std::size_t(r)].data();
       for (index_t i = 0; i < batch; ++i)
         std::memcpy(qr + std::size_t(i * hr) * Layout::q_dim, q.data() + std::size_t(i * hq + r * hr) * Layout::q_dim,
@@ -629,7 +703,7 @@ class tensor_parallel_mla {
     }
     reports_.assign(std::size_t(n), step_report{});
     const std::size_t qrow = std::size_t(hq) * Layout::q_dim, orow = std::size_t(hq) * Layout::v_dim;
-    detail::run_ranks(n, [&](int r) {
+    ranks_.run([&](int r) {
       const auto& sub = rows_[std::size_t(r)];
       if (sub.empty()) return;
       float* qr = q_[std::size_t(r)].data();
