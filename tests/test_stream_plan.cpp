@@ -10,6 +10,7 @@
 #include <random>
 
 #include "support/harness.hpp"
+#include <writescope/detail/bounce_copy.hpp>
 #include <writescope/detail/stream_copy.hpp>
 
 using namespace wstest;
@@ -311,4 +312,37 @@ TEST_CASE("stream_copy (the sparse gather's non-temporal copy) copies exactly th
       }
       CHECK(bad == 0);
     }
+}
+
+TEST_CASE("copy_out_of_bounce (bounced D2H writes, host side): every piece's bytes land at its destination, nothing else") {
+  // pieces with gaps between them, from a few bytes to 5.5 MiB (several 1 MiB slices, slice
+  // boundaries inside pieces), sent to shuffled places of one destination arena; 1 and 4 threads
+  const index_t sizes[] = {7, 4096, 1 << 20, (index_t{11} << 19) + 3, 65536 + 1, 300, (index_t{2} << 20) - 1, 1};
+  std::vector<writescope::detail::bounce_piece> pieces;
+  index_t at = 5, total = 0;
+  for (const index_t n : sizes) {
+    pieces.push_back({nullptr, at, n});
+    at += n + (n % 3 == 0 ? 0 : 64);  // some pieces back to back, some with a gap
+    total += n;
+  }
+  std::vector<std::byte> buf(static_cast<std::size_t>(at));
+  for (std::size_t i = 0; i < buf.size(); ++i) buf[i] = std::byte(i * 2654435761u >> 24);
+  std::vector<std::size_t> order(pieces.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::mt19937 rng(5);
+  std::shuffle(order.begin(), order.end(), rng);
+  for (const int threads : {1, 4}) {
+    CAPTURE(threads);
+    std::vector<std::byte> dst(std::size_t(total + 64 * index_t(pieces.size())), std::byte{0xA5});  // poison
+    std::vector<std::byte> want = dst;
+    index_t d = 0;
+    for (const std::size_t i : order) {  // destinations in another order than the buffer's, 64-byte gaps
+      pieces[i].dst = dst.data() + d;
+      std::memcpy(want.data() + d, buf.data() + pieces[i].offset, std::size_t(pieces[i].bytes));
+      d += pieces[i].bytes + 64;
+    }
+    writescope::detail::copy_out_of_bounce(buf.data(), pieces, threads);
+    CHECK(dst == want);
+  }
+  writescope::detail::copy_out_of_bounce(buf.data(), {}, 4);  // nothing to copy: no access
 }

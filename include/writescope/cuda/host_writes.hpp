@@ -43,6 +43,7 @@
 
 #include "../backend.hpp"
 #include "../config.hpp"
+#include "../detail/bounce_copy.hpp"
 #include "../error.hpp"
 #include "../host_memory.hpp"
 #include "../layout.hpp"
@@ -391,27 +392,12 @@ class host_writes {
     return true;
   }
 
-  // A piece of a bounce buffer and the pageable block bytes it is copied to.
-  struct bounce_piece {
-    void* dst;
-    index_t offset;
-    index_t bytes;
-  };
+  using bounce_piece = ::writescope::detail::bounce_piece;  // a bounce buffer's bytes and their pageable block
 
-  // Host copies of bounce pieces to their pageable blocks, spread over up to
-  // `max_threads` OpenMP threads when there is at least 1 MiB per thread.
+  // Host copies of bounce pieces to their pageable blocks, in 1 MiB slices over
+  // up to `max_threads` OpenMP threads (detail/bounce_copy.hpp).
   static void copy_out_of_bounce(const std::byte* buf, const std::vector<bounce_piece>& g, int max_threads) {
-    if (g.empty()) return;
-    const int n = int(g.size());
-#if defined(_OPENMP)
-    const index_t bytes = g.back().offset + g.back().bytes;
-    const int threads = std::clamp(int(bytes / (index_t{1} << 20)), 1, std::min(max_threads, n));
-#  pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
-#else
-    (void)max_threads;
-#endif
-    for (int i = 0; i < n; ++i)
-      std::memcpy(g[std::size_t(i)].dst, buf + g[std::size_t(i)].offset, static_cast<std::size_t>(g[std::size_t(i)].bytes));
+    ::writescope::detail::copy_out_of_bounce(buf, g, max_threads);
   }
 
   // Deferred pageable prefill writes of one staging group (set_deferred_host_writes):
