@@ -937,7 +937,8 @@ int main(int argc, char** argv) {
                  "CUDA path: prefill whole sequences in waves of at most this many tokens")
       ->group(g_dev)->capture_default_str()->check(at_least(0, true));
   app.add_option("--prefill-moe-chunk-tokens", a.prefill_moe_chunk_tokens,
-                 "CUDA path: a prefill wave's MoE layers run over chunks of at most this many tokens, so that the "
+                 "CUDA path: a prefill wave's MoE layers run over chunks of at most this many tokens (at least the "
+                 "batch), so that the "
                  "routed experts' workspaces hold a chunk, not the wave (each chunk streams the layer's host experts "
                  "again); 0 = the whole wave")
       ->group(g_dev)->capture_default_str()->check(at_least(0, false));

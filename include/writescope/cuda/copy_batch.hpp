@@ -10,9 +10,11 @@
 // cudaMemcpyBatchAsync (CUDA runtime and driver 12.8 or later; sources read in
 // stream order), or with one cudaMemcpyAsync each where that call does not
 // exist, where set_batched(false) asks for it, or on the legacy default
-// stream. A prefill of B × 32K tokens routed one 64-token block at a time is
-// about 1,700 pieces per layer: issued one by one they fill the driver's
-// command queue and stall the thread that enqueues the model's kernels.
+// stream. A prefill routed one eviction batch at a time alternates between the
+// host regions, so in write order its blocks are rarely adjacent (4 × 32K
+// tokens: about 1,660 pieces per layer); issued one by one, such pieces fill
+// the driver's command queue and stall the thread that enqueues the model's
+// kernels.
 //
 // Memory: the host side of each piece is page-locked host memory (pinned
 // blocks or a bounce buffer; pageable destinations are not submitted here),
