@@ -149,6 +149,11 @@ struct device_report {
   index_t experts_host_bytes = 0;    ///< routed experts in host memory
   index_t kv_bytes = 0;              ///< the cache's device regions (D-window + ping-pong)
   index_t workspace_bytes = 0;       ///< activations and scratch of the decoder
+  /// Of workspace_bytes, the routed experts' buffers that scale with the tokens
+  /// of one MoE pass (routing, its sort, packed rows and their products), and
+  /// those tokens: the largest prefill wave, or --prefill-moe-chunk-tokens.
+  index_t moe_workspace_bytes = 0;
+  index_t moe_pass_tokens = 0;
   /// The split of the VRAM budget between routed experts and the
   /// HBM-resident KV region (--hbm-kv; ws_moe/vram_split.hpp): the mode
   /// ("off", "auto", "fixed"), the bytes the split divided, the region (bytes,

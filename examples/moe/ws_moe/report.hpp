@@ -241,6 +241,10 @@ inline void print_device(std::FILE* f, const generation_result& r) {
                human_bytes(d.used_bytes).c_str(),
                human_bytes(d.weights_bytes).c_str(), human_bytes(d.experts_gpu_bytes).c_str(), human_bytes(d.kv_bytes).c_str(),
                human_bytes(d.hbm_region_bytes).c_str(), human_bytes(d.workspace_bytes).c_str());
+  if (d.moe_workspace_bytes > 0)
+    std::fprintf(f, "           of the workspaces, %s scale with the tokens of one MoE pass (%lld: the largest prefill "
+                    "wave, or --prefill-moe-chunk-tokens)\n",
+                 human_bytes(d.moe_workspace_bytes).c_str(), static_cast<long long>(d.moe_pass_tokens));
   std::fprintf(f, "VRAM split --hbm-kv %s: HBM KV region %s, %lld tokens per layer of %lld planned; %d routed experts on "
                   "the GPU; left to divide %s: %s\n",
                d.hbm_kv.c_str(), human_bytes(d.hbm_region_bytes).c_str(), static_cast<long long>(d.hbm_capacity_tokens),
@@ -650,6 +654,8 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
                    {"experts_host_bytes", d.experts_host_bytes},
                    {"kv_bytes", d.kv_bytes},
                    {"workspace_bytes", d.workspace_bytes},
+                   {"moe_workspace_bytes", d.moe_workspace_bytes},
+                   {"moe_pass_tokens", d.moe_pass_tokens},
                    {"peak_used_bytes", d.peak_used_bytes},
                    {"peak_process_bytes", d.peak_process_bytes},
                    {"process_memory_source", d.process_memory_source},

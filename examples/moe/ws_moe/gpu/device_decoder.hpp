@@ -385,6 +385,8 @@ class device_decoder {
     res.device.kv_bytes = u0.d_window_bytes + u0.ping_pong_bytes;  // the HBM region: hbm_region_bytes
     res.device.weights_bytes = weights_bytes_;
     res.device.workspace_bytes = workspace_bytes_;
+    res.device.moe_workspace_bytes = moe_workspace_bytes_;
+    res.device.moe_pass_tokens = moe_tokens_cap_;
     res.device.total_bytes = x_.device_total_bytes();
     res.device.used_bytes = device_used();
     res.device.prefill_waves = int(waves_.size());
@@ -753,6 +755,7 @@ class device_decoder {
         kvb_[std::size_t(p)] = buffer<writescope::bf16>(T * hkv * ROW, "K/V (bf16)");
       }
     }
+    const index_t before_moe = workspace_bytes_;
     bool any_moe = false;
     for (int l = 0; l < c_.num_layers; ++l) {
       if (c_.is_moe_layer(l)) {
@@ -816,6 +819,7 @@ class device_decoder {
         x_.run(gpu::iota_op{pair_ids_}, Tm * k);
       }
     }
+    moe_workspace_bytes_ = workspace_bytes_ - before_moe + (any_moe ? Tm * H * index_t(sizeof(float)) : 0);  // + y2_
     if (prec_ == wtype::bf16) {
       act16_cap_ = T * max_in;
       act16_ = buffer<std::uint16_t>(act16_cap_, "bf16 GEMM inputs");
@@ -2904,6 +2908,7 @@ class device_decoder {
   index_t stream_chunks_ = 1;              ///< chunks of each MoE pass in the streaming wave
   index_t moe_chunk_ = 0;                  ///< the chunk the current prefill MoE pass runs (ffn_residual)
   index_t moe_tokens_cap_ = 0;             ///< tokens of one MoE pass at most (a wave, or its chunk)
+  index_t moe_workspace_bytes_ = 0;        ///< the workspaces that scale with moe_tokens_cap_
   index_t next_copy_ = 0;
   // flash prefill
   bool use_flash_ = false;
