@@ -18,13 +18,15 @@
 //
 // Memory: the host side of each piece is page-locked host memory (pinned
 // blocks or a bounce buffer; pageable destinations are not submitted here),
-// the device side device memory. Threads: one owner thread; not thread-safe.
+// the device side device memory. Threads: one owner thread per object (not
+// thread-safe); objects on different threads may submit at once.
 // Errors: cuda_error from the CUDA calls (a driver without the batch entry
 // point falls back to single copies without error).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -114,7 +116,7 @@ class copy_batch {
       int driver = 0;
       return cudaDriverGetVersion(&driver) == cudaSuccess && driver >= 12080;
     }();
-    return ok && !batch_refused();
+    return ok && !batch_refused().load(std::memory_order_relaxed);
 #else
     return false;
 #endif
@@ -127,8 +129,10 @@ class copy_batch {
     index_t bytes;
   };
 
-  static bool& batch_refused() noexcept {
-    static bool refused = false;
+  // Set once a driver answered the batch call with "not supported"; shared by
+  // every copy_batch of the process (backends may run on several threads).
+  static std::atomic<bool>& batch_refused() noexcept {
+    static std::atomic<bool> refused{false};
     return refused;
   }
 
@@ -152,7 +156,7 @@ class copy_batch {
 #  endif
     if (e == cudaErrorNotSupported || e == cudaErrorCallRequiresNewerDriver) {
       (void)cudaGetLastError();
-      batch_refused() = true;
+      batch_refused().store(true, std::memory_order_relaxed);
       return false;
     }
     WS_CUDA_TRY(e);
