@@ -176,7 +176,6 @@ arm_result run_arm(const options& o, bool batched, const ws::bf16* kv_dev_k, con
   kv.num_tokens = total_tokens;
   arm_result best;
   best.total_ms = 1e300;
-  const auto base = be.host_copy_counters();
   for (int rep = 0; rep < o.reps; ++rep) {
     std::vector<ws::sequence_id> seqs;
     std::vector<index_t> firsts;
@@ -227,7 +226,6 @@ arm_result run_arm(const options& o, bool batched, const ws::bf16* kv_dev_k, con
     }
     for (ws::sequence_id s : seqs) cache.end_sequence(s);
   }
-  (void)base;
   return best;
 }
 
