@@ -8,7 +8,9 @@
 //
 // Per preset and context: `batch` sequences of `length` tokens each, stored as
 // contiguous blocks of the block format in one device allocation and cut into
-// items of `item_tokens` tokens (the engine's resident splits). Timed per rep,
+// items of `item_tokens` tokens, each item in runs of `run_tokens` (the
+// engine's resident groups: eviction batches of D tokens; the bases of a
+// contiguous sequence here, one table entry per run). Timed per rep,
 // after an L2 flush (a 256 MiB device memset outside the timing): the state
 // init, every attention launch and every fold. GB/s counts KV bytes only
 // (batch × length × token_bytes); `fraction` is that over the HBM read rate.
@@ -35,6 +37,8 @@ constexpr const char* usage_text = R"(resident_bench — resident-region decode 
   --lengths LIST      tokens per sequence (default 1K,8K,64K)
   --item-tokens LIST  tokens per item, multiples of --block-tokens (default 256)
   --block-tokens N    tokens per block (default 64)
+  --run-tokens N      tokens per run of an item (the eviction batch; default 256), a multiple of
+                      --block-tokens; items longer than a run must be whole runs
   --reps N            timed repetitions per point (default 10)
   --no-old            time the new kernels only
   --ceiling-mib N     bytes of the HBM read-rate measurement (default 4096)
@@ -48,6 +52,7 @@ struct options {
   std::vector<index_t> lengths{1024, 8192, 65536};
   std::vector<int> item_tokens{256};
   int block_tokens = 64;
+  int run_tokens = 256;
   int reps = 10;
   bool old_path = true;
   index_t ceiling_mib = 4096;
@@ -71,6 +76,8 @@ options parse(int argc, char** argv) {
       o.lengths = parse_list<index_t>(f, a.value());
     } else if (f == "--item-tokens") {
       o.item_tokens = parse_list<int>(f, a.value());
+    } else if (f == "--run-tokens") {
+      o.run_tokens = parse_number<int>(f, a.value());
     } else if (f == "--block-tokens") {
       o.block_tokens = parse_number<int>(f, a.value());
     } else if (f == "--reps") {
@@ -87,8 +94,14 @@ options parse(int argc, char** argv) {
   }
   if (o.batch < 1 || o.reps < 1 || o.block_tokens < 1 || o.ceiling_mib < 1)
     throw usage_error("--batch, --reps, --block-tokens and --ceiling-mib must be >= 1");
-  for (int t : o.item_tokens)
+  if (o.run_tokens < 1 || o.run_tokens % o.block_tokens != 0)
+    throw usage_error("--run-tokens " + std::to_string(o.run_tokens) + " must be a positive multiple of --block-tokens");
+  for (int t : o.item_tokens) {
     if (t < 1 || t % o.block_tokens != 0) throw usage_error("--item-tokens must be positive multiples of --block-tokens");
+    if (t > o.run_tokens && t % o.run_tokens != 0)
+      throw usage_error("--item-tokens " + std::to_string(t) + ": an item longer than a run must be whole runs of " +
+                        std::to_string(o.run_tokens));
+  }
   for (index_t l : o.lengths)
     if (l < 1) throw usage_error("--lengths must be >= 1");
   return o;
@@ -154,14 +167,27 @@ void run_preset(run_state& st, const std::string& name, const Layout& L, double 
     const double kv_bytes = double(o.batch) * double(len) * double(L.token_bytes());
 
     for (int it_tokens : o.item_tokens) {
-      // Items: each sequence's tokens in runs of it_tokens, in order.
+      // Items: each sequence's tokens in items of it_tokens, in order, each item
+      // in runs of run_tokens (one base per run in d_bases).
+      const int run_tokens = std::min(it_tokens, o.run_tokens);
       std::vector<ws::gpu::resident_item> items;
+      std::vector<const ws::bf16*> item_base;  // the old path's items: one contiguous span each
+      std::vector<const ws::bf16*> bases;
       std::vector<ws::gpu::fold_segment> segs;
+      for (int s = 0; s < o.batch; ++s)
+        for (index_t t0 = 0; t0 < len; t0 += run_tokens)
+          bases.push_back(region.as<ws::bf16>() + (index_t(s) * nb + t0 / o.block_tokens) * be);
+      device_buffer d_bases(std::max<std::size_t>(bases.size(), 1) * sizeof(const ws::bf16*));
+      WS_CUDA_TRY(cudaMemcpy(d_bases.as<void>(), bases.data(), bases.size() * sizeof(const ws::bf16*),
+                             cudaMemcpyHostToDevice));
+      std::size_t run_at = 0;
       for (int s = 0; s < o.batch; ++s) {
         const int begin = int(items.size());
         for (index_t t0 = 0; t0 < len; t0 += it_tokens) {
-          const ws::bf16* base = region.as<ws::bf16>() + (index_t(s) * nb + t0 / o.block_tokens) * be;
-          items.push_back({base, int(std::min<index_t>(it_tokens, len - t0)), s, int(items.size()), 0});
+          const int tokens = int(std::min<index_t>(it_tokens, len - t0));
+          items.push_back({d_bases.as<const ws::bf16*>() + run_at, tokens, s, int(items.size()), 0});
+          item_base.push_back(bases[run_at]);
+          run_at += std::size_t((tokens + run_tokens - 1) / run_tokens);
         }
         segs.push_back({s, begin, int(items.size())});
       }
@@ -189,6 +215,7 @@ void run_preset(run_state& st, const std::string& name, const Layout& L, double 
         ap.hkv = L.kv_heads();
         ap.group = L.group_size();
         ap.block_tokens = o.block_tokens;
+        ap.run_tokens = run_tokens;
         ap.num_items = int(n);
         ws::gpu::launch_resident_attend<Layout>(ap, s);
         ws::gpu::resident_fold_params fp{};
@@ -230,7 +257,7 @@ void run_preset(run_state& st, const std::string& name, const Layout& L, double 
           for (std::size_t i = s0; i < s1; ++i) {
             const int local = int(i - s0);
             const ws::gpu::resident_item& r = items[i];
-            ap.items[local] = {r.base, r.tokens, r.q_seq, local, 0};
+            ap.items[local] = {item_base[i], r.tokens, r.q_seq, local, 0};
             if (fp.num_segments > 0 && fp.segments[fp.num_segments - 1].batch_index == r.q_seq)
               fp.segments[fp.num_segments - 1].split_end = local + 1;
             else
@@ -269,6 +296,7 @@ void run_preset(run_state& st, const std::string& name, const Layout& L, double 
                   {"item_tokens", it_tokens},
                   {"items", n},
                   {"block_tokens", o.block_tokens},
+                  {"run_tokens", run_tokens},
                   {"kv_bytes", kv_bytes},
                   {"hbm_read_gbps", st.hbm_gbps},
                   {"new", {{"best_us", nb_best * 1e6}, {"median_us", nb_med * 1e6}, {"gbps", new_gbps},

@@ -229,6 +229,64 @@ TEST_CASE("stream_plan::add_resident cuts at every eviction batch and every spli
   CHECK(p.resident_blocks == 0);
 }
 
+TEST_CASE("stream_plan::add_resident groups whole eviction batches per sequence, bounded, in logical order") {
+  stream_plan p;
+  // batch_blocks 2; sequence 0: 20 batches (40 blocks, ids scattered), 1: none, 2: 3 batches, the last one block
+  std::vector<std::vector<block_id>> ids(3);
+  for (int k = 0; k < 20; ++k) {
+    const block_id b = block_id((k * 7) % 20) * 2 + 100;
+    ids[0].push_back(b);
+    ids[0].push_back(b + 1);
+  }
+  ids[2] = {6, 7, 0, 1, 4};
+  auto of = [&](int i) { return std::span<const block_id>(ids[std::size_t(i)]); };
+  // at most 6 blocks (3 batches) per group: sequence 0 wants ceil(20 / 8) = 3 batches, sequence 2 one
+  p.add_resident(3, of, 1, 2, 6);
+  CHECK(p.resident_run_blocks == 2);
+  CHECK(p.resident_splits.size() == 45);  // split_blocks 1: the default path's splits are unchanged
+  const std::vector<std::array<index_t, 4>> want{{0, 0, 3, 6},   {0, 3, 3, 6},  {0, 6, 3, 6},  {0, 9, 3, 6},
+                                                 {0, 12, 3, 6},  {0, 15, 3, 6}, {0, 18, 2, 4}, {2, 20, 1, 2},
+                                                 {2, 21, 1, 2},  {2, 22, 1, 1}};
+  REQUIRE(p.resident_groups.size() == want.size());
+  index_t blocks = 0;
+  for (std::size_t k = 0; k < want.size(); ++k) {
+    const resident_group& g = p.resident_groups[k];
+    CHECK(g.batch_index == want[k][0]);
+    CHECK(g.first_run == want[k][1]);
+    CHECK(g.num_runs == want[k][2]);
+    CHECK(g.num_blocks == want[k][3]);
+    blocks += g.num_blocks;
+  }
+  CHECK(blocks == p.resident_blocks);
+  // every run is the first block of its batch, in the sequence's logical order
+  REQUIRE(p.resident_runs.size() == 23);
+  for (std::size_t k = 0; k < 20; ++k) CHECK(p.resident_runs[k] == ids[0][2 * k]);
+  CHECK(p.resident_runs[20] == 6);
+  CHECK(p.resident_runs[21] == 0);
+  CHECK(p.resident_runs[22] == 4);
+  // a sequence's groups do not depend on its batchmates (batch invariance)
+  stream_plan solo;
+  solo.add_resident(1, [&](int) { return std::span<const block_id>(ids[2]); }, 1, 2, 6);
+  REQUIRE(solo.resident_groups.size() == 3);
+  for (std::size_t k = 0; k < 3; ++k) {
+    CHECK(solo.resident_groups[k].num_runs == p.resident_groups[7 + k].num_runs);
+    CHECK(solo.resident_groups[k].num_blocks == p.resident_groups[7 + k].num_blocks);
+  }
+  // the cap: a group never holds more than max_group_blocks / batch_blocks batches (at least one)
+  p.add_resident(3, of, 1, 2, 3);
+  for (const resident_group& g : p.resident_groups) CHECK(g.num_runs == 1);
+  // without max_group_blocks: no groups; build() clears them
+  p.add_resident(3, of, 1, 2);
+  CHECK(p.resident_groups.empty());
+  CHECK(p.resident_runs.empty());
+  CHECK(p.resident_run_blocks == 0);
+  p.add_resident(3, of, 1, 2, 6);
+  p.build(0, [](int) { return std::span<const block_id>(); }, [](block_id) { return pinned_span<const bf16>(); }, 1, 4,
+          4, 2);
+  CHECK(p.resident_groups.empty());
+  CHECK(p.resident_runs.empty());
+}
+
 TEST_CASE("HBM spec: an HBM-only cache is valid; a region below one batch does not count") {
   const G L(4, 2);
   partition_spec s = hbm_spec(L, 1, 2, 2);

@@ -174,12 +174,11 @@ class hybrid_attention {
     reserve_task_workspace();
     if (options_.sparse.reserve) reserve_sparse();
     // an engine with a split-K path for the HBM-resident region (cuda_backend,
-    // set_resident_kernel): its workspace for the most resident splits a step
-    // can have, ceil(D-window blocks / split blocks) per eviction batch
+    // set_resident_kernel): its workspace for the most eviction batches of the
+    // region a step can attend, the region's
     if constexpr (requires(engine_type& e) { e.reserve_resident_items(index_t{0}); }) {
       const partition_spec& sp = cache.spec();
-      const index_t per_batch = (sp.window_blocks() + sp.gpu_split_blocks - 1) / std::max(1, sp.gpu_split_blocks);
-      if (sp.hbm_capacity_batches() > 0) engine_.reserve_resident_items(sp.hbm_capacity_batches() * per_batch);
+      if (sp.hbm_capacity_batches() > 0) engine_.reserve_resident_items(sp.hbm_capacity_batches());
     }
   }
 
@@ -220,7 +219,8 @@ class hybrid_attention {
           const auto& hbm = v.sequences[std::size_t(seqs[std::size_t(i)])].hbm_blocks;
           return std::span<const block_id>(hbm.data(), hbm.size());
         },
-        spec.gpu_split_blocks, spec.window_blocks());
+        spec.gpu_split_blocks, spec.window_blocks(),
+        std::max<index_t>(1, stream_plan::resident_group_max_tokens / spec.block_tokens));
     step_report rep;
     launch_cpu_merge(v, layer, seqs, q, scale, out, t_start, rep, [&] { build_cpu_tasks(v, seqs, rep); });
     return rep;

@@ -33,6 +33,12 @@
 // chunk; they are cut at every eviction batch (one batch's blocks are
 // contiguous, two batches' need not be) and every `split_blocks` blocks
 // inside one, so their boundaries too depend only on the sequence itself.
+// For engines with a split-K path over that region (cuda_backend's resident
+// kernels) add_resident also cuts each sequence into resident groups: whole
+// eviction batches, ceil(batches / resident_groups_per_sequence) of them per
+// group and at most max_group_blocks blocks, each batch one contiguous run —
+// longer units of work than one batch, their boundaries again set by the
+// sequence alone.
 //
 // Vectors are reused across steps: no allocation in steady state.
 #pragma once
@@ -73,6 +79,18 @@ struct stream_split {
   index_t list_offset = -1;
 };
 
+/// One unit of the split-K resident path (stream_plan::add_resident): whole
+/// eviction batches of sequence `batch_index`, in logical order; batch k of the
+/// group starts at block id resident_runs[first_run + k] of the HBM-resident
+/// region and holds `batch_blocks` consecutive ids, the last one possibly
+/// fewer; `num_blocks` blocks in all.
+struct resident_group {
+  int batch_index = 0;
+  index_t first_run = 0;
+  int num_runs = 0;
+  index_t num_blocks = 0;
+};
+
 /// One ping-pong fill: runs [run_begin, run_end), splits [split_begin, split_end).
 /// Sparse plans: its block lists are block_lists[list_begin, list_end), and
 /// `gathered` says whether its runs go through a staging buffer (one copy of
@@ -105,6 +123,20 @@ class stream_plan {
   /// build_sparse() until add_resident().
   std::vector<stream_split> resident_splits;
   index_t resident_blocks = 0;
+  /// The same blocks as resident groups (add_resident with max_group_blocks >
+  /// 0; else empty), sequence-major, and the first block id of each of their
+  /// eviction batches (resident_group::first_run indexes it).
+  std::vector<resident_group> resident_groups;
+  std::vector<block_id> resident_runs;
+  index_t resident_run_blocks = 0;  ///< blocks of one eviction batch (a run); 0 without groups
+  /// A sequence with n eviction batches in the region is cut into groups of
+  /// ceil(n / resident_groups_per_sequence) batches (at most max_group_blocks
+  /// blocks): enough units of work for a lone sequence, few for a long one.
+  static constexpr index_t resident_groups_per_sequence = 8;
+  /// The group length hybrid_attention asks for (max_group_blocks =
+  /// max(1, this / block_tokens)): long enough that one CTA's fixed work (its
+  /// queries, its partial, the fold) is small against its tokens.
+  static constexpr index_t resident_group_max_tokens = 4096;
 
   /// Most blocks chunk `k` of a step may hold: `chunk_blocks`, or with a ramp
   /// (first_chunk_blocks > 0) max(first_chunk_blocks, split_blocks) * 2^k,
@@ -146,11 +178,19 @@ class stream_plan {
   /// sequence i's blocks in the HBM-resident region (std::span<const
   /// block_id>, logical order, each eviction batch's `batch_blocks` ids
   /// consecutive), cut at every batch and every `split_blocks` blocks inside
-  /// one. Requires split_blocks >= 1 and batch_blocks >= 1.
+  /// one. With `max_group_blocks` > 0 also the resident groups (see
+  /// resident_group): per sequence of n batches, groups of g =
+  /// min(ceil(n / resident_groups_per_sequence), max(1, max_group_blocks /
+  /// batch_blocks)) batches, the last group of a sequence possibly fewer.
+  /// Requires split_blocks >= 1, batch_blocks >= 1, max_group_blocks >= 0.
   template <class BlocksOf>
-  void add_resident(int batch, BlocksOf&& blocks_of, int split_blocks, int batch_blocks) {
+  void add_resident(int batch, BlocksOf&& blocks_of, int split_blocks, int batch_blocks, index_t max_group_blocks = 0) {
     resident_splits.clear();
+    resident_groups.clear();
+    resident_runs.clear();
     resident_blocks = 0;
+    resident_run_blocks = max_group_blocks > 0 ? index_t(batch_blocks) : 0;
+    const index_t group_cap = std::max<index_t>(1, max_group_blocks / batch_blocks);
     for (int i = 0; i < batch; ++i) {
       const auto ids = blocks_of(i);
       const index_t n = index_t(ids.size());
@@ -160,6 +200,16 @@ class stream_plan {
         resident_splits.push_back({i, index_t(ids[std::size_t(b0)]), nb});
         resident_blocks += nb;
         b0 += nb;
+      }
+      if (max_group_blocks <= 0 || n == 0) continue;
+      const index_t batches = (n + batch_blocks - 1) / batch_blocks;
+      const index_t per_group = std::min(group_cap, (batches + resident_groups_per_sequence - 1) /
+                                                        resident_groups_per_sequence);
+      for (index_t k0 = 0; k0 < batches; k0 += per_group) {
+        const index_t k1 = std::min(batches, k0 + per_group);
+        resident_groups.push_back({i, index_t(resident_runs.size()), int(k1 - k0),
+                                   std::min(n, k1 * batch_blocks) - k0 * batch_blocks});
+        for (index_t k = k0; k < k1; ++k) resident_runs.push_back(ids[std::size_t(k * batch_blocks)]);
       }
     }
   }
@@ -188,6 +238,9 @@ class stream_plan {
     chunks.clear();
     block_lists.clear();
     resident_splits.clear();
+    resident_groups.clear();
+    resident_runs.clear();
+    resident_run_blocks = 0;
     resident_blocks = 0;
     streamed_blocks = 0;
     max_run_blocks = 0;

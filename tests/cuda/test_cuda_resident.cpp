@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // Device tests of the resident-region kernels (launch_resident_attend,
 // launch_resident_fold; kernels_resident.cuh) against an fp64 reference:
-// items over random bf16 blocks of a device pool, several sequences with
-// different item counts (none included), tokens not multiples of the tile, an
-// empty item, GQA groups under, at and over 16 heads, MLA 512 + 64, block sizes
+// items over random bf16 blocks of a device pool, each item one to four runs
+// of contiguous blocks scattered over the pool (the engine's eviction batches
+// of one resident group), several sequences with different item counts (none
+// included), tokens not multiples of the tile or of a run, an empty item, GQA groups under, at and over 16 heads, MLA 512 + 64, block sizes
 // with and without a power of two. Outputs are poisoned (NaN) before each run,
 // so an unwritten element shows. The fold is checked against the attention
 // over the union of a sequence's items; a rerun, and each sequence attended
@@ -67,10 +68,11 @@ class dev_array {
   std::size_t n_;
 };
 
-/// The case: a pool of blocks, sequences of items (first block, tokens).
+/// The case: a pool of blocks, sequences of items (the first block of each
+/// run, tokens; every run but the last holds run_blocks whole blocks).
 struct item_spec {
   int seq;
-  index_t first_block;
+  std::vector<index_t> runs;
   int tokens;
 };
 
@@ -78,6 +80,7 @@ template <class Layout>
 struct resident_case {
   Layout layout;
   int block_tokens;
+  int run_blocks;
   int batch;
   index_t pool_blocks;
   std::vector<bf16> pool;  // [pool_blocks][block_elems]
@@ -99,7 +102,8 @@ struct resident_case {
     index_t t = 0;
     for (const item_spec& it : its)
       for (int i = 0; i < it.tokens; ++i, ++t) {
-        const index_t blk = it.first_block + i / block_tokens;
+        const int run_tokens = run_blocks * block_tokens;
+        const index_t blk = it.runs[std::size_t(i / run_tokens)] + (i % run_tokens) / block_tokens;
         for (int pl = 0; pl < Layout::planes; ++pl)
           for (int h = 0; h < hkv; ++h) {
             const bf16* src = pool.data() + blk * block_elems() +
@@ -119,27 +123,30 @@ struct resident_case {
   }
 };
 
-/// Random pool and queries; items per sequence from `counts` (random lengths
-/// in [1, max_blocks] blocks, tokens random in [1, blocks * block_tokens],
-/// forced to 0 for the item `empty_item` of the table).
+/// Random pool and queries; items per sequence from `counts`: 1 to 4 runs of
+/// run_blocks blocks each at random places in the pool (the last run random in
+/// [1, run_blocks] blocks), tokens random over the last run (every other run
+/// full), forced to 0 for the item `empty_item` of the table.
 template <class Layout>
-resident_case<Layout> make_case(const Layout& layout, int block_tokens, const std::vector<int>& counts, int max_blocks,
+resident_case<Layout> make_case(const Layout& layout, int block_tokens, int run_blocks, const std::vector<int>& counts,
                                 int empty_item, double scale, std::uint64_t seed) {
-  resident_case<Layout> c{layout, block_tokens, int(counts.size()), 0, {}, {}, {}, scale};
+  resident_case<Layout> c{layout, block_tokens, run_blocks, int(counts.size()), 0, {}, {}, {}, scale};
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  c.pool_blocks = 4 * max_blocks + 8;
+  c.pool_blocks = 4 * run_blocks + 8;
   c.pool.resize(std::size_t(c.pool_blocks * c.block_elems()));
   for (bf16& x : c.pool) x = bf16::from_float(u(rng));
   c.q.resize(std::size_t(c.batch) * layout.num_q_heads() * Layout::q_dim);
   for (float& x : c.q) x = 2.0f * u(rng);
   for (int s = 0; s < c.batch; ++s)
     for (int k = 0; k < counts[std::size_t(s)]; ++k) {
-      const int nb = 1 + int(rng() % std::uint64_t(max_blocks));
-      const index_t first = index_t(rng() % std::uint64_t(c.pool_blocks - nb + 1));
-      int tokens = 1 + int(rng() % std::uint64_t(nb * block_tokens));
+      const int nr = 1 + int(rng() % 4);
+      std::vector<index_t> runs;
+      for (int r = 0; r < nr; ++r) runs.push_back(index_t(rng() % std::uint64_t(c.pool_blocks - run_blocks + 1)));
+      const int last_blocks = 1 + int(rng() % std::uint64_t(run_blocks));
+      int tokens = (nr - 1) * run_blocks * block_tokens + 1 + int(rng() % std::uint64_t(last_blocks * block_tokens));
       if (int(c.items.size()) == empty_item) tokens = 0;
-      c.items.push_back({s, first, tokens});
+      c.items.push_back({s, std::move(runs), tokens});
     }
   return c;
 }
@@ -167,11 +174,18 @@ struct device_case {
     const int hq = c.layout.num_q_heads();
     constexpr int V = Layout::v_dim;
     const std::size_t n = its.size();
+    std::vector<const bf16*> bases;  // every item's run bases, item after item
+    for (const item_spec& it : its)
+      for (index_t b : it.runs) bases.push_back(pool.get() + b * c.block_elems());
+    dev_array<const bf16*> d_bases(bases.size());
+    d_bases.upload(bases);
     std::vector<gpu::resident_item> table;
     std::vector<gpu::fold_segment> segs;
+    std::size_t at = 0;
     for (std::size_t i = 0; i < n; ++i) {
       const item_spec& it = its[i];
-      table.push_back({pool.get() + it.first_block * c.block_elems(), it.tokens, it.seq, int(i), 0});
+      table.push_back({d_bases.get() + at, it.tokens, it.seq, int(i), 0});
+      at += it.runs.size();
       if (!segs.empty() && segs.back().batch_index == it.seq)
         segs.back().split_end = int(i) + 1;
       else
@@ -200,6 +214,7 @@ struct device_case {
     ap.hkv = c.layout.kv_heads();
     ap.group = c.layout.group_size();
     ap.block_tokens = c.block_tokens;
+    ap.run_tokens = c.run_blocks * c.block_tokens;
     ap.num_items = int(n);
     gpu::launch_resident_attend<Layout>(ap, nullptr);
     gpu::resident_fold_params fp{};
@@ -325,31 +340,31 @@ TEST_CASE("resident kernel: GQA 32/4 (group 8) items and folds match fp64; empty
   const G L(32, 4);
   const double scale = 1.0 / std::sqrt(128.0);
   SUBCASE("block_tokens 16") {
-    check_case(make_case(L, 16, {3, 1, 0, 6, 2}, 17, 4, scale, 11));
+    check_case(make_case(L, 16, 5, {3, 1, 0, 6, 2}, 4, scale, 11));
   }
   SUBCASE("block_tokens 24 (not a power of two)") {
-    check_case(make_case(L, 24, {2, 5, 1}, 11, 0, scale, 12));
+    check_case(make_case(L, 24, 3, {2, 5, 1}, 0, scale, 12));
   }
 }
 
 TEST_CASE("resident kernel: GQA group 1, 16 and 20 (two head groups per KV head)") {
   const double scale = 1.0 / std::sqrt(128.0);
-  SUBCASE("8/8") { check_case(make_case(G(8, 8), 16, {2, 3}, 9, 1, scale, 21)); }
-  SUBCASE("32/2") { check_case(make_case(G(32, 2), 32, {4, 0, 2}, 9, -1, scale, 22)); }
-  SUBCASE("40/2") { check_case(make_case(G(40, 2), 16, {3, 2}, 9, 2, scale, 23)); }
+  SUBCASE("8/8") { check_case(make_case(G(8, 8), 16, 4, {2, 3}, 1, scale, 21)); }
+  SUBCASE("32/2") { check_case(make_case(G(32, 2), 32, 3, {4, 0, 2}, -1, scale, 22)); }
+  SUBCASE("40/2") { check_case(make_case(G(40, 2), 16, 4, {3, 2}, 2, scale, 23)); }
 }
 
 TEST_CASE("resident kernel: MLA 512 + 64, 16 heads, items and folds match fp64; bit-identical alone") {
   const M L(16);
   const double scale = presets::deepseek_v2_lite::softmax_scale();
-  SUBCASE("block_tokens 64") { check_case(make_case(L, 64, {2, 4, 0, 1}, 5, 3, scale, 31)); }
-  SUBCASE("block_tokens 16, 8 heads") { check_case(make_case(M(8), 16, {5, 2}, 9, 0, scale, 32)); }
+  SUBCASE("block_tokens 64") { check_case(make_case(L, 64, 2, {2, 4, 0, 1}, 3, scale, 31)); }
+  SUBCASE("block_tokens 16, 8 heads") { check_case(make_case(M(8), 16, 4, {5, 2}, 0, scale, 32)); }
 }
 
-TEST_CASE("resident kernel: many items (over the old 128-item launch limit), long items") {
+TEST_CASE("resident kernel: many items (over the old 128-item launch limit), long items of 256-token runs") {
   const G L(32, 4);
   const double scale = 1.0 / std::sqrt(128.0);
   std::vector<int> counts(8, wstest::scaled(40, 6));
   counts[3] = 0;
-  check_case(make_case(L, 16, counts, 33, 7, scale, 41));
+  check_case(make_case(L, 16, 16, counts, 7, scale, 41));
 }

@@ -340,11 +340,12 @@ class basic_cuda_backend<Hooks>::gpu_engine {
   /// (the pull kernel reads page-locked memory through its host addresses),
   /// when r.block_bytes is not a positive multiple of 16 or r.pull_ctas < 1.
   /// With set_resident_kernel on: reserves the resident kernels' workspace for
-  /// `max_items` resident splits per step (partials, the device item and
-  /// segment tables); a no-op when off or already as large. Throws
+  /// steps that attend at most `max_runs` eviction batches of the HBM-resident
+  /// region (partials for as many resident groups, the device segment, item
+  /// and run tables); a no-op when off or already as large. Throws
   /// resource_error naming the bytes when refused. hybrid_attention calls it at
-  /// construction with the bound of its partition_spec.
-  void reserve_resident_items(index_t max_items) { dense_.reserve_resident_items(max_items); }
+  /// construction with the bound of its partition_spec (the region's batches).
+  void reserve_resident_items(index_t max_runs) { dense_.reserve_resident_items(max_runs); }
   /// Dense launches whose resident splits ran through the resident kernels.
   [[nodiscard]] index_t resident_kernel_launches() const noexcept { return dense_.resident_kernel_launches(); }
 

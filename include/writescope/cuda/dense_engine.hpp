@@ -262,56 +262,69 @@ class dense_engine {
   // event (begin_step), after which every write into those blocks (prefill
   // scatter, evictions by copy_blocks_on_device: both on the caller stream) is
   // complete (K7). Nothing to do for a plan without resident splits.
-  // With set_resident_kernel and a reserved workspace (reserve_resident_items),
-  // all resident splits instead go through the split-K resident kernels: the
-  // item and segment tables written into one slot of a page-locked ring and
-  // copied to the device on the compute stream (a true asynchronous copy: a
-  // pageable source may make the driver wait for the stream, which would tie
-  // the host to the GPU once per layer); a slot is rewritten only after the
-  // copy out of it completed (its event, resident_table_slots calls back); the
-  // device tables are overwritten only behind the previous launch's readers on
-  // the same stream; then one attention launch over every item, one fold of
-  // each sequence's items in order.
+  // With set_resident_kernel, a reserved workspace (reserve_resident_items)
+  // and a plan with resident groups (stream_plan::add_resident with
+  // max_group_blocks > 0), the resident blocks instead go through the split-K
+  // resident kernels, one item per group: the fold segments, the item table
+  // and the items' run bases written into one slot of a page-locked ring and
+  // copied to the device in one copy on the compute stream (a true
+  // asynchronous copy: a pageable source may make the driver wait for the
+  // stream, which would tie the host to the GPU once per layer); a slot is
+  // rewritten only after the copy out of it completed (its event,
+  // resident_table_slots calls back); the device table is overwritten only
+  // behind the previous launch's readers on the same stream; then one
+  // attention launch over every item, one fold of each sequence's items in
+  // order.
   void attend_resident(const args_type& a, const switches& dbg) {
-    const std::vector<stream_split>& rs = a.plan->resident_splits;
+    const stream_plan& plan = *a.plan;
+    const std::vector<stream_split>& rs = plan.resident_splits;
     if (rs.empty()) return;
     bool slow_consumer = false;  // mutation tests time the default path's kernel
     if constexpr (Hooks::enabled) slow_consumer = dbg.consumer_delay_cycles > 0;
-    if (ctx_->resident_kernel && index_t(rs.size()) <= resident_capacity_ && !slow_consumer) {
-      attend_resident_split_k(a, rs);
+    if (ctx_->resident_kernel && !plan.resident_groups.empty() &&
+        index_t(plan.resident_runs.size()) <= resident_capacity_ && !slow_consumer) {
+      attend_resident_split_k(a, plan.resident_groups, plan.resident_runs);
       return;
     }
     attend_and_fold(rs, 0, index_t(rs.size()), a.resident, a.format.block_tokens, nullptr, dbg, [](cudaStream_t) {});
   }
 
-  void attend_resident_split_k(const args_type& a, const std::vector<stream_split>& rs) {
+  // Table slot layout: [segments: max_batch | items: n | run bases: runs], the
+  // items and bases packed right after the segments, so the used prefix is
+  // one copy.
+  void attend_resident_split_k(const args_type& a, const std::vector<resident_group>& gs,
+                               const std::vector<block_id>& runs) {
     cudaStream_t comp = compute_.get();
-    const int n = int(rs.size());
+    const int n = int(gs.size());
     const std::size_t slot = std::size_t(resident_table_next_);
     resident_table_next_ = (resident_table_next_ + 1) % resident_table_slots;
     if (resident_table_used_[slot]) WS_CUDA_TRY(cudaEventSynchronize(resident_table_ev_[slot].get()));
     std::byte* const base = resident_tables_host_.data() + index_t(slot) * resident_slot_bytes_;
-    auto* const items = reinterpret_cast<gpu::resident_item*>(base);
-    auto* const segs = reinterpret_cast<gpu::fold_segment*>(base + resident_segments_offset_);
+    auto* const segs = reinterpret_cast<gpu::fold_segment*>(base);
+    const index_t items_offset = resident_items_offset_;
+    const index_t runs_offset = (items_offset + index_t(n) * index_t(sizeof(gpu::resident_item)) + 15) / 16 * 16;
+    auto* const items = reinterpret_cast<gpu::resident_item*>(base + items_offset);
+    auto* const bases = reinterpret_cast<const bf16**>(base + runs_offset);
+    std::byte* const dev = static_cast<std::byte*>(resident_tables_.data());
+    const auto* const dev_bases = reinterpret_cast<const bf16* const*>(dev + runs_offset);
+    for (std::size_t k = 0; k < runs.size(); ++k) bases[k] = a.resident.block(runs[k]).data();
+    const int bt = a.format.block_tokens;
     int segments = 0;
     for (int k = 0; k < n; ++k) {
-      const stream_split& sp = rs[std::size_t(k)];
-      items[k] = {a.resident.block(sp.first_block).data(), int(sp.num_blocks * a.format.block_tokens), sp.batch_index,
-                  k, 0};
-      if (segments > 0 && segs[segments - 1].batch_index == sp.batch_index)
+      const resident_group& g = gs[std::size_t(k)];
+      items[k] = {dev_bases + g.first_run, int(g.num_blocks * bt), g.batch_index, k, 0};
+      if (segments > 0 && segs[segments - 1].batch_index == g.batch_index)
         segs[segments - 1].split_end = k + 1;
       else
-        segs[segments++] = {sp.batch_index, k, k + 1};
+        segs[segments++] = {g.batch_index, k, k + 1};
     }
-    WS_CUDA_TRY(cudaMemcpyAsync(resident_items_.data(), items, std::size_t(n) * sizeof(gpu::resident_item),
-                                cudaMemcpyHostToDevice, comp));
-    WS_CUDA_TRY(cudaMemcpyAsync(resident_segments_.data(), segs, std::size_t(segments) * sizeof(gpu::fold_segment),
-                                cudaMemcpyHostToDevice, comp));
+    const index_t used = runs_offset + index_t(runs.size()) * index_t(sizeof(const bf16*));
+    WS_CUDA_TRY(cudaMemcpyAsync(dev, base, std::size_t(used), cudaMemcpyHostToDevice, comp));
     record(resident_table_ev_[slot], comp);
     resident_table_used_[slot] = true;
     gpu::resident_attend_params p{};
     p.q = a.q.data();
-    p.items = resident_items_.as<const gpu::resident_item>();
+    p.items = reinterpret_cast<const gpu::resident_item*>(dev + items_offset);
     p.part_o = resident_o_.as<float>();
     p.part_lse = resident_lse_.as<float>();
     p.block_elems = a.format.block_elems();
@@ -319,7 +332,8 @@ class dense_engine {
     p.hq = hq_;
     p.hkv = layout_.kv_heads();
     p.group = layout_.group_size();
-    p.block_tokens = a.format.block_tokens;
+    p.block_tokens = bt;
+    p.run_tokens = int(a.plan->resident_run_blocks) * bt;
     p.num_items = n;
     gpu::launch_resident_attend<Layout>(p, comp);
     gpu::resident_fold_params f{};
@@ -327,39 +341,38 @@ class dense_engine {
     f.state_lse = streamed_lse_.as<float>();
     f.part_o = resident_o_.as<const float>();
     f.part_lse = resident_lse_.as<const float>();
-    f.segments = resident_segments_.as<const gpu::fold_segment>();
+    f.segments = reinterpret_cast<const gpu::fold_segment*>(dev);
     f.hq = hq_;
     f.num_segments = segments;
     gpu::launch_resident_fold<Layout>(f, comp);
     ++resident_kernel_launches_;
   }
 
-  /// The resident kernels' workspace for `max_items` splits per step (see
-  /// basic_cuda_backend::reserve_resident_items); only with set_resident_kernel
-  /// on. Construction time, not a launch: allocates.
-  void reserve_resident_items(index_t max_items) {
-    if (!ctx_->resident_kernel || max_items <= resident_capacity_) return;
+  /// The resident kernels' workspace for steps that attend at most `max_runs`
+  /// eviction batches of the HBM-resident region (as many resident groups at
+  /// most; see basic_cuda_backend::reserve_resident_items); only with
+  /// set_resident_kernel on. Construction time, not a launch: allocates.
+  void reserve_resident_items(index_t max_runs) {
+    if (!ctx_->resident_kernel || max_runs <= resident_capacity_) return;
     join_launch();  // a pending launch's enqueue may still read the host tables; cudaFree of the old
                     // device buffers (move-assignment below) waits for the kernels that read them
-    resident_o_ = allocate_device_buffer(max_items * hq_ * V * 4, "resident partial workspace");
-    resident_lse_ = allocate_device_buffer(max_items * hq_ * 4, "resident partial workspace");
-    resident_items_ = allocate_device_buffer(max_items * index_t(sizeof(gpu::resident_item)), "resident item table");
-    resident_segments_ =
-        allocate_device_buffer(index_t(std::max(max_batch_, 1)) * index_t(sizeof(gpu::fold_segment)), "resident segment table");
-    // the host tables: resident_table_slots slots of [items | segments], page-locked (join_launch above:
-    // no enqueue reads the old slots; their pending copies are waited for before the old ring goes)
+    const auto align = [](index_t b) { return (b + 255) / 256 * 256; };
+    resident_o_ = allocate_device_buffer(max_runs * hq_ * V * 4, "resident partial workspace");
+    resident_lse_ = allocate_device_buffer(max_runs * hq_ * 4, "resident partial workspace");
+    resident_items_offset_ = align(index_t(std::max(max_batch_, 1)) * index_t(sizeof(gpu::fold_segment)));
+    resident_slot_bytes_ = align(resident_items_offset_ + max_runs * index_t(sizeof(gpu::resident_item)) + 16 +
+                                 max_runs * index_t(sizeof(const bf16*)));
+    resident_tables_ = allocate_device_buffer(resident_slot_bytes_, "resident item table");
+    // the host tables: resident_table_slots slots, page-locked (join_launch above: no enqueue reads
+    // the old slots; their pending copies are waited for before the old ring goes)
     for (std::size_t i = 0; i < resident_table_slots; ++i)
       if (resident_table_used_[i]) WS_CUDA_TRY(cudaEventSynchronize(resident_table_ev_[i].get()));
-    const auto align = [](index_t b) { return (b + 255) / 256 * 256; };
-    resident_segments_offset_ = align(max_items * index_t(sizeof(gpu::resident_item)));
-    resident_slot_bytes_ =
-        align(resident_segments_offset_ + index_t(std::max(max_batch_, 1)) * index_t(sizeof(gpu::fold_segment)));
     resident_tables_host_ = allocate_page_locked(resident_table_slots * resident_slot_bytes_);
     for (std::size_t i = 0; i < resident_table_slots; ++i) {
       if (!resident_table_ev_[i].get()) resident_table_ev_[i] = unique_event::create();
       resident_table_used_[i] = false;
     }
-    resident_capacity_ = max_items;
+    resident_capacity_ = max_runs;
   }
   [[nodiscard]] index_t resident_kernel_launches() const noexcept { return resident_kernel_launches_; }
 
@@ -715,14 +728,14 @@ class dense_engine {
   std::array<index_t, 2> slot_tokens_{0, 0};
   std::array<index_t, 2> slot_resident_{0, 0};
   // the resident kernels (set_resident_kernel; reserve_resident_items)
-  device_buffer resident_o_, resident_lse_, resident_items_, resident_segments_;
+  device_buffer resident_o_, resident_lse_, resident_tables_;
   static constexpr std::size_t resident_table_slots = 4;  // layers the host may enqueue ahead of the GPU's table copies
-  host_allocation resident_tables_host_;                   // page-locked ring of [items | segments] slots
-  index_t resident_slot_bytes_ = 0, resident_segments_offset_ = 0;
+  host_allocation resident_tables_host_;                   // page-locked ring of [segments | items | bases] slots
+  index_t resident_slot_bytes_ = 0, resident_items_offset_ = 0;
   std::array<unique_event, resident_table_slots> resident_table_ev_{};  // after the copies out of each slot
   std::array<bool, resident_table_slots> resident_table_used_{};
   int resident_table_next_ = 0;
-  index_t resident_capacity_ = 0;
+  index_t resident_capacity_ = 0;  // eviction batches (runs) per step; items are at most as many
   index_t resident_kernel_launches_ = 0;
   std::array<bool, 2> slot_sparse_{false, false};
   completed_gpu_cost fresh_cost_{};

@@ -145,12 +145,15 @@ void launch_init_state(float* o, float* lse, index_t rows, cudaStream_t stream);
 // experimental and off by default: docs/CUDA-ENGINE.md)
 // -----------------------------------------------------------------------------
 
-/// One run of tokens of one sequence in the HBM-resident region, in the block
-/// format of layout.hpp: token i lives in block `i / block_tokens` after `base`
-/// (blocks contiguous, each block_elems elements), row `i % block_tokens`. Only
+/// One item of tokens of one sequence in the HBM-resident region, in the
+/// block format of layout.hpp, stored as runs of contiguous blocks: token i
+/// lies in run k = i / run_tokens (resident_attend_params), whose first block
+/// is runs[k] (blocks contiguous inside a run, each block_elems elements), at
+/// run token j = i % run_tokens: block j / block_tokens of the run, row j %
+/// block_tokens. Every run but the item's last holds run_tokens tokens. Only
 /// the first `tokens` tokens are read. 24 bytes; lives in a device table.
 struct resident_item {
-  const bf16* base;   ///< first block (device memory, 16-byte aligned)
+  const bf16* const* runs;  ///< device table of the item's run bases (each 16-byte aligned)
   int tokens;         ///< >= 0; 0 gives the empty partial (o = 0, lse = -inf)
   int q_seq;          ///< batch index: query rows q[(q_seq*hq + h)*q_dim ...]
   int out_index;      ///< partial rows part_o[(out_index*hq + h)*v_dim ...], part_lse[out_index*hq + h]
@@ -177,6 +180,7 @@ struct resident_attend_params {
   int hkv;
   int group;                      ///< hq / hkv (MLA: hq)
   int block_tokens;
+  int run_tokens;                 ///< tokens of an item's run (resident_item), a positive multiple of block_tokens
   int num_items;                  ///< >= 0, any count (grid.x)
 };
 

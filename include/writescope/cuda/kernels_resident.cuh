@@ -173,10 +173,11 @@ __global__ void __launch_bounds__(resident_attend_threads, resident_cfg<L>::min_
   const int bt = p.block_tokens;
   const int bt_shift = (bt & (bt - 1)) == 0 ? __ffs(bt) - 1 : -1;
 
-  const auto* kbase = reinterpret_cast<const std::uint16_t*>(it.base) +
-                      block_format<L>::offset_in(p.hkv, bt, L::key_plane, kvh, 0, 0);
-  const auto* vbase = reinterpret_cast<const std::uint16_t*>(it.base) +
-                      block_format<L>::offset_in(p.hkv, bt, L::value_plane, kvh, 0, 0);
+  const int rt = p.run_tokens;
+  const int rt_shift = (rt & (rt - 1)) == 0 ? __ffs(rt) - 1 : -1;
+  // the KV head's key and value rows inside a block (the same in every block)
+  const index_t koff = block_format<L>::offset_in(p.hkv, bt, L::key_plane, kvh, 0, 0);
+  const index_t voff = block_format<L>::offset_in(p.hkv, bt, L::value_plane, kvh, 0, 0);
 
   // Issue the copies of tile `t` (tokens [t*tile, ...)) into stage `st`.
   auto load_tile = [&](int t, int st) {
@@ -191,14 +192,22 @@ __global__ void __launch_bounds__(resident_attend_threads, resident_cfg<L>::min_
         const int r = i / C::RC;
         const int c = i - r * C::RC;
         const bool valid = r < n;
-        index_t off = 0;
+        // rows past the item's end read nothing (size 0) from a valid address
+        const std::uint16_t* ksrc = reinterpret_cast<const std::uint16_t*>(p.q);
+        const std::uint16_t* vsrc = ksrc;
         if (valid) {
           const int tok = t0 + r;
-          const int blk = bt_shift >= 0 ? tok >> bt_shift : tok / bt;
-          off = index_t(blk) * p.block_elems + index_t(tok - blk * bt) * C::R + c * 8;
+          const int run = rt_shift >= 0 ? tok >> rt_shift : tok / rt;
+          const int in_run = tok - run * rt;
+          const int blk = bt_shift >= 0 ? in_run >> bt_shift : in_run / bt;
+          const auto* run_base = reinterpret_cast<const std::uint16_t*>(
+              __ldg(reinterpret_cast<const unsigned long long*>(it.runs) + run));
+          const index_t off = index_t(blk) * p.block_elems + index_t(in_run - blk * bt) * C::R + c * 8;
+          ksrc = run_base + koff + off;
+          vsrc = run_base + voff + off;
         }
-        res_cp_async16(kd + r * C::RP + c * 8, kbase + off, valid ? 16 : 0);
-        if constexpr (!C::shared_kv) res_cp_async16(vd + r * C::RP + c * 8, vbase + off, valid ? 16 : 0);
+        res_cp_async16(kd + r * C::RP + c * 8, ksrc, valid ? 16 : 0);
+        if constexpr (!C::shared_kv) res_cp_async16(vd + r * C::RP + c * 8, vsrc, valid ? 16 : 0);
       }
     }
   };
