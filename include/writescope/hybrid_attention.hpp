@@ -220,7 +220,9 @@ class hybrid_attention {
           return std::span<const block_id>(hbm.data(), hbm.size());
         },
         spec.gpu_split_blocks, spec.window_blocks(),
-        std::max<index_t>(1, stream_plan::resident_group_max_tokens / spec.block_tokens));
+        std::max<index_t>(1, (layout_type::is_mla ? stream_plan::resident_group_max_tokens_mla
+                                                  : stream_plan::resident_group_max_tokens_gqa) /
+                                 spec.block_tokens));
     step_report rep;
     launch_cpu_merge(v, layer, seqs, q, scale, out, t_start, rep, [&] { build_cpu_tasks(v, seqs, rep); });
     return rep;

@@ -135,8 +135,12 @@ class stream_plan {
   static constexpr index_t resident_groups_per_sequence = 8;
   /// The group length hybrid_attention asks for (max_group_blocks =
   /// max(1, this / block_tokens)): long enough that one CTA's fixed work (its
-  /// queries, its partial, the fold) is small against its tokens.
-  static constexpr index_t resident_group_max_tokens = 4096;
+  /// queries, its partial, the fold) is small against its tokens. MLA's CTA
+  /// attends all heads of a 1,152-byte token and has few CTAs per item (one
+  /// per 16 heads); a GQA item is several CTAs (KV heads × head groups) of a
+  /// few hundred bytes per token each, so shorter items keep more CTAs busy.
+  static constexpr index_t resident_group_max_tokens_mla = 4096;
+  static constexpr index_t resident_group_max_tokens_gqa = 1024;
 
   /// Most blocks chunk `k` of a step may hold: `chunk_blocks`, or with a ramp
   /// (first_chunk_blocks > 0) max(first_chunk_blocks, split_blocks) * 2^k,
