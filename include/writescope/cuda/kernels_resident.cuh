@@ -117,10 +117,8 @@ struct resident_cfg {
   static constexpr int threads = resident_attend_threads;
   static constexpr int warps = threads / 32;
   static constexpr int heads = 16;                       ///< query heads per CTA: the mma M
-  // MLA: 16-token tiles four deep (three tiles of 18 KiB in flight while one is
-  // computed) in the shared memory that two 32-token stages took
-  static constexpr int tile = L::is_mla ? 16 : 32;       ///< tokens per pipeline stage
-  static constexpr int stages = L::is_mla ? 4 : 3;       ///< cp.async pipeline depth
+  static constexpr int tile = 32;                        ///< tokens per pipeline stage
+  static constexpr int stages = L::is_mla ? 2 : 3;       ///< cp.async pipeline depth
   static constexpr int min_ctas = L::is_mla ? 2 : 3;     ///< __launch_bounds__ residency target
   static constexpr bool shared_kv = L::is_mla;           ///< V = first v_dim elements of the K row
   static constexpr int R = L::row_elems;
