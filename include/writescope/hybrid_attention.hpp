@@ -219,10 +219,7 @@ class hybrid_attention {
           const auto& hbm = v.sequences[std::size_t(seqs[std::size_t(i)])].hbm_blocks;
           return std::span<const block_id>(hbm.data(), hbm.size());
         },
-        spec.gpu_split_blocks, spec.window_blocks(),
-        std::max<index_t>(1, (layout_type::is_mla ? stream_plan::resident_group_max_tokens_mla
-                                                  : stream_plan::resident_group_max_tokens_gqa) /
-                                 spec.block_tokens));
+        spec.gpu_split_blocks, spec.window_blocks(), resident_group_blocks(spec));
     step_report rep;
     launch_cpu_merge(v, layer, seqs, q, scale, out, t_start, rep, [&] { build_cpu_tasks(v, seqs, rep); });
     return rep;
@@ -390,6 +387,19 @@ class hybrid_attention {
   [[nodiscard]] engine_type& engine() noexcept { return engine_; }
 
  private:
+  /// The resident groups' cap in blocks (stream_plan::add_resident) for an
+  /// engine with a split-K path over the HBM-resident region
+  /// (reserve_resident_items); 0, no groups, for the others.
+  [[nodiscard]] static index_t resident_group_blocks(const partition_spec& spec) noexcept {
+    if constexpr (requires(engine_type& e) { e.reserve_resident_items(index_t{0}); }) {
+      const index_t cap_tokens = layout_type::is_mla ? stream_plan::resident_group_max_tokens_mla
+                                                     : stream_plan::resident_group_max_tokens_gqa;
+      return std::max<index_t>(1, cap_tokens / spec.block_tokens);
+    } else {
+      return 0;
+    }
+  }
+
   // Host blocks the CPU engine may read were written by deferred pageable
   // prefill writes (cuda_backend::set_deferred_host_writes): finish them first.
   void complete_deferred_writes() { cache_->backend().complete_host_writes(); }
