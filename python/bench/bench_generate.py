@@ -198,6 +198,48 @@ def warm_up(model, ids, name, make_cache, device, context):
     return rec
 
 
+def device_gaps(prof, top: int = 12) -> str:
+    """The device's busy time (the union of its kernel and copy intervals) against the span from the
+    first to the last of them, and the longest idle gaps with the device work on either side and the
+    host operators running during the gap: where the device waited for the host."""
+    from torch.autograd import DeviceType
+
+    evs = prof.events()
+    dev = sorted((e.time_range.start, e.time_range.end, e.name) for e in evs
+                 if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not dev:
+        return "device: no device events"
+    busy, gaps = 0.0, []
+    cur_s, cur_e, cur_n = dev[0]
+    for s0, e0, n0 in dev[1:]:
+        if s0 > cur_e:
+            busy += cur_e - cur_s
+            gaps.append((s0 - cur_e, cur_e, s0, cur_n, n0))
+            cur_s, cur_e, cur_n = s0, e0, n0
+        elif e0 > cur_e:
+            cur_e, cur_n = e0, n0
+    busy += cur_e - cur_s
+    span = dev[-1][1] - dev[0][0]
+    host = [(e.time_range.start, e.time_range.end, e.name) for e in evs
+            if e.device_type == DeviceType.CPU and e.name.startswith(("writescope::", "aten::nonzero", "aten::item",
+                                                                       "cudaStreamSynchronize", "cudaEventSynchronize",
+                                                                       "aten::_local_scalar_dense"))]
+    lines = [f"device busy {busy / 1e3:.1f} ms of a {span / 1e3:.1f} ms span ({busy / span:.3f}); "
+             f"idle {(span - busy) / 1e3:.1f} ms in {len(gaps)} gaps"]
+    by_host = {}
+    for g, a, b, _, _ in gaps:
+        for hs, he, hn in host:
+            ov = min(b, he) - max(a, hs)
+            if ov > 0:
+                by_host[hn] = by_host.get(hn, 0.0) + ov
+    lines.append("idle time overlapping host operators: " +
+                 ", ".join(f"{k} {v / 1e3:.1f} ms" for k, v in sorted(by_host.items(), key=lambda kv: -kv[1])[:8]))
+    for g, a, b, before, after in sorted(gaps, reverse=True)[:top]:
+        during = sorted({hn for hs, he, hn in host if min(b, he) - max(a, hs) > 0})
+        lines.append(f"  gap {g / 1e3:8.2f} ms after {before[:50]!r} before {after[:50]!r}; host: {', '.join(during)[:120]}")
+    return "\n".join(lines)
+
+
 def profile_prefill(model, ids, name, make_cache, device, path):
     """One prefill (generate with one new token) under torch.profiler; appends the top operators by
     device time and by host time to ``path``. Untimed: the profiler slows what it watches."""
@@ -217,6 +259,10 @@ def profile_prefill(model, ids, name, make_cache, device, path):
             f.write(f"==== {name}: prefill of {ids.shape[0]} x {ids.shape[1]} tokens\n")
             if device.type == "cuda":
                 f.write(ka.table(sort_by="self_cuda_time_total", row_limit=25) + "\n")
+                try:
+                    f.write(device_gaps(prof) + "\n")
+                except Exception as e:  # noqa: BLE001  (a diagnostic of a diagnostic)
+                    f.write(f"device gaps failed: {type(e).__name__}: {e}\n")
             f.write(ka.table(sort_by="self_cpu_time_total", row_limit=25) + "\n")
     except Exception as e:  # noqa: BLE001  (a diagnostic: never loses the measured results)
         with open(path, "a") as f:
