@@ -182,6 +182,18 @@ def generate(model, ids, cache, new_tokens, processors=()):
                           logits_processor=LogitsProcessorList(list(processors)), pad_token_id=0)
 
 
+def shape_warm_up(model, ids, device) -> float:
+    """One forward over the measured prompts without a cache (the last position's logits only), before
+    any measured run: the first forward at a new shape pays one-time costs (the SDPA backend's plan
+    for that sequence length, GEMM and grouped-GEMM selections, host allocations) that would
+    otherwise fall on whichever cache is measured first. Returns its seconds."""
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, logits_to_keep=1)
+    free_device_memory(device)
+    return time.perf_counter() - t0
+
+
 def warm_up(model, ids, name, make_cache, device, context):
     """One short untimed generate with this kind of cache (context tokens per row, 4 new tokens)."""
     rec = {"cache": name, "context": min(context, ids.shape[1])}
@@ -446,6 +458,9 @@ def main():
                          "(the KVCache option resident_kernel; CUDA)")
     ap.add_argument("--warmup-context", type=int, default=512, help="prompt tokens per row of the warm-up runs "
                                                                     "(0: no warm-up)")
+    ap.add_argument("--shape-warmup", action=argparse.BooleanOptionalAction, default=True,
+                    help="one cache-less forward over the measured prompts before the measured runs, so that the "
+                         "first cache measured does not pay the new shape's one-time costs (default on)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", help="write the results here (rewritten after every run)")
     ap.add_argument("--profile-prefill", metavar="TXT",
@@ -525,6 +540,10 @@ def main():
             if make is not None:
                 doc["warmup"].append(warm_up(model, ids, name, make, device, args.warmup_context))
                 print(f"[bench] warm-up {json.dumps(doc['warmup'][-1])}", flush=True)
+    if args.shape_warmup:
+        doc["shape_warmup_s"] = shape_warm_up(model, ids, device)
+        print(f"[bench] shape warm-up: one cache-less forward over the measured prompts in "
+              f"{doc['shape_warmup_s']:.2f} s", flush=True)
     for name, make in runs:
         if make is None:
             doc["results"].append({"cache": name, "skipped": "offloading needs a CUDA device"})
