@@ -90,3 +90,35 @@ def test_bench_random_weights_from_config_json_and_summary(tmp_path):
     p = subprocess.run([sys.executable, PY / "bench" / "bench_generate.py", *map(str, common), "--context", "125"],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 2 and "exceeds the config's max_position_embeddings 128" in p.stderr
+
+
+def test_bench_device_gaps_measures_idle_time_between_device_events():
+    """bench_generate.device_gaps on a made-up profile: the busy time is the union of the device
+    intervals (overlaps counted once), the gaps are listed longest first with the host operators
+    that ran during them."""
+    import importlib.util
+    import types
+
+    from torch.autograd import DeviceType
+
+    spec = importlib.util.spec_from_file_location("bench_generate", PY / "bench" / "bench_generate.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def ev(start, end, name, device):
+        return types.SimpleNamespace(time_range=types.SimpleNamespace(start=start, end=end), name=name,
+                                     device_type=device)
+
+    cuda, cpu = DeviceType.CUDA, DeviceType.CPU
+    prof = types.SimpleNamespace(events=lambda: [
+        ev(0, 100, "k1", cuda), ev(50, 150, "k2", cuda),     # overlapping: busy 0..150
+        ev(60, 70, "k1b", cuda),                             # inside the busy interval: changes nothing
+        ev(400, 500, "k3", cuda), ev(520, 600, "k4", cuda),  # gaps 150..400 (250 us) and 500..520 (20 us)
+        ev(160, 390, "writescope::append_prefill_batch", cpu), ev(0, 600, "aten::mm", cpu)])
+    text = bench.device_gaps(prof)
+    lines = text.splitlines()
+    assert lines[0] == "device busy 0.3 ms of a 0.6 ms span (0.550); idle 0.3 ms in 2 gaps"
+    assert "writescope::append_prefill_batch 0.2 ms" in lines[1] and "aten::mm" not in lines[1]
+    assert lines[2].startswith("  gap     0.25 ms after 'k2' before 'k3'; host: writescope::append_prefill_batch")
+    assert lines[3] == "  gap     0.02 ms after 'k3' before 'k4'; host: "
+    assert bench.device_gaps(types.SimpleNamespace(events=lambda: [ev(0, 1, "x", cpu)])) == "device: no device events"
