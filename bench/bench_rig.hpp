@@ -211,6 +211,7 @@ struct rig_config {
   index_t first_chunk_bytes = 0;  ///< partition_spec::first_chunk_bytes (0: no ramp)
   int gpu_split_blocks = 4;        ///< partition_spec::gpu_split_blocks (blocks per GPU partial)
   index_t hbm_capacity_tokens = 0;  ///< partition_spec::hbm_capacity_tokens (per layer; 0: no HBM-resident region)
+  bool all_gpu_steps = true;        ///< attention_options::all_gpu_steps (false: the CPU side in every step)
   std::uint64_t seed = 1;
 };
 
@@ -401,6 +402,7 @@ class rig {
   static std::unique_ptr<attention_type> make_attention(cache_type& cache, const rig_config& c) {
     ws::attention_options ao;
     ao.cpu_threads = c.cpu_threads > 0 ? c.cpu_threads : default_threads();
+    ao.all_gpu_steps = c.all_gpu_steps;
     return std::make_unique<attention_type>(cache, ao);
   }
 

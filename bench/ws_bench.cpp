@@ -35,7 +35,10 @@
 //             bound / step (while the KV fits: the fraction of the HBM read rate
 //             the step reaches). --hbm-compare adds the same row with the region
 //             disabled; --hbm-sweep, past the region, the same row at fixed host
-//             shares, and the roofline's step against the best of them.
+//             shares, and the roofline's step against the best of them. The
+//             first row (--hbm-small-length, every token in HBM) is timed
+//             again with attention_options::all_gpu_steps off (the fixed cost
+//             of the CPU side that an all-GPU step skips).
 //
 // Timing: a decode step is every layer's append + hybrid_attention::step, then
 // flush, then a synchronization of the caller stream; "step_ms" is a decode
@@ -1000,7 +1003,7 @@ void run_hbm(context& cx, double hbm_gbps) {
              {"region_tokens_per_layer", cap_tokens}, {"region_gib", o.hbm_gib}, {"fill", fill},
              {"threads", o.threads}, {"ceilings", ce.to_json()}, {"hbm_read_gbps", hbm_gbps},
              {"costs", costs_json(costs)}, {"H_ns_per_token", hbm_cost * 1e9}, {"H_source", hbm_cost_source}};
-    auto timed = [&](index_t region_tokens, double H, bool resident_kernel = false) {
+    auto timed = [&](index_t region_tokens, double H, bool resident_kernel = false, bool all_gpu_steps = true) {
 #if WS_BENCH_CUDA
       cx.be->set_resident_kernel(resident_kernel);
 #else
@@ -1008,6 +1011,7 @@ void run_hbm(context& cx, double hbm_gbps) {
 #endif
       rig_config c = rc;
       c.hbm_capacity_tokens = region_tokens;
+      c.all_gpu_steps = all_gpu_steps;
       ws::roofline_params p = online_params(costs.params, o.window);
       p.hbm_cost_per_token_seconds = H;
       rig<Preset, ws::roofline_policy> r(*cx.be, c, ws::roofline_policy(p), pool);
@@ -1041,6 +1045,15 @@ void run_hbm(context& cx, double hbm_gbps) {
     }
     row["with_hbm"] = hb;
     std::string compare = "";
+    std::string fixed_cost_note;
+    if (L == lengths.front()) {
+      // the small row once more with the CPU side in every step (the ablation of the all-GPU step)
+      json cs = timed(cap_tokens, hbm_cost, false, false);
+      char buf[128];
+      std::snprintf(buf, sizeof buf, "  (every step with a CPU side: %.3f ms)", cs["step_ms"].get<double>());
+      fixed_cost_note = buf;
+      row["with_hbm_cpu_side"] = std::move(cs);
+    }
     if (o.hbm_resident_kernel) {
       json rk = timed(cap_tokens, hbm_cost_rk, true);
 #if WS_BENCH_CUDA
@@ -1102,7 +1115,7 @@ void run_hbm(context& cx, double hbm_gbps) {
     std::printf("%-17s %5d %7lld %5.2f %8.0f %8.0f %9.3f %9.3f %8.1f %6.3f%s\n", name.c_str(), batch,
                 static_cast<long long>(L), fill, hb["hbm_mib"].get<double>(), hb["host_mib"].get<double>(),
                 hb["step_ms"].get<double>(), hb["bound_ms"].get<double>(), hb["device_kv_gbps"].get<double>(),
-                hb["ratio_to_bound"].get<double>(), compare.c_str());
+                hb["ratio_to_bound"].get<double>(), (compare + fixed_cost_note).c_str());
     std::fflush(stdout);
     cx.add("hbm", std::move(row));
   }
@@ -1158,6 +1171,9 @@ int main(int argc, char** argv) {
                                {"hbm.speedup", "step_ms with the region disabled / step_ms with it"},
                                {"hbm.with_hbm_resident_kernel", "the same row with the split-K resident kernels "
                                                                 "(set_resident_kernel)"},
+                               {"hbm.with_hbm_cpu_side", "the first (small) row with "
+                                                         "attention_options::all_gpu_steps off: the CPU side in "
+                                                         "every step"},
                                {"hbm.deployed_over_best", "the roofline's step_ms / the best swept fixed share's "
                                                           "(--hbm-sweep; 1 = the sweep's optimum)"}};
     for (const char* s : {"policies", "track", "ablate", "contend", "hbm"}) cx.out.doc[s] = json::array();

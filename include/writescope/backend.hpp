@@ -132,6 +132,13 @@ struct gpu_step_args {
   std::span<const window_ref<Layout>> windows;  ///< [batch] D-window of each sequence
   ping_pong_view<Layout> ping_pong;           ///< device buffers, plan chunk c uses buffer chunk.buffer
   bool poison_workspaces = false;             ///< fill partial workspaces with NaN first (tests)
+  /// false: the step has no CPU partial (no sequence of the batch has blocks in
+  /// the unpinned region and the CPU assist takes none): the engine neither
+  /// copies q to the host nor uploads a CPU partial, and merges
+  /// (HBM ⊕ streamed) ⊕ D-window alone — the same bits, since an empty partial
+  /// (lse = -inf) is an exact identity of the merge. host_queries() and
+  /// cpu_partial() must not be called for such a step.
+  bool cpu_side = true;
 };
 
 /// Outputs of a step: the merged attention output and, optionally, its LSE.

@@ -230,6 +230,11 @@ class host_backend::gpu_engine {
     const int batch = args_.batch;
     const int hq = layout_.num_q_heads();
     constexpr int V = Layout::v_dim;
+    if (!args_.cpu_side) {  // an all-GPU step: the CPU partial is empty (an exact identity of the merge)
+      const auto rows = std::size_t(batch) * std::size_t(hq);
+      std::fill(cpu_o_.begin(), cpu_o_.begin() + std::ptrdiff_t(rows * V), 0.0f);
+      std::fill(cpu_lse_.begin(), cpu_lse_.begin() + std::ptrdiff_t(rows), empty_lse);
+    }
     if (o.debug) {
       const auto rows = std::size_t(batch) * std::size_t(hq);
       o.debug->cpu_o.assign(cpu_o_.begin(), cpu_o_.begin() + std::ptrdiff_t(rows * V));

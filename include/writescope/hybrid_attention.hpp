@@ -84,6 +84,12 @@ struct attention_options {
   /// wants no page faults on its decode path sets it (ws_decode: 256 MiB;
   /// absorbed MLA needs 32 KiB per task: docs/DECISIONS.md).
   index_t task_workspace_reserve_bytes = 0;
+  /// A dense step whose batch has no block in the unpinned region and no
+  /// assisted block runs without a CPU side (step_report::cpu_side false): no
+  /// query copy, no CPU engine run, no wait for the device on the host. false:
+  /// every step runs the CPU side, an empty CPU partial merged (the same bits;
+  /// the ablation that measures what the all-GPU step saves).
+  bool all_gpu_steps = true;
 };
 
 /// What one step did and how long each side took.
@@ -112,6 +118,10 @@ struct step_report {
   index_t copies = 0;            ///< H2D copies issued (after coalescing)
   index_t chunks = 0;            ///< ping-pong fills
   int cpu_tasks = 0;
+  /// false: an all-GPU dense step (no unpinned block in the batch, no assist):
+  /// no query copy to the host, no CPU engine run, no CPU partial merged, and
+  /// (cuda_backend) nothing in the step waits for the device
+  bool cpu_side = true;
   // Sparse steps only (docs/SPARSE.md). There, cpu_tokens are the selected
   // unpinned tokens averaged over the KV heads (sum over heads of the tokens
   // each head attends, / Hkv) and streamed_tokens the selected pinned tokens
@@ -220,8 +230,14 @@ class hybrid_attention {
           return std::span<const block_id>(hbm.data(), hbm.size());
         },
         spec.gpu_split_blocks, spec.window_blocks(), resident_group_blocks(spec));
+    // An all-GPU step (no unpinned block in the batch, no assist): no CPU side,
+    // so the host never waits for the device within the step.
+    bool cpu_side = assisting_ || !options_.all_gpu_steps;
+    for (int i = 0; i < batch && !cpu_side; ++i)
+      cpu_side = !v.sequences[std::size_t(seqs[std::size_t(i)])].cpu_blocks.empty();
     step_report rep;
-    launch_cpu_merge(v, layer, seqs, q, scale, out, t_start, rep, [&] { build_cpu_tasks(v, seqs, rep); });
+    launch_cpu_merge(v, layer, seqs, q, scale, out, t_start, rep, cpu_side,
+                     [&] { build_cpu_tasks(v, seqs, rep); });
     return rep;
   }
 
@@ -338,7 +354,8 @@ class hybrid_attention {
     // attended token)
     assist_blocks_.assign(std::size_t(batch), 0);  // a sparse step never assists
     assisting_ = false;
-    launch_cpu_merge(v, layer, seqs, q, scale, out, t_start, rep, [&] { build_sparse_cpu_tasks(v, seqs, rep); });
+    launch_cpu_merge(v, layer, seqs, q, scale, out, t_start, rep, true,
+                     [&] { build_sparse_cpu_tasks(v, seqs, rep); });
     return rep;
   }
 
@@ -409,12 +426,15 @@ class hybrid_attention {
   // concurrently (build_tasks() fills tasks_; the clock starts after the wait
   // for the step's queries: an asynchronous engine copies them after the
   // caller's earlier work, and A must not absorb the GPU side's time), the
-  // merge, and the policy's cost sample. Adds to `rep`.
+  // merge, and the policy's cost sample. Adds to `rep`. `cpu_side` false (the
+  // dense step of a batch without unpinned blocks or assist): the engine skips
+  // the query copy and the CPU partial (gpu_step_args::cpu_side), and so does
+  // the host: no wait for the queries, no CPU engine run.
   template <class BuildTasks>
   void launch_cpu_merge(const layer_views<layout_type>& v, int layer, std::span<const sequence_id> seqs,
                         mem_span<const float, activation_space> q, float scale,
                         const step_outputs<activation_space>& out, std::chrono::steady_clock::time_point t_start,
-                        step_report& rep, BuildTasks&& build_tasks) {
+                        step_report& rep, bool cpu_side, BuildTasks&& build_tasks) {
     const int batch = int(seqs.size());
     windows_.resize(std::size_t(batch));
     for (int i = 0; i < batch; ++i) {
@@ -433,19 +453,28 @@ class hybrid_attention {
     args.windows = windows_;
     args.ping_pong = v.ping_pong;
     args.poison_workspaces = options_.poison_workspaces;
+    args.cpu_side = cpu_side;
+    rep.cpu_side = cpu_side;
     engine_.launch(args);
     const auto t_launched = std::chrono::steady_clock::now();
     rep.launch_seconds = std::chrono::duration<double>(t_launched - t_start).count();
 
-    const float* host_q = engine_.host_queries();
-    if (assisting_)  // pinned blocks the CPU reads may still be landing (asynchronous D2H)
-      cache_->backend().synchronize_host_writes();
-    const auto t_cpu = std::chrono::steady_clock::now();
-    rep.query_wait_seconds = std::chrono::duration<double>(t_cpu - t_launched).count();
-    build_tasks();
-    run_cpu_side(v, batch, host_q, scale);
-    const auto t_cpu_done = std::chrono::steady_clock::now();
-    rep.cpu_seconds = std::chrono::duration<double>(t_cpu_done - t_cpu).count();
+    auto t_cpu_done = t_launched;
+    if (cpu_side) {
+      const float* host_q = engine_.host_queries();
+      if (assisting_)  // pinned blocks the CPU reads may still be landing (asynchronous D2H)
+        cache_->backend().synchronize_host_writes();
+      const auto t_cpu = std::chrono::steady_clock::now();
+      rep.query_wait_seconds = std::chrono::duration<double>(t_cpu - t_launched).count();
+      build_tasks();
+      run_cpu_side(v, batch, host_q, scale);
+      t_cpu_done = std::chrono::steady_clock::now();
+      rep.cpu_seconds = std::chrono::duration<double>(t_cpu_done - t_cpu).count();
+    } else {
+      build_tasks();  // no task: the batch has nothing for the CPU engine
+      if (WS_DEBUG_CHECKS() && !tasks_.empty())
+        throw state_error("hybrid_attention: an all-GPU step built " + std::to_string(tasks_.size()) + " CPU tasks");
+    }
 
     rep.gpu_seconds = engine_.finish(out);
     rep.streamed_tokens = plan_.streamed_blocks * cache_->spec().block_tokens;

@@ -197,6 +197,72 @@ TEST_CASE("HBM (device) K7: a recycled HBM batch rewritten by the next prefill w
   CHECK(d.count_mismatches(c, 0, 0, 64) == 0);
 }
 
+namespace {
+
+/// One step of `batch` enqueued behind a long spin on the caller stream.
+/// Returns whether the spin was still running when step() returned (the
+/// host did not wait for the device), with the step's report and its outputs
+/// checked against fp64 after the spin.
+template <class Cache>
+bool step_returns_before_spin_ends(device_decode_driver<Cache>& d, std::span<const sequence_id> batch,
+                                   step_report& rep) {
+  step_runner<Cache> r(d);
+  r.make_queries(batch);
+  cuda_backend& be = d.cache().backend();
+  WS_CUDA_TRY(cudaStreamSynchronize(be.caller_stream()));
+  cudaEvent_t spun = nullptr;
+  WS_CUDA_TRY(cudaEventCreateWithFlags(&spun, cudaEventDisableTiming));
+  spin(be.caller_stream(), long_spin);
+  WS_CUDA_TRY(cudaEventRecord(spun, be.caller_stream()));
+  std::vector<float> out, lse;
+  activation_io<device_space, Cache> io(d.cache());
+  const auto so = io.outputs(out, lse, batch.size() * std::size_t(d.cache().layout().num_q_heads()),
+                             Cache::layout_type::v_dim, nullptr);
+  rep = d.attention().step(0, batch, r.qa, float(d.scale()), so);
+  const bool running = cudaEventQuery(spun) == cudaErrorNotReady;
+  io.fetch(out, lse);
+  WS_CUDA_TRY(cudaEventDestroy(spun));
+  d.out = out;
+  d.lse = lse;
+  compare_result cr;
+  d.compare(0, batch, cr);
+  INFO("rel_l2 " << cr.max_rel_l2 << " lse " << cr.max_lse_err);
+  CHECK(cr.ok());
+  return running;
+}
+
+}  // namespace
+
+TEST_CASE("HBM (device): an all-GPU step returns without waiting for the device; one with a CPU share waits for "
+          "its queries") {
+  const G L(32, 4);
+  SUBCASE("every placed token in HBM or streamed, no CPU block: no query copy, no CPU side") {
+    cuda_backend be;
+    device_cache<G, gpu_only> cache(be, L, hbm_spec(L, 1, 3, 2), gpu_only{}, {}, cache_options{true});
+    device_decode_driver<decltype(cache)> d(cache, attention_options{4, true}, 99, gqa_scale);
+    // HBM, HBM + window, pinned (the region is full): ragged, all-GPU
+    const std::vector<sequence_id> batch{d.add(32), d.add(32 + 9), d.add(2 * 32 + 3)};
+    CHECK(cache.sequence(batch[2]).pinned_blocks.size() > 0);
+    step_report rep;
+    CHECK(step_returns_before_spin_ends(d, batch, rep));
+    CHECK_FALSE(rep.cpu_side);
+    CHECK(rep.cpu_tasks == 0);
+    CHECK(rep.resident_tokens == 2 * 32);
+    CHECK(rep.streamed_tokens == 2 * 32);
+  }
+  SUBCASE("one sequence with CPU blocks: the step waits for its queries (after the spin)") {
+    cuda_backend be;
+    device_cache<G, cpu_only> cache(be, L, hbm_spec(L, 1, 2, 1), cpu_only{}, {}, cache_options{true});
+    device_decode_driver<decltype(cache)> d(cache, attention_options{4, true}, 101, gqa_scale);
+    const std::vector<sequence_id> batch{d.add(32 + 3), d.add(2 * 32 + 5)};  // HBM; then the CPU region
+    CHECK(cache.sequence(batch[1]).cpu_blocks.size() > 0);
+    step_report rep;
+    CHECK_FALSE(step_returns_before_spin_ends(d, batch, rep));
+    CHECK(rep.cpu_side);
+    CHECK(rep.cpu_tokens == 2 * 32);
+  }
+}
+
 TEST_CASE("HBM (device): the policy's samples carry the resident tokens of the launch they time") {
   const G L(32, 4);
   roofline_params rp;

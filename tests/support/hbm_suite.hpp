@@ -144,6 +144,9 @@ void every_subset_of_partials(const Layout& L, double scale, int cpu_threads) {
       CHECK(d.last_report.streamed_tokens == ((m & 2) ? D : 0));
       CHECK(d.last_report.cpu_tokens == ((m & 4) ? D : 0));
       CHECK(d.last_report.window_tokens == ((m & 8) ? 7 : 0));
+      // all-GPU steps (no CPU block) skip the CPU side; the batch of all 16 below
+      // (with it) gives the same bits
+      CHECK(d.last_report.cpu_side == ((m & 4) != 0));
       const sequence_state& st = rig.cache.sequence(s);
       const std::pair<engine, int> parts[] = {{engine::streamed, 3}, {engine::cpu, 4}, {engine::window, 8}};
       for (const auto& part : parts) {  // no structured binding: INFO captures `e` in a lambda (clang-14)

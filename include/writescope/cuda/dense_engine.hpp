@@ -25,6 +25,9 @@
 // merge(): CPU partial H2D, then on the caller stream
 //   out = (streamed ⊕ D-window) ⊕ CPU  (merge_state_row semantics), the
 //   streamed state holding the HBM-resident splits folded first.
+// An all-GPU launch (gpu_step_args::cpu_side false) skips the q D2H and the
+// CPU partial's H2D and merges without it (an empty partial is an identity),
+// so that nothing in the step makes the host wait for the device.
 //
 // Shapes: partial states are fp32, [max_batch][Hq][v_dim] and [max_batch][Hq]
 // (device); the split workspace holds gpu::max_attend_items splits; q staging
@@ -210,11 +213,14 @@ class dense_engine {
     cudaStream_t h2d = ctx_->h2d.get();
     cudaStream_t comp = compute_.get();
     record(launch_ev_, ctx_->caller);
-    if (!dbg.skip_caller_event) wait(qstream_.get(), launch_ev_);
-    if (rows > 0)
-      WS_CUDA_TRY(cudaMemcpyAsync(q_host_.data(), a.q.data(), static_cast<std::size_t>(rows * Q * 4),
-                                  cudaMemcpyDeviceToHost, qstream_.get()));
-    record(q_done_, qstream_.get());
+    cpu_side_ = a.cpu_side;
+    if (cpu_side_) {  // an all-GPU step (gpu_step_args::cpu_side false) needs no host copy of q
+      if (!dbg.skip_caller_event) wait(qstream_.get(), launch_ev_);
+      if (rows > 0)
+        WS_CUDA_TRY(cudaMemcpyAsync(q_host_.data(), a.q.data(), static_cast<std::size_t>(rows * Q * 4),
+                                    cudaMemcpyDeviceToHost, qstream_.get()));
+      record(q_done_, qstream_.get());
+    }
     if (!dbg.skip_caller_event) wait(comp, launch_ev_);
     const int slot = timing_slot_;
     record(t_ready_[std::size_t(slot)], comp);
@@ -463,11 +469,13 @@ class dense_engine {
   // --- the CPU side's buffers, the merge, timing -----------------------------
 
   [[nodiscard]] const float* host_queries() {
+    require_cpu_side("host_queries");
     WS_CUDA_TRY(cudaEventSynchronize(q_done_.get()));
     return reinterpret_cast<const float*>(q_host_.data());
   }
 
   [[nodiscard]] host_partial_view<float> cpu_partial(int batch) {
+    require_cpu_side("cpu_partial");
     WS_CUDA_TRY(cudaEventSynchronize(cpu_h2d_done_.get()));
     return host_partial_view<float>::dense(reinterpret_cast<float*>(cpu_o_host_.data()),
                                            reinterpret_cast<float*>(cpu_lse_host_.data()), batch, hq_, V);
@@ -494,22 +502,24 @@ class dense_engine {
   double merge(const step_outputs<device_space>& o) {
     const index_t rows = index_t(batch_) * hq_;
     cudaStream_t caller = ctx_->caller;
-    if (rows > 0) {
-      WS_CUDA_TRY(cudaMemcpyAsync(cpu_o_.data(), cpu_o_host_.data(), static_cast<std::size_t>(rows * V * 4),
-                                  cudaMemcpyHostToDevice, caller));
-      WS_CUDA_TRY(cudaMemcpyAsync(cpu_lse_.data(), cpu_lse_host_.data(), static_cast<std::size_t>(rows * 4),
-                                  cudaMemcpyHostToDevice, caller));
+    if (cpu_side_) {
+      if (rows > 0) {
+        WS_CUDA_TRY(cudaMemcpyAsync(cpu_o_.data(), cpu_o_host_.data(), static_cast<std::size_t>(rows * V * 4),
+                                    cudaMemcpyHostToDevice, caller));
+        WS_CUDA_TRY(cudaMemcpyAsync(cpu_lse_.data(), cpu_lse_host_.data(), static_cast<std::size_t>(rows * 4),
+                                    cudaMemcpyHostToDevice, caller));
+      }
+      record(cpu_h2d_done_, caller);
     }
-    record(cpu_h2d_done_, caller);
-    wait(caller, compute_done_);  // streamed and D-window partials are final
-    wait(caller, q_done_);        // the caller may overwrite q after this
+    wait(caller, compute_done_);      // streamed and D-window partials are final (the compute stream's reads of q too)
+    if (cpu_side_) wait(caller, q_done_);  // the caller may overwrite q after this
     gpu::merge_params mp{};
     mp.streamed_o = streamed_o_.as<float>();
     mp.streamed_lse = streamed_lse_.as<float>();
     mp.window_o = window_o_.as<float>();
     mp.window_lse = window_lse_.as<float>();
-    mp.cpu_o = cpu_o_.as<float>();
-    mp.cpu_lse = cpu_lse_.as<float>();
+    mp.cpu_o = cpu_side_ ? cpu_o_.as<float>() : nullptr;  // null: no CPU partial (an exact identity)
+    mp.cpu_lse = cpu_side_ ? cpu_lse_.as<float>() : nullptr;
     mp.out = o.out.data();
     mp.out_lse = o.lse.empty() ? nullptr : o.lse.data();
     mp.rows = rows;
@@ -702,10 +712,21 @@ class dense_engine {
         WS_CUDA_TRY(cudaMemcpyAsync(vec->data(), buf->data(), vec->size() * sizeof(float), cudaMemcpyDeviceToHost,
                                     caller));
     WS_CUDA_TRY(cudaStreamSynchronize(caller));
+    if (!cpu_side_) {  // an all-GPU step: the CPU partial is empty
+      d.cpu_o.assign(n_o, 0.0f);
+      d.cpu_lse.assign(n_l, empty_lse);
+      return;
+    }
     const auto* co = reinterpret_cast<const float*>(cpu_o_host_.data());
     const auto* cl = reinterpret_cast<const float*>(cpu_lse_host_.data());
     d.cpu_o.assign(co, co + n_o);
     d.cpu_lse.assign(cl, cl + n_l);
+  }
+
+  void require_cpu_side(const char* what) const {
+    if (!cpu_side_)
+      throw state_error(std::string("gpu_engine::") + what +
+                        ": the step was launched without a CPU side (gpu_step_args::cpu_side false)");
   }
 
   backend_context<Hooks>* ctx_;
@@ -714,6 +735,7 @@ class dense_engine {
   int hq_;
   int batch_ = 0;
   bool launched_ = false;
+  bool cpu_side_ = true;  // the launch's gpu_step_args::cpu_side
   bool last_sparse_ = false;
   device_buffer streamed_o_, streamed_lse_, window_o_, window_lse_, cpu_o_, cpu_lse_, split_o_, split_lse_;
   host_allocation q_host_, cpu_o_host_, cpu_lse_host_;

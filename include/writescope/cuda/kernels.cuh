@@ -390,14 +390,14 @@ __global__ void __launch_bounds__(128) merge_kernel(const merge_params p) {
   const index_t row = blockIdx.x;
   const float ls = p.streamed_lse[row];
   const float lw = p.window_lse[row];
-  const float lc = p.cpu_lse[row];
+  const float lc = p.cpu_lse != nullptr ? p.cpu_lse[row] : -INFINITY;  // null: no CPU partial
   float lse_out = ls;
   for (int i = int(threadIdx.x); i < V; i += int(blockDim.x)) {
     const index_t e = row * V + i;
     float o = p.streamed_o[e];
     float lse = ls;
     merge_into(o, lse, p.window_o[e], lw);  // GPU side: streamed ⊕ D-window
-    merge_into(o, lse, p.cpu_o[e], lc);     // then ⊕ CPU
+    if (p.cpu_o != nullptr) merge_into(o, lse, p.cpu_o[e], lc);  // then ⊕ CPU
     p.out[e] = o;
     lse_out = lse;
   }

@@ -224,7 +224,7 @@ struct merge_params {
   const float* streamed_lse;
   const float* window_o;
   const float* window_lse;
-  const float* cpu_o;
+  const float* cpu_o;    ///< null (with cpu_lse): no CPU partial, out = streamed ⊕ window
   const float* cpu_lse;
   float* out;      ///< [rows][v_dim]
   float* out_lse;  ///< [rows] or null
