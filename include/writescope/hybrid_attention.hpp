@@ -200,7 +200,10 @@ class hybrid_attention {
   /// the measured costs to the cache's policy. With attention_options::assist
   /// the CPU engine also attends each sequence's newest pinned blocks in place
   /// (step_report::assist_tokens; cuda_backend: after waiting for pinned
-  /// evictions still landing) and the GPU streams the rest.
+  /// evictions still landing) and the GPU streams the rest. A batch with no
+  /// unpinned block and no assisted block is an all-GPU step
+  /// (attention_options::all_gpu_steps; step_report::cpu_side false): no CPU
+  /// side, and on cuda_backend the call returns without waiting for the device.
   step_report step(int layer, std::span<const sequence_id> seqs, mem_span<const float, activation_space> q,
                    float scale, const step_outputs<activation_space>& out) {
     const auto t_start = std::chrono::steady_clock::now();
