@@ -174,6 +174,7 @@ class WriteScopeCache(Cache):
         self._model_name = type(model).__name__
         self._attention_modules = {id(m) for m in model.modules() if hasattr(m, "layer_idx")}
         self._forward = None  # the attention mask of the model forward in progress, or None when none is
+        self._forward_host = None  # a prompt forward's device mask: (pinned host copy, its copy's CUDA event)
         self._in_forward = False
         self._prefilling = False
         self._absorbed = {}  # MLA: id(attention module) -> (weight, version, W_UK, W_UV^T)
@@ -207,6 +208,17 @@ class WriteScopeCache(Cache):
                 mask = args[mask_pos]
             cache._in_forward = True
             cache._forward = mask
+            cache._forward_host = None
+            if (isinstance(mask, torch.Tensor) and mask.is_cuda and mask.dim() == 2
+                    and not (cache._seqs and mask.shape[-1] == cache._seq_len + 1)):
+                # a prompt forward: its admission (layer 0) needs the mask on the host; copied now, ahead
+                # of the forward's own work, the read there waits for this copy only, not for the
+                # embedding and the layer's projections queued before it
+                host = torch.empty(mask.shape, dtype=mask.dtype, pin_memory=True)
+                host.copy_(mask, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(mask.device))
+                cache._forward_host = (host, done)
             _active.forward = cache  # writescope_mask: this thread runs a forward over this cache
 
         def post(module, args, kwargs, output):
@@ -216,6 +228,7 @@ class WriteScopeCache(Cache):
             if cache is not None:
                 cache._in_forward = False
                 cache._forward = None
+                cache._forward_host = None
                 if cache._writes_pending:
                     # the end of a prefill forward: the last layer's deferred host writes land
                     # here, while the device still runs that layer's attention and MLP
@@ -355,7 +368,12 @@ class WriteScopeCache(Cache):
         if tuple(mask.shape) != (b, t):
             raise ShapeError(f"WriteScopeCache: attention mask of shape {tuple(mask.shape)} for a prompt batch of "
                              f"{b} x {t} tokens")
-        m = mask.to(device="cpu", dtype=torch.bool)
+        if self._forward_host is not None:  # copied by the forward's pre-hook
+            host, done = self._forward_host
+            done.synchronize()
+            m = host.to(dtype=torch.bool)
+        else:
+            m = mask.to(device="cpu", dtype=torch.bool)
         return None if bool(m.all()) else m
 
     def _admit(self, b: int, t: int):
