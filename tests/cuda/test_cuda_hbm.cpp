@@ -209,15 +209,16 @@ bool step_returns_before_spin_ends(device_decode_driver<Cache>& d, std::span<con
   step_runner<Cache> r(d);
   r.make_queries(batch);
   cuda_backend& be = d.cache().backend();
+  // the output buffers first: growing them synchronizes the caller stream
+  std::vector<float> out, lse;
+  activation_io<device_space, Cache> io(d.cache());
+  const auto so = io.outputs(out, lse, batch.size() * std::size_t(d.cache().layout().num_q_heads()),
+                             Cache::layout_type::v_dim, nullptr);
   WS_CUDA_TRY(cudaStreamSynchronize(be.caller_stream()));
   cudaEvent_t spun = nullptr;
   WS_CUDA_TRY(cudaEventCreateWithFlags(&spun, cudaEventDisableTiming));
   spin(be.caller_stream(), long_spin);
   WS_CUDA_TRY(cudaEventRecord(spun, be.caller_stream()));
-  std::vector<float> out, lse;
-  activation_io<device_space, Cache> io(d.cache());
-  const auto so = io.outputs(out, lse, batch.size() * std::size_t(d.cache().layout().num_q_heads()),
-                             Cache::layout_type::v_dim, nullptr);
   rep = d.attention().step(0, batch, r.qa, float(d.scale()), so);
   const bool running = cudaEventQuery(spun) == cudaErrorNotReady;
   io.fetch(out, lse);

@@ -379,7 +379,9 @@ batch_outcome run_copy_batch(const std::vector<std::array<index_t, 3>>& pieces, 
     std::memset(host.data(), 0xAB, std::size_t(bytes));
   } else {
     std::memcpy(host.data(), host_src.data(), std::size_t(bytes));
-    WS_CUDA_TRY(cudaMemset(dev, 0xAB, std::size_t(bytes)));
+    // on the copies' stream: cudaMemset into device memory may return before it ran, and the
+    // legacy stream does not order a non-blocking stream's copies after it
+    WS_CUDA_TRY(cudaMemsetAsync(dev, 0xAB, std::size_t(bytes), s));
   }
   cuda_detail::copy_batch cb;
   cb.set_batched(batched);
