@@ -57,6 +57,56 @@ TEST_CASE("HBM: ending a sequence frees its HBM batches; the next sequence re-us
   end_and_reuse<host_backend>(G(4, 2), g_scale, 1);
 }
 
+TEST_CASE("HBM: an engine launched without a CPU side refuses host_queries and cpu_partial; its output is the GPU "
+          "partials alone") {
+  const G L(4, 2);
+  const int bt = 16;
+  const index_t n = 11;  // D-window tokens of the one sequence
+  const block_format<G> fmt{L, bt};
+  host_backend be;
+  bf16_source src(83);
+  const kv_batch<G> kv = kv_generator<G>{}.make(L, n, src);
+  kv_history<G> hist;
+  record(hist, L, kv, 0, n);
+  std::vector<bf16> image(std::size_t(fmt.block_elems()));
+  for (int p = 0; p < G::planes; ++p)
+    for (int h = 0; h < L.kv_heads(); ++h)
+      for (index_t t = 0; t < n; ++t)
+        std::memcpy(image.data() + fmt.offset(p, h, int(t), 0),
+                    kv.planes[p].data() + (std::size_t(t) * std::size_t(L.kv_heads()) + std::size_t(h)) * G::row_elems,
+                    G::row_elems * sizeof(bf16));
+  const window_ref<G> win{contiguous_region(fmt, device_span<bf16>(image.data(), fmt.block_elems())), int(n)};
+  stream_plan plan;  // nothing streamed, nothing resident
+  gpu_engine_for_t<host_backend, G, cpu::auto_decode_kernel<G>> eng(be, L, 1);
+  std::vector<float> q(std::size_t(L.num_q_heads()) * G::q_dim);
+  for (auto& x : q) x = src.next_float();
+  gpu_step_args<G, pageable_host_space> a;
+  a.format = fmt;
+  a.softmax_scale = float(g_scale);
+  a.batch = 1;
+  a.q = mem_span<const float, pageable_host_space>(q.data(), index_t(q.size()));
+  a.plan = &plan;
+  a.windows = std::span<const window_ref<G>>(&win, 1);
+  a.cpu_side = false;
+  eng.launch(a);
+  CHECK_THROWS_AS((void)eng.host_queries(), state_error);
+  CHECK_THROWS_AS((void)eng.cpu_partial(1), state_error);
+  const std::size_t rows = std::size_t(L.num_q_heads());
+  std::vector<float> o(rows * G::v_dim, std::numeric_limits<float>::quiet_NaN()), l(rows);
+  debug_partials dbg;
+  (void)eng.finish({mem_span<float, pageable_host_space>(o.data(), index_t(o.size())),
+                    mem_span<float, pageable_host_space>(l.data(), index_t(l.size())), &dbg});
+  std::vector<double> ro, rl;
+  reference_attention(L, hist, q.data(), g_scale, ro, rl);
+  compare_result r;
+  compare_rows(L.num_q_heads(), G::v_dim, o.data(), l.data(), ro, rl, r);
+  INFO("rel_l2 " << r.max_rel_l2 << " lse " << r.max_lse_err);
+  CHECK(r.ok());
+  CHECK(std::all_of(dbg.cpu_lse.begin(), dbg.cpu_lse.end(), [](float x) { return x == empty_lse; }));
+  CHECK(std::all_of(dbg.cpu_o.begin(), dbg.cpu_o.end(), [](float x) { return x == 0.0f; }));
+  CHECK(dbg.cpu_lse.size() == rows);
+}
+
 TEST_CASE("HBM: batch-vs-solo bit identity at fixed shares (interleaved HBM blocks)") {
   SUBCASE("GQA, 1 thread") { batch_vs_solo<host_backend>(G(4, 2), g_scale, 1, 70); }
   SUBCASE("GQA, 2 threads") { batch_vs_solo<host_backend>(G(4, 2), g_scale, 2, 40); }

@@ -212,10 +212,14 @@ class host_backend::gpu_engine {
   [[nodiscard]] const gather_stats& last_gather() const noexcept { return gather_; }
 
   /// Host-readable queries for the CPU engine ([batch][Hq][q_dim]).
-  [[nodiscard]] const float* host_queries() const noexcept { return args_.q.data(); }
+  [[nodiscard]] const float* host_queries() const {
+    require_cpu_side("host_queries");
+    return args_.q.data();
+  }
 
   /// Where the CPU engine writes its merged partial: dense [batch][Hq][v_dim] / [batch][Hq].
-  [[nodiscard]] host_partial_view<float> cpu_partial(int batch) noexcept {
+  [[nodiscard]] host_partial_view<float> cpu_partial(int batch) {
+    require_cpu_side("cpu_partial");
     return host_partial_view<float>::dense(cpu_o_.data(), cpu_lse_.data(), batch, layout_.num_q_heads(),
                                            Layout::v_dim);
   }
@@ -260,6 +264,12 @@ class host_backend::gpu_engine {
   }
 
  private:
+  void require_cpu_side(const char* what) const {
+    if (!args_.cpu_side)
+      throw state_error(std::string("gpu_engine::") + what +
+                        ": the step was launched without a CPU side (gpu_step_args::cpu_side false)");
+  }
+
   void worker_loop() {
     for (;;) {
       std::unique_lock lk(mu_);

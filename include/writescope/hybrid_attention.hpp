@@ -203,7 +203,8 @@ class hybrid_attention {
   /// evictions still landing) and the GPU streams the rest. A batch with no
   /// unpinned block and no assisted block is an all-GPU step
   /// (attention_options::all_gpu_steps; step_report::cpu_side false): no CPU
-  /// side, and on cuda_backend the call returns without waiting for the device.
+  /// side, and on cuda_backend the call returns without waiting for the device
+  /// (docs/CUDA-ENGINE.md, "All-GPU steps", for the two bounds on that).
   step_report step(int layer, std::span<const sequence_id> seqs, mem_span<const float, activation_space> q,
                    float scale, const step_outputs<activation_space>& out) {
     const auto t_start = std::chrono::steady_clock::now();
@@ -456,6 +457,11 @@ class hybrid_attention {
     args.windows = windows_;
     args.ping_pong = v.ping_pong;
     args.poison_workspaces = options_.poison_workspaces;
+    if (!cpu_side) {  // no task (the batch has nothing for the CPU engine), checked before any work
+      build_tasks();
+      if (WS_DEBUG_CHECKS() && !tasks_.empty())
+        throw state_error("hybrid_attention: an all-GPU step built " + std::to_string(tasks_.size()) + " CPU tasks");
+    }
     args.cpu_side = cpu_side;
     rep.cpu_side = cpu_side;
     engine_.launch(args);
@@ -473,10 +479,6 @@ class hybrid_attention {
       run_cpu_side(v, batch, host_q, scale);
       t_cpu_done = std::chrono::steady_clock::now();
       rep.cpu_seconds = std::chrono::duration<double>(t_cpu_done - t_cpu).count();
-    } else {
-      build_tasks();  // no task: the batch has nothing for the CPU engine
-      if (WS_DEBUG_CHECKS() && !tasks_.empty())
-        throw state_error("hybrid_attention: an all-GPU step built " + std::to_string(tasks_.size()) + " CPU tasks");
     }
 
     rep.gpu_seconds = engine_.finish(out);

@@ -264,6 +264,66 @@ TEST_CASE("HBM (device): an all-GPU step returns without waiting for the device;
   }
 }
 
+TEST_CASE("HBM (device): an engine launched without a CPU side refuses host_queries and cpu_partial; its output is "
+          "the GPU partials alone") {
+  const G L(32, 4);
+  const int bt = 16;
+  const index_t n = 11;  // D-window tokens of the one sequence
+  const block_format<G> fmt{L, bt};
+  cuda_backend be;
+  bf16_source src(83);
+  const kv_batch<G> kv = kv_generator<G>{}.make(L, n, src);
+  kv_history<G> hist;
+  record(hist, L, kv, 0, n);
+  std::vector<bf16> image(std::size_t(fmt.block_elems()));
+  for (int p = 0; p < G::planes; ++p)
+    for (int h = 0; h < L.kv_heads(); ++h)
+      for (index_t t = 0; t < n; ++t)
+        std::memcpy(image.data() + fmt.offset(p, h, int(t), 0),
+                    kv.planes[p].data() + (std::size_t(t) * std::size_t(L.kv_heads()) + std::size_t(h)) * G::row_elems,
+                    G::row_elems * sizeof(bf16));
+  cuda_backend::device_buffer wbuf = be.allocate_device(fmt.block_bytes(), "D-window");
+  WS_CUDA_TRY(cudaMemcpy(wbuf.as<bf16>(), image.data(), std::size_t(fmt.block_bytes()), cudaMemcpyHostToDevice));
+  const window_ref<G> win{contiguous_region(fmt, device_span<bf16>(wbuf.as<bf16>(), fmt.block_elems())), int(n)};
+  stream_plan plan;  // nothing streamed, nothing resident
+  cuda_backend::gpu_engine<G> eng(be, L, 1);
+  std::vector<float> q(std::size_t(L.num_q_heads()) * G::q_dim);
+  for (auto& x : q) x = src.next_float();
+  device_scratch q_dev, out_dev, lse_dev;
+  float* dq = q_dev.get<float>(q.size(), be.caller_stream());
+  WS_CUDA_TRY(cudaMemcpy(dq, q.data(), q.size() * sizeof(float), cudaMemcpyHostToDevice));
+  gpu_step_args<G, device_space> a;
+  a.format = fmt;
+  a.softmax_scale = float(gqa_scale);
+  a.batch = 1;
+  a.q = mem_span<const float, device_space>(dq, index_t(q.size()));
+  a.plan = &plan;
+  a.windows = std::span<const window_ref<G>>(&win, 1);
+  a.poison_workspaces = true;
+  a.cpu_side = false;
+  eng.launch(a);
+  CHECK_THROWS_AS((void)eng.host_queries(), state_error);
+  CHECK_THROWS_AS((void)eng.cpu_partial(1), state_error);
+  const std::size_t rows = std::size_t(L.num_q_heads());
+  float* out = out_dev.get<float>(rows * G::v_dim, be.caller_stream());
+  float* lse = lse_dev.get<float>(rows, be.caller_stream());
+  debug_partials dbg;
+  (void)eng.finish({device_span<float>(out, index_t(rows * G::v_dim)), device_span<float>(lse, index_t(rows)), &dbg});
+  std::vector<float> o, l;
+  download(o, out, rows * G::v_dim, be.caller_stream());
+  download(l, lse, rows, be.caller_stream());
+  std::vector<double> ro, rl;
+  reference_attention(L, hist, q.data(), gqa_scale, ro, rl);
+  compare_result r;
+  compare_rows(L.num_q_heads(), G::v_dim, o.data(), l.data(), ro, rl, r);
+  INFO("rel_l2 " << r.max_rel_l2 << " lse " << r.max_lse_err);
+  CHECK(r.ok());
+  // the debug copy reports the CPU partial empty
+  CHECK(std::all_of(dbg.cpu_lse.begin(), dbg.cpu_lse.end(), [](float x) { return x == empty_lse; }));
+  CHECK(std::all_of(dbg.cpu_o.begin(), dbg.cpu_o.end(), [](float x) { return x == 0.0f; }));
+  CHECK(dbg.cpu_lse.size() == rows);
+}
+
 TEST_CASE("HBM (device): the policy's samples carry the resident tokens of the launch they time") {
   const G L(32, 4);
   roofline_params rp;

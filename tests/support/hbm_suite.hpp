@@ -130,6 +130,13 @@ void every_subset_of_partials(const Layout& L, double scale, int cpu_threads) {
   CHECK(rig.cache.usage().hbm_used_blocks == 8 * 2);
   CHECK(rig.cache.total_hbm_placed_tokens() == 8 * D);
   for (sequence_id s : all) CHECK(all_mismatches(d, s) == 0);
+  // the same on a rig with attention_options::all_gpu_steps off: the CPU side in every step, the same bits
+  attention_options with_cpu_side{cpu_threads, true};
+  with_cpu_side.all_gpu_steps = false;
+  test_rig<Backend, Layout, scripted_policy> ablated(L, hbm_spec(L, 2, 16, 8), pol, with_cpu_side, 71, scale);
+  for (int m = 0; m < 16; ++m)
+    (void)ablated.d.add(index_t(subset_script(m).size()) * D + ((m & 8) ? 7 : 0), 1000 + std::uint64_t(m));
+  const int hq0 = L.num_q_heads();
 
   for (int l = 0; l < 2; ++l) {
     for (sequence_id s : all) {
@@ -144,9 +151,14 @@ void every_subset_of_partials(const Layout& L, double scale, int cpu_threads) {
       CHECK(d.last_report.streamed_tokens == ((m & 2) ? D : 0));
       CHECK(d.last_report.cpu_tokens == ((m & 4) ? D : 0));
       CHECK(d.last_report.window_tokens == ((m & 8) ? 7 : 0));
-      // all-GPU steps (no CPU block) skip the CPU side; the batch of all 16 below
-      // (with it) gives the same bits
+      // all-GPU steps (no CPU block) skip the CPU side; the ablated rig never does, with the same bits
       CHECK(d.last_report.cpu_side == ((m & 4) != 0));
+      compare_result ra;
+      ablated.d.attend_layer(l, one, true, ra);
+      CHECK(ra.ok());
+      CHECK(ablated.d.last_report.cpu_side);
+      CHECK(same_bits(ablated.d.out.data(), d.out.data(), std::size_t(hq0) * V));
+      CHECK(same_bits(ablated.d.lse.data(), d.lse.data(), std::size_t(hq0)));
       const sequence_state& st = rig.cache.sequence(s);
       const std::pair<engine, int> parts[] = {{engine::streamed, 3}, {engine::cpu, 4}, {engine::window, 8}};
       for (const auto& part : parts) {  // no structured binding: INFO captures `e` in a lambda (clang-14)

@@ -223,6 +223,14 @@ class dense_engine {
     }
     if (!dbg.skip_caller_event) wait(comp, launch_ev_);
     const int slot = timing_slot_;
+    // A host more than one launch ahead (all-GPU steps never wait for the
+    // device) reuses a slot whose launch may not have completed: that launch's
+    // timing is dropped (fewer samples, never one launch's events paired with
+    // another's tokens).
+    if (timing_pending_[std::size_t(slot)] && event_done(t_end_[std::size_t(slot)]) &&
+        event_done(t_start_[std::size_t(slot)]) && event_done(t_ready_[std::size_t(slot)]))
+      read_timing(std::size_t(slot));
+    timing_pending_[std::size_t(slot)] = false;
     record(t_ready_[std::size_t(slot)], comp);
     if (!dbg.skip_landing_wait) wait(h2d, ctx_->d2h_done);
     record(t_start_[std::size_t(slot)], h2d);
