@@ -275,6 +275,27 @@ def test_reset_reuses_the_cache(backend):
     assert torch.equal(generate(model, ids, mask, cache, 24), first)
 
 
+def test_learned_calibration_starts_the_next_cache_there(backend):
+    dev = device_of(backend)
+    model = tiny_model("qwen2", device=dev)
+    ids, mask = prompts(dev)
+    cache = WriteScopeCache(model, policy="roofline", backend=backend, **SPEC)
+    with pytest.raises(writescope.StateError, match="no decode step"):
+        cache.learned_calibration()  # nothing measured yet
+    generate(model, ids, mask, cache, 24)
+    learned = cache.learned_calibration()
+    assert set(learned) >= {"cpu_cost_per_token_seconds", "gpu_cost_per_token_seconds"}
+    assert all(v > 0 and v < 1 for k, v in learned.items() if k != "launch_cost_per_token_seconds")
+    # the CPU cost moved off its starting value (it is learned online)
+    assert learned["cpu_cost_per_token_seconds"] != writescope.DEFAULT_ROOFLINE["cpu_cost_per_token_seconds"]
+    nxt = WriteScopeCache(model, policy="roofline", calibration=learned, max_batch_size=3, backend=backend, **SPEC)
+    state = nxt.kv.policy_state()
+    for k in ("cpu_cost_per_token_seconds", "gpu_cost_per_token_seconds"):
+        assert state[k] == pytest.approx(learned[k], rel=1e-12)
+    with pytest.raises(writescope.ConfigError, match="only 'roofline'"):
+        WriteScopeCache(model, policy=0.5, backend=backend, **SPEC).learned_calibration()
+
+
 # --- bad input: an exception naming the value, the cache unchanged -----------------------
 def test_unsupported_head_dim_raises_config_error():
     model = tiny_model("llama", head_dim=32)

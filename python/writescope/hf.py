@@ -183,6 +183,7 @@ class WriteScopeCache(Cache):
         self._gather = None  # rows that are no suffix of the prompt: the kept positions of the flattened K/V
         self._writes_pending = False  # a prefill's deferred host writes are still pending (cuda)
         self._check_mask_values = True  # the next decode step reads its mask's values (_check_decode_mask)
+        self._decode_steps = 0  # decode steps completed (all layers) since creation
         self.last_flush = None
         if set_attention and getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -479,6 +480,7 @@ class WriteScopeCache(Cache):
         if layer == self._num_layers - 1:
             self.last_flush = self.kv.flush()
             self._seq_len += 1
+            self._decode_steps += 1
         return out
 
     def _absorbed_weights(self, module):
@@ -493,6 +495,28 @@ class WriteScopeCache(Cache):
                       per_head[:, module.qk_nope_head_dim:].transpose(1, 2).contiguous())
             self._absorbed[id(module)] = cached
         return cached[2], cached[3]
+
+    def learned_calibration(self) -> dict:
+        """The roofline's costs as this cache has learned them in its decode steps (seconds per KV token of
+        one layer: ``cpu_cost_per_token_seconds`` A, ``gpu_cost_per_token_seconds`` B,
+        ``launch_cost_per_token_seconds`` K; the fixed costs as given), to pass as ``calibration=`` to the
+        next cache for the same model on this machine: a cache places its prompts before it has measured
+        anything, so a new one otherwise places them at ``DEFAULT_ROOFLINE``'s share. Raises ConfigError
+        for a policy other than "roofline" and StateError before this cache's first decode step."""
+        if self.policy != "roofline":
+            raise ConfigError(f"WriteScopeCache.learned_calibration: the policy is {self.policy!r}; only 'roofline' "
+                              f"learns costs")
+        if self.kv is None or self._decode_steps == 0:
+            raise StateError("WriteScopeCache.learned_calibration: no decode step has run on this cache yet "
+                             "(the costs are still the starting ones)")
+        state = self.kv.policy_state()
+        out = {k: float(state[k]) for k in ("cpu_cost_per_token_seconds", "gpu_cost_per_token_seconds",
+                                            "launch_cost_per_token_seconds") if k in state}
+        given = self._policy_args.get("calibration") or {}
+        for k in ("cpu_fixed_seconds", "gpu_fixed_seconds"):
+            if k in given:
+                out[k] = float(given[k])
+        return out
 
     def split(self) -> dict:
         """Where the cached tokens are now (see KVCache.split), plus the policy's target share."""
