@@ -319,6 +319,8 @@ def run_one(model, ids, args, name, make_cache, device):
         rec["peak_device_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     if isinstance(cache, wshf.WriteScopeCache):
         rec["split"] = cache.split()
+        if cache.policy == "roofline" and steps:
+            rec["learned_calibration"] = cache.learned_calibration()
         usage = cache.kv.usage()
         # device-to-host pieces of the KV writes (prefill and evictions) and the CUDA calls issuing them
         rec["host_copies"] = {k: usage[k] for k in ("host_copy_submissions", "host_copy_pieces",
@@ -444,7 +446,10 @@ def main():
     ap.add_argument("--dtype", choices=DTYPES, default="bf16")
     ap.add_argument("--caches", default="writescope,offloaded,dynamic",
                     help="comma list of writescope, offloaded, dynamic (run in this order)")
-    ap.add_argument("--policies", default="roofline", help="comma list for writescope: roofline, gpu_only, cpu_only, r")
+    ap.add_argument("--policies", default="roofline",
+                    help="comma list for writescope: roofline, gpu_only, cpu_only, r, or learned (the roofline started "
+                         "from the costs the latest roofline run before it learned, WriteScopeCache."
+                         "learned_calibration(): how a second request on the same machine starts)")
     ap.add_argument("--calibration", help="JSON of roofline costs (cpu_cost_per_token_seconds, ...)")
     ap.add_argument("--block-tokens", type=int, default=64)
     ap.add_argument("--d-window", type=int, default=64)
@@ -473,6 +478,9 @@ def main():
         return
     if not args.config:
         ap.error("--config is required")
+    pols = args.policies.split(",")
+    if "learned" in pols and ("roofline" not in pols or pols.index("roofline") > pols.index("learned")):
+        ap.error("--policies: learned needs a roofline run before it (e.g. roofline,learned)")
 
     device = torch.device(args.device)
     caches = [c for c in args.caches.split(",") if c]
@@ -500,12 +508,22 @@ def main():
         per_row = -(-(args.context + args.new_tokens) // args.d_window) * args.d_window
         hbm_tokens = args.batch * per_row
     runs = []  # (name, make_cache(max_cache_len)) in order
+    learned = {}  # the costs the latest roofline run learned (run_one fills it)
     for name in caches:
         if name == "writescope":
-            for pol in args.policies.split(","):
+            for pol in pols:
                 p = float(pol) if pol.replace(".", "", 1).isdigit() else pol
 
                 def make(max_len, p=p):
+                    if p == "learned":
+                        if not learned:
+                            raise RuntimeError("no roofline run learned costs before this run")
+                        return wshf.WriteScopeCache(model, policy="roofline", calibration=dict(learned),
+                                                    max_batch_size=args.batch, max_cache_len=max_len,
+                                                    block_tokens=args.block_tokens, d_window_tokens=args.d_window,
+                                                    cpu_threads=args.cpu_threads, pinned_initial_tokens=-1,
+                                                    cpu_prefault_tokens=-1, hbm_capacity_tokens=hbm_tokens,
+                                                    resident_kernel=int(args.resident_kernel))
                     return wshf.WriteScopeCache(model, policy=p, calibration=calibration if p == "roofline" else None,
                                                 max_batch_size=args.batch, max_cache_len=max_len,
                                                 block_tokens=args.block_tokens, d_window_tokens=args.d_window,
@@ -537,7 +555,7 @@ def main():
 
     if args.warmup_context > 0:
         for name, make in runs:
-            if make is not None:
+            if make is not None and name != "writescope:learned":  # its code is the roofline run's, warmed there
                 doc["warmup"].append(warm_up(model, ids, name, make, device, args.warmup_context))
                 print(f"[bench] warm-up {json.dumps(doc['warmup'][-1])}", flush=True)
     if args.shape_warmup:
@@ -549,6 +567,9 @@ def main():
             doc["results"].append({"cache": name, "skipped": "offloading needs a CUDA device"})
         else:
             doc["results"].append(run_one(model, ids, args, name, make, device))
+            if name == "writescope:roofline" and "learned_calibration" in doc["results"][-1]:
+                learned.clear()
+                learned.update(doc["results"][-1]["learned_calibration"])
         print(json.dumps(doc["results"][-1]), flush=True)
         save()
     doc["complete"] = True

@@ -51,13 +51,21 @@ def test_bench_writes_json_and_table(checkpoint, tmp_path):
     js = tmp_path / "bench.json"
     out = run([PY / "bench" / "bench_generate.py", "--config", checkpoint, "--batch", "2", "--context", "64",
                "--new-tokens", "8", "--dtype", "bf16", "--caches", "writescope,dynamic", "--policies",
-               "roofline,0.5", "--block-tokens", "16", "--d-window", "32", "--cpu-threads", "1", "--json", js])
+               "roofline,0.5,learned", "--block-tokens", "16", "--d-window", "32", "--cpu-threads", "1", "--json", js])
     doc = json.loads(js.read_text())
     names = [r["cache"] for r in doc["results"]]
-    assert names == ["writescope:roofline", "writescope:0.5", "DynamicCache"]
+    assert names == ["writescope:roofline", "writescope:0.5", "writescope:learned", "DynamicCache"]
     assert all(r["decode_steps"] == 7 for r in doc["results"])
     assert doc["results"][1]["split"]["cpu_share"] == 0.5
     assert "decode tok/s" in out and "writescope:0.5" in out
+    # the learned run starts from the roofline run's learned costs (no warm-up of its own)
+    learned = doc["results"][0]["learned_calibration"]
+    assert learned["cpu_cost_per_token_seconds"] > 0 and learned["gpu_cost_per_token_seconds"] > 0
+    assert "writescope:learned" not in [w["cache"] for w in doc["warmup"]]
+    assert "writescope:learned" in doc["ratios"]
+    bad = subprocess.run([sys.executable, PY / "bench" / "bench_generate.py", "--config", str(checkpoint),
+                          "--policies", "learned,roofline"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "learned needs a roofline run before it" in bad.stderr
 
 
 def test_bench_random_weights_from_config_json_and_summary(tmp_path):
