@@ -73,6 +73,7 @@ struct cli {
   double cpu_bw_gbps = 80.0, h2d_bw_gbps = 54.0, cpu_fixed_us = 0.0, gpu_fixed_us = 0.0;
   bool track_gpu_cost = false;
   std::string cpu_assist = "off";
+  std::string all_gpu_steps = "on";  // --all-gpu-steps: attention_options::all_gpu_steps
   double placement_headroom = -1.0;  // < 0: 0.05 with --device cuda or an adaptive assist, else 0
   double placement_headroom_z = 0.0;  // --placement-headroom-z: A planned at its mean + z standard deviations
   double assist_max_fraction = 0.5, eviction_bounce_mib = 32.0;
@@ -686,6 +687,7 @@ int run(cli& a) {
   // (left to the per-step balance); 0 on the host and emulated backends,
   // whose "GPU" side runs on the same CPU.
   o.assist = parse_assist(a.cpu_assist);
+  o.all_gpu_steps = a.all_gpu_steps == "on";
   o.assist.max_pinned_fraction = a.assist_max_fraction;
   o.assist.initial_cpu_seconds_per_token = costs.params.cpu_cost_per_token_seconds;  // the roofline's A and B
   o.assist.initial_gpu_seconds_per_token = costs.params.gpu_cost_per_token_seconds;
@@ -781,6 +783,7 @@ int run(cli& a) {
                    {"placement_headroom", params.placement_headroom},
                    {"placement_headroom_z", params.placement_headroom_z}};
     j["launch_thread"] = dopt.launch_thread && kind == device_kind::cuda;
+    j["all_gpu_steps"] = o.all_gpu_steps;
     j["hbm_resident_kernel"] = dopt.resident_kernel && kind == device_kind::cuda;
     j["command_line"] = a.command_line;  // with the fields below, what reproduces the run
     j["model_source"] = a.random_weights ? "random weights (seed " + std::to_string(a.seed) + ") from " + config_path.string()
@@ -1051,6 +1054,11 @@ int main(int argc, char** argv) {
                  "roofline C_CPU, per step and layer (without --calibration; default 100 with --device cuda, else 0)")->group(g_kv)->excludes(o_cal);
   app.add_option("--gpu-fixed-us", a.gpu_fixed_us, "roofline C_GPU, per step (without --calibration)")->group(g_kv)->excludes(o_cal);
   app.add_flag("--track-gpu-cost", a.track_gpu_cost, "re-measure B online too")->group(g_kv);
+  app.add_option("--all-gpu-steps", a.all_gpu_steps,
+                 "on = a layer's attention step whose batch has no block in the unpinned region (and no assisted "
+                 "block) runs without a CPU side: no query copy to the host, no wait for the device; off = every "
+                 "step runs the CPU side (the same bits; the ablation)")
+      ->group(g_kv)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
   app.add_option("--cpu-assist", a.cpu_assist,
                  "the CPU engine also attends pinned blocks in place, per step: off | adaptive (balanced from the "
                  "measured per-token times) | fixed:F (fraction F of each sequence's pinned blocks)")

@@ -76,6 +76,8 @@ struct run_options {
   int threads = 0;  ///< CPU attention engine threads (0 = library default: hardware threads - 1)
   /// CPU assist over the pinned region (hybrid_attention; off: the paper's split).
   writescope::assist_options assist{};
+  /// writescope::attention_options::all_gpu_steps (--all-gpu-steps).
+  bool all_gpu_steps = true;
   bool record_logits = false;
   /// Teacher forcing (--expect --teacher-force): the token fed back for
   /// sequence i after its s-th generated token is (*forced_tokens)[i][s], not the
@@ -642,6 +644,7 @@ class decoder {
     attention_options ao;
     ao.cpu_threads = o.threads;
     ao.assist = o.assist;
+    ao.all_gpu_steps = o.all_gpu_steps;
     ao.task_workspace_reserve_bytes = index_t{256} << 20;  // no page faults in the decode steps (hybrid_attention)
     hybrid_attention<cache_type> hybrid(cache, ao);
     res.block_bytes = cache.format().block_bytes();

@@ -348,6 +348,7 @@ class device_decoder {
     attention_options ao;
     ao.cpu_threads = o.threads;
     ao.assist = o.assist;
+    ao.all_gpu_steps = o.all_gpu_steps;
     ao.task_workspace_reserve_bytes = index_t{256} << 20;  // no page faults in the decode steps (hybrid_attention)
     auto build_cache = [&](runtime_policy p) {
       hybrid_.reset();  // the engine refers to the cache: it goes first
