@@ -103,6 +103,7 @@ engine_config parse_config(const std::string& layout, const std::string& policy,
     else if (k == "cpu_threads") c.options.cpu_threads = as_int();
     else if (k == "task_workspace_reserve_bytes") c.options.task_workspace_reserve_bytes = v;
     else if (k == "poison") c.poison = v != 0;
+    else if (k == "all_gpu_steps") c.options.all_gpu_steps = v != 0;
     else if (k == "cost_window_samples") rp.cost_window_samples = as_int();
     else if (k == "track_gpu_cost") rp.track_gpu_cost = v != 0;
     else if (k == "track_launch_cost") rp.track_launch_cost = v != 0;

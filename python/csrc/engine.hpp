@@ -336,7 +336,8 @@ class engine_impl final : public engine {
             {"cpu_tokens", double(last_.cpu_tokens)},   {"streamed_tokens", double(last_.streamed_tokens)},
             {"window_tokens", double(last_.window_tokens)}, {"assist_tokens", double(last_.assist_tokens)},
             {"copies", double(last_.copies)},           {"chunks", double(last_.chunks)},
-            {"cpu_tasks", double(last_.cpu_tasks)},     {"resident_tokens", double(last_.resident_tokens)}};
+            {"cpu_tasks", double(last_.cpu_tasks)},     {"resident_tokens", double(last_.resident_tokens)},
+            {"cpu_side", last_.cpu_side ? 1.0 : 0.0}};
   }
 
   std::vector<std::pair<std::string, double>> policy_state() const override {

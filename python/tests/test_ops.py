@@ -70,6 +70,26 @@ def test_gqa_decode_matches_reference(head_dim, r, backend):
         assert st["placed_tokens"] + st["window_tokens.1"] == p + 40
 
 
+def test_all_gpu_steps_skip_the_cpu_side_with_the_same_bits(backend):
+    """gpu_only places no CPU block: every step runs without a CPU side (last_step()["cpu_side"] 0)
+    unless all_gpu_steps=0, which runs it in every step; the outputs are the same bits."""
+    dev = device_of(backend)
+    lay = ws.gqa(8, 2, 64)
+    outs = {}
+    for flag in (1, 0):
+        cache = make(lay, backend, r=0.0, layers=1, all_gpu_steps=flag)
+        torch.manual_seed(3)
+        seqs = [cache.begin_sequence(p) for p in (70, 33)]
+        for s, p in zip(seqs, (70, 33)):
+            cache.append_prefill(0, s, torch.randn(p, 2, 64).bfloat16().to(dev), torch.randn(p, 2, 64).bfloat16().to(dev))
+        q = torch.randn(2, 8, 64).to(dev)
+        out, lse = cache.attention(0, seqs, q, 0.125)
+        assert cache.last_step()["cpu_side"] == (0 if flag else 1)
+        assert cache.last_step()["cpu_tasks"] == 0
+        outs[flag] = (out.cpu(), lse.cpu())
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 def test_mla_decode_matches_reference(backend):
     """MLA (absorbed): one latent row of 512 + 64 per token; V is its first 512 elements."""
     dev = device_of(backend)

@@ -154,7 +154,7 @@ _POLICIES = ("roofline", "fixed_ratio", "gpu_only", "cpu_only")
 _INT_OPTIONS = ("ping_pong_buffers", "first_chunk_bytes", "gpu_split_blocks", "cpu_task_blocks",
                 "pinned_initial_tokens", "pinned_growth_tokens", "task_workspace_reserve_bytes",
                 "cost_window_samples", "deferred_host_write_bytes", "staging_bytes", "cpu_prefault_tokens",
-                "track_gpu_cost", "track_launch_cost", "track_hbm_cost", "resident_kernel")
+                "track_gpu_cost", "track_launch_cost", "track_hbm_cost", "resident_kernel", "all_gpu_steps")
 _ROOFLINE_KEYS = ("cpu_cost_per_token_seconds", "gpu_cost_per_token_seconds", "cpu_fixed_seconds",
                   "gpu_fixed_seconds", "placement_headroom", "launch_cost_per_token_seconds",
                   "hbm_cost_per_token_seconds", "placement_headroom_z")
