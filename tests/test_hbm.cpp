@@ -68,13 +68,7 @@ TEST_CASE("HBM: an engine launched without a CPU side refuses host_queries and c
   const kv_batch<G> kv = kv_generator<G>{}.make(L, n, src);
   kv_history<G> hist;
   record(hist, L, kv, 0, n);
-  std::vector<bf16> image(std::size_t(fmt.block_elems()));
-  for (int p = 0; p < G::planes; ++p)
-    for (int h = 0; h < L.kv_heads(); ++h)
-      for (index_t t = 0; t < n; ++t)
-        std::memcpy(image.data() + fmt.offset(p, h, int(t), 0),
-                    kv.planes[p].data() + (std::size_t(t) * std::size_t(L.kv_heads()) + std::size_t(h)) * G::row_elems,
-                    G::row_elems * sizeof(bf16));
+  std::vector<bf16> image = block_image(fmt, kv, n);
   const window_ref<G> win{contiguous_region(fmt, device_span<bf16>(image.data(), fmt.block_elems())), int(n)};
   stream_plan plan;  // nothing streamed, nothing resident
   gpu_engine_for_t<host_backend, G, cpu::auto_decode_kernel<G>> eng(be, L, 1);

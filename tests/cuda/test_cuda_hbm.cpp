@@ -275,13 +275,7 @@ TEST_CASE("HBM (device): an engine launched without a CPU side refuses host_quer
   const kv_batch<G> kv = kv_generator<G>{}.make(L, n, src);
   kv_history<G> hist;
   record(hist, L, kv, 0, n);
-  std::vector<bf16> image(std::size_t(fmt.block_elems()));
-  for (int p = 0; p < G::planes; ++p)
-    for (int h = 0; h < L.kv_heads(); ++h)
-      for (index_t t = 0; t < n; ++t)
-        std::memcpy(image.data() + fmt.offset(p, h, int(t), 0),
-                    kv.planes[p].data() + (std::size_t(t) * std::size_t(L.kv_heads()) + std::size_t(h)) * G::row_elems,
-                    G::row_elems * sizeof(bf16));
+  std::vector<bf16> image = block_image(fmt, kv, n);
   cuda_backend::device_buffer wbuf = be.allocate_device(fmt.block_bytes(), "D-window");
   WS_CUDA_TRY(cudaMemcpy(wbuf.as<bf16>(), image.data(), std::size_t(fmt.block_bytes()), cudaMemcpyHostToDevice));
   const window_ref<G> win{contiguous_region(fmt, device_span<bf16>(wbuf.as<bf16>(), fmt.block_elems())), int(n)};

@@ -417,4 +417,20 @@ void failing_flush_releases_hbm(const Layout& L, double scale, int cpu_threads) 
   CHECK(r.ok());
 }
 
+/// One block in block format (`fmt`) holding the first `n` tokens of `kv`
+/// (the rest zero): a D-window for engine-level tests.
+template <class Layout>
+std::vector<bf16> block_image(const block_format<Layout>& fmt, const kv_batch<Layout>& kv, index_t n) {
+  const Layout& L = fmt.layout;
+  std::vector<bf16> image(std::size_t(fmt.block_elems()));
+  for (int p = 0; p < Layout::planes; ++p)
+    for (int h = 0; h < L.kv_heads(); ++h)
+      for (index_t t = 0; t < n; ++t)
+        std::memcpy(image.data() + fmt.offset(p, h, int(t), 0),
+                    kv.planes[p].data() + (std::size_t(t) * std::size_t(L.kv_heads()) + std::size_t(h)) *
+                                              Layout::row_elems,
+                    Layout::row_elems * sizeof(bf16));
+  return image;
+}
+
 }  // namespace wstest::hbm
