@@ -27,7 +27,8 @@
 //   streamed state holding the HBM-resident splits folded first.
 // An all-GPU launch (gpu_step_args::cpu_side false) skips the q D2H and the
 // CPU partial's H2D and merges without it (an empty partial is an identity),
-// so that nothing in the step makes the host wait for the device.
+// so that the step does not make the host wait for the device (the resident
+// kernels' table ring aside: a host more than its slots ahead waits there).
 //
 // Shapes: partial states are fp32, [max_batch][Hq][v_dim] and [max_batch][Hq]
 // (device); the split workspace holds gpu::max_attend_items splits; q staging
@@ -223,7 +224,7 @@ class dense_engine {
     }
     if (!dbg.skip_caller_event) wait(comp, launch_ev_);
     const int slot = timing_slot_;
-    // A host more than one launch ahead (all-GPU steps never wait for the
+    // A host more than one launch ahead (all-GPU steps do not wait for the
     // device) reuses a slot whose launch may not have completed: that launch's
     // timing is dropped (fewer samples, never one launch's events paired with
     // another's tokens).
