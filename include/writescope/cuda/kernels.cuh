@@ -2,7 +2,7 @@
 // writescope/cuda/kernels.cuh — the GPU side of a decode step (paper §4.2,
 // §6): split attention over streamed ping-pong chunks and over the
 // D-window, the in-order fold of split partials, the final LSE merge, the
-// scatter of appended KV into blocks, the sparse pipeline's wait kernel and
+// merge of tensor_parallel_mla's rank partials, the scatter of appended KV into blocks, the sparse pipeline's wait kernel and
 // device pull, and two small helpers (fill, spin).
 // nvcc only. Host code includes kernels.hpp (declarations) and links one .cu
 // that includes this file and instantiates its layouts:
@@ -15,7 +15,7 @@
 // (at global namespace scope; compile with -std=c++20 --expt-relaxed-constexpr
 // and the target architecture, e.g. -arch=sm_90 — linking the .cu target to
 // writescope::cuda adds the first two). Keep the instantiated set short: each
-// layout costs six kernels of compile time. Programs whose backend has the
+// layout costs seven kernels of compile time. Programs whose backend has the
 // mutation-test hooks (basic_cuda_backend<cuda_test_hooks>, hooks.hpp) also
 // write WS_CUDA_INSTANTIATE_TEST_HOOKS(Layout) per layout: the attention
 // kernels with a slow consumer, which the production kernels do not contain.
@@ -404,6 +404,28 @@ __global__ void __launch_bounds__(128) merge_kernel(const merge_params p) {
   if (p.out_lse != nullptr && threadIdx.x == 0) p.out_lse[row] = lse_out;
 }
 
+/// One CTA merges partial row part_begin + blockIdx.x, query head
+/// blockIdx.y, into state row rows[blockIdx.x] (merge_rows_params).
+template <class L>
+__global__ void __launch_bounds__(128) merge_rows_kernel(const __grid_constant__ merge_rows_params p) {
+  constexpr int V = L::v_dim;
+  const int h = int(blockIdx.y);
+  const index_t srow = index_t(p.rows[blockIdx.x]) * p.hq + h;
+  const index_t prow = index_t(p.part_begin + int(blockIdx.x)) * p.hq + h;
+  const float lse0 = p.state_lse[srow];
+  const float lp = p.part_lse[prow];
+  float lse_out = lse0;
+  for (int i = int(threadIdx.x); i < V; i += int(blockDim.x)) {
+    float o = p.state_o[srow * V + i];
+    float lse = lse0;
+    merge_into(o, lse, p.part_o[prow * V + i], lp);
+    p.state_o[srow * V + i] = o;
+    lse_out = lse;
+  }
+  __syncthreads();  // every thread read lse0 before it is overwritten
+  if (threadIdx.x == 0) p.state_lse[srow] = lse_out;
+}
+
 // -----------------------------------------------------------------------------
 // Scatter, fill, spin
 // -----------------------------------------------------------------------------
@@ -565,6 +587,13 @@ void launch_merge(const merge_params& p, cudaStream_t stream) {
 }
 
 template <class Layout>
+void launch_merge_rows(const merge_rows_params& p, cudaStream_t stream) {
+  if (p.num_rows <= 0) return;
+  detail::merge_rows_kernel<Layout><<<dim3(unsigned(p.num_rows), unsigned(p.hq)), 128, 0, stream>>>(p);
+  WS_CUDA_CHECK_LAST();
+}
+
+template <class Layout>
 void launch_scatter(const scatter_params& p, cudaStream_t stream) {
   if (p.num_items <= 0) return;
   detail::scatter_kernel<Layout>
@@ -637,6 +666,8 @@ void launch_pull_blocks(const void* const* src, index_t count, void* dst, index_
   template void writescope::gpu::launch_fold<__VA_ARGS__>(const writescope::gpu::fold_params&, cudaStream_t);     \
   template void writescope::gpu::launch_init_state<__VA_ARGS__>(float*, float*, writescope::index_t, cudaStream_t); \
   template void writescope::gpu::launch_merge<__VA_ARGS__>(const writescope::gpu::merge_params&, cudaStream_t);   \
+  template void writescope::gpu::launch_merge_rows<__VA_ARGS__>(const writescope::gpu::merge_rows_params&,       \
+                                                                cudaStream_t);                                    \
   template void writescope::gpu::launch_scatter<__VA_ARGS__>(const writescope::gpu::scatter_params&, cudaStream_t); \
   WS_CUDA_INSTANTIATE_RESIDENT(__VA_ARGS__)
 

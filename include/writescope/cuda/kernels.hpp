@@ -234,6 +234,30 @@ struct merge_params {
 template <class Layout>
 void launch_merge(const merge_params& p, cudaStream_t stream);
 
+/// Rows of one launch of launch_merge_rows.
+inline constexpr int max_merge_rows = 512;
+
+/// The merge of one rank's partials into the running states of a batch
+/// (tensor_parallel_mla on device backends, cuda/tensor_parallel.hpp): for
+/// k in [0, num_rows) and every query head h,
+///   state[rows[k]][h] = state[rows[k]][h] ⊕ part[part_begin + k][h]
+/// with merge_state_row's arithmetic and identities (empty partials exact).
+/// The rows[k] of one launch are distinct. Grid (num_rows, hq).
+struct merge_rows_params {
+  float* state_o;         ///< [batch][hq][v_dim]
+  float* state_lse;       ///< [batch][hq]
+  const float* part_o;    ///< [*][hq][v_dim]
+  const float* part_lse;  ///< [*][hq]
+  int hq;
+  int part_begin;         ///< partial row of k = 0
+  int num_rows;           ///< <= max_merge_rows
+  int rows[max_merge_rows];  ///< state row (batch index) of partial row part_begin + k
+};
+static_assert(sizeof(merge_rows_params) <= 4096, "merge_rows_params must fit the 4 KiB kernel-parameter limit");
+
+template <class Layout>
+void launch_merge_rows(const merge_rows_params& p, cudaStream_t stream);
+
 // -----------------------------------------------------------------------------
 // Scatter of token-major KV into blocks (append, prefill)
 // -----------------------------------------------------------------------------
