@@ -184,6 +184,64 @@ class rank_team {
   bool stop_ = false;
 };
 
+/// What the compositions need of a backend besides `backend` (not a public
+/// API). This primary template serves backends whose activations are host
+/// memory (host_backend): the gathers, scatters and the MLA merge are host
+/// memcpy and merge_state_row, no device is made current (`scope` does
+/// nothing). A device backend specializes it: writescope/cuda/tensor_parallel.hpp
+/// for basic_cuda_backend (device scope, the rank and caller streams, events,
+/// strided and peer copies, the merge kernel). `available` is false for a
+/// device backend without one, and the compositions refuse it at compile time.
+template <class Backend>
+struct tp_device {
+  static constexpr bool available = host_accessible_space<typename Backend::activation_space>;
+  /// Makes the backend's device current for its lifetime (here: nothing).
+  struct scope {
+    explicit scope(const Backend&, bool /*quiet*/ = false) noexcept {}
+    scope(const scope&) = delete;
+    scope& operator=(const scope&) = delete;
+    ~scope() {}  // NOLINT(modernize-use-equals-default): a guard, not "set but unused"
+  };
+  void attach(std::span<Backend* const>, const char*) noexcept {}
+};
+
+/// A device buffer of one rank's backend, allocated and freed with that
+/// backend's device current (device path only; empty on the host path).
+template <class Backend>
+struct tp_buffer {
+  Backend* owner = nullptr;
+  typename Backend::device_buffer mem;
+
+  tp_buffer() = default;
+  tp_buffer(const tp_buffer&) = delete;
+  tp_buffer& operator=(const tp_buffer&) = delete;
+  ~tp_buffer() { release(); }
+
+  /// At least `bytes` on `be`'s device; `before_free` runs before an older,
+  /// smaller buffer is freed (it waits for the work that may still read it).
+  template <class BeforeFree>
+  void ensure(Backend& be, index_t bytes, const char* what, BeforeFree&& before_free) {
+    if (owner != nullptr && mem.size_bytes() >= bytes) return;
+    typename tp_device<Backend>::scope g(be);
+    if (owner != nullptr) {
+      before_free();
+      auto drop = std::move(mem);  // freed here, with its device current
+    }
+    owner = &be;
+    mem = be.allocate_device(std::max<index_t>(bytes, 16), what);
+  }
+  template <class T>
+  [[nodiscard]] T* as() const noexcept {
+    return reinterpret_cast<T*>(mem.data());
+  }
+  void release() noexcept {
+    if (owner == nullptr) return;
+    typename tp_device<Backend>::scope g(*owner, true);
+    auto drop = std::move(mem);
+    owner = nullptr;
+  }
+};
+
 /// The per-rank caches and steps and the sequence-id map shared by both
 /// compositions (not a public API).
 template <kv_layout Layout, backend Backend, pinned_allocator PinnedAllocator, routing_policy Policy,
@@ -192,6 +250,8 @@ class tp_ranks {
  public:
   using cache_type = inplace_kv_cache<Layout, Backend, PinnedAllocator, Policy, BlockAllocator>;
   using attention_type = hybrid_attention<cache_type, CpuKernel>;
+  using device_type = tp_device<Backend>;
+  using device_scope = typename device_type::scope;
 
   struct rank {
     cache_type cache;
@@ -210,15 +270,65 @@ class tp_ranks {
     for (int r = 0; r < n; ++r)
       if (backends[std::size_t(r)] == nullptr)
         throw config_error(std::string(what) + ": the backend of rank " + std::to_string(r) + " is null");
+    device_.attach(backends, what);  // a device backend's own refusals, before anything is allocated
     ranks_.reserve(std::size_t(n));
     ids_.resize(std::size_t(n));
     id_buf_.resize(std::size_t(n));
-    for (int r = 0; r < n; ++r) {
-      attention_options ao = options;
-      ao.cpu_threads = rank_cpu_threads(total_cpu_threads_, n, r);
-      ranks_.push_back(std::make_unique<rank>(*backends[std::size_t(r)], rank_layout, spec, policy, pinned, co, ao));
+    try {
+      for (int r = 0; r < n; ++r) {
+        attention_options ao = options;
+        ao.cpu_threads = rank_cpu_threads(total_cpu_threads_, n, r);
+        const device_scope g(*backends[std::size_t(r)]);  // the rank's device regions on its device
+        ranks_.push_back(std::make_unique<rank>(*backends[std::size_t(r)], rank_layout, spec, policy, pinned, co, ao));
+      }
+      team_ = std::make_unique<rank_team>(n);
+    } catch (...) {
+      release_ranks();
+      throw;
     }
-    team_ = std::make_unique<rank_team>(n);
+  }
+  tp_ranks(const tp_ranks&) = delete;
+  tp_ranks& operator=(const tp_ranks&) = delete;
+  ~tp_ranks() {
+    team_.reset();  // its threads end (idle) before the ranks go
+    release_ranks();
+  }
+
+  /// Makes rank r's device current until the returned guard goes (a device
+  /// backend; nothing on the host path).
+  [[nodiscard]] device_scope on(int r) const { return device_scope(at(r).cache.backend()); }
+  /// The device path's streams, events and copies (tp_device).
+  [[nodiscard]] device_type& device() noexcept { return device_; }
+
+  /// Device path: body() between begin_call() (the caller stream's work so
+  /// far is what every rank's work of this call comes after) and end_call()
+  /// (the caller stream waits for every rank's work of this call), the latter
+  /// also when body throws.
+  template <class F>
+  void device_call(F&& body) {
+    device_.begin_call();
+    try {
+      body();
+    } catch (...) {
+      device_.end_call_quiet();
+      throw;
+    }
+    device_.end_call();
+  }
+  /// Device path, inside device_call: f() with rank r's device current and
+  /// its stream ordered after the caller's work; the work f enqueues on rank
+  /// r's stream is then what the caller stream waits for (also when f throws).
+  template <class F>
+  void device_rank_call(int r, F&& f) {
+    const device_scope g = on(r);
+    device_.rank_begin(r);
+    try {
+      f();
+    } catch (...) {
+      device_.rank_end_quiet(r);
+      throw;
+    }
+    device_.rank_end(r);
   }
 
   /// f(r) for every rank at once on the rank threads (rank_team::run).
@@ -242,7 +352,10 @@ class tp_ranks {
     std::vector<sequence_id> got;
     got.reserve(std::size_t(n));
     try {
-      for (int r = 0; r < n; ++r) got.push_back(at(r).cache.begin_sequence(prompt_of(r)));
+      for (int r = 0; r < n; ++r) {
+        const device_scope g = on(r);
+        got.push_back(at(r).cache.begin_sequence(prompt_of(r)));
+      }
       const sequence_id id = got[0];
       for (int r = 0; r < n; ++r) {
         auto& m = ids_[std::size_t(r)];
@@ -251,7 +364,10 @@ class tp_ranks {
       }
       return id;
     } catch (...) {
-      for (std::size_t r = 0; r < got.size(); ++r) at(int(r)).cache.end_sequence(got[r]);
+      for (std::size_t r = 0; r < got.size(); ++r) {
+        const device_scope g(at(int(r)).cache.backend(), true);
+        at(int(r)).cache.end_sequence(got[r]);
+      }
       throw;
     }
   }
@@ -274,8 +390,14 @@ class tp_ranks {
   }
 
   void end(sequence_id seq) {
-    at(0).cache.end_sequence(seq);  // validates (shape_error for an unknown id) before any rank changes
-    for (int r = 1; r < size(); ++r) at(r).cache.end_sequence(id_on(r, seq));
+    {
+      const device_scope g = on(0);
+      at(0).cache.end_sequence(seq);  // validates (shape_error for an unknown id) before any rank changes
+    }
+    for (int r = 1; r < size(); ++r) {
+      const device_scope g = on(r);
+      at(r).cache.end_sequence(id_on(r, seq));
+    }
     for (auto& m : ids_)
       if (std::size_t(seq) < m.size()) m[std::size_t(seq)] = -1;
   }
@@ -283,6 +405,7 @@ class tp_ranks {
   flush_report flush() {
     flush_report sum;
     for (int r = 0; r < size(); ++r) {
+      const device_scope g = on(r);
       const flush_report f = at(r).cache.flush();
       sum.evicted_sequences += f.evicted_sequences;
       sum.cpu_batches += f.cpu_batches;
@@ -293,11 +416,21 @@ class tp_ranks {
   }
 
  private:
+  // Each rank's step and cache go with its device current (engine workspaces, regions).
+  void release_ranks() noexcept {
+    for (auto& p : ranks_) {
+      if (!p) continue;
+      const device_scope g(p->cache.backend(), true);
+      p.reset();
+    }
+  }
+
+  device_type device_;  // first: its events outlive the ranks' work
   std::vector<std::unique_ptr<rank>> ranks_;
   std::vector<std::vector<sequence_id>> ids_;  // [rank][composite id] -> the rank's id (-1: none)
   std::vector<std::vector<sequence_id>> id_buf_;  // [rank] ids_on()'s result
   int total_cpu_threads_ = 1;
-  std::unique_ptr<rank_team> team_;  // after ranks_: its threads end (idle) before the ranks go
+  std::unique_ptr<rank_team> team_;  // its threads end (idle) before the ranks go (~tp_ranks)
 };
 
 inline void check_ranks(int n, const char* what) {
@@ -332,6 +465,9 @@ class tensor_parallel_gqa {
   using attention_type = typename ranks_type::attention_type;
   using activation_space = typename Backend::activation_space;
   using kv_input = kv_tokens<Layout, activation_space>;
+  static_assert(detail::tp_device<Backend>::available,
+                "tensor_parallel_gqa on a device backend: include <writescope/cuda/tensor_parallel.hpp> "
+                "(the device gathers, scatters and events of basic_cuda_backend)");
 
   /// One rank per backend (`backends[r]` holds rank r's device regions; each
   /// must outlive this object). `layout` is the full layer (Hq, Hkv); `spec`,
@@ -348,14 +484,34 @@ class tensor_parallel_gqa {
         ranks_(backends, rank_layout_of(int(backends.size()), layout), spec, policy, options, pinned, cache_opts,
                "tensor_parallel_gqa") {
     const std::size_t n = backends.size();
-    q_.resize(n);
-    o_.resize(n);
-    lse_.resize(n);
-    for (std::size_t r = 0; r < n; ++r) {
-      const std::size_t rows = std::size_t(spec.max_sequences) * std::size_t(rank_q_heads());
-      q_[r].resize(rows * Layout::q_dim);
-      o_[r].resize(rows * Layout::v_dim);
-      lse_[r].resize(rows);
+    const std::size_t rows = std::size_t(spec.max_sequences) * std::size_t(rank_q_heads());
+    if constexpr (host_path) {
+      q_.resize(n);
+      o_.resize(n);
+      lse_.resize(n);
+      for (std::size_t r = 0; r < n; ++r) {
+        q_[r].resize(rows * Layout::q_dim);
+        o_[r].resize(rows * Layout::v_dim);
+        lse_[r].resize(rows);
+      }
+    } else {
+      // per rank, on its device: gathered queries and its output heads; a KV
+      // staging buffer for a rank on another device than rank 0's (appends:
+      // max_sequences tokens; grows for a longer prompt)
+      dq_ = std::vector<buffer>(n);
+      do_ = std::vector<buffer>(n);
+      dl_ = std::vector<buffer>(n);
+      dkv_ = std::vector<buffer>(n);
+      const index_t kv_bytes = index_t(spec.max_sequences) * rank_kv_heads() * Layout::row_elems * Layout::planes *
+                               index_t(sizeof(bf16));
+      for (std::size_t r = 0; r < n; ++r) {
+        Backend& be = rank_backend(int(r));
+        auto none = [] {};
+        dq_[r].ensure(be, index_t(rows * Layout::q_dim * sizeof(float)), "tensor_parallel_gqa: rank queries", none);
+        do_[r].ensure(be, index_t(rows * Layout::v_dim * sizeof(float)), "tensor_parallel_gqa: rank outputs", none);
+        dl_[r].ensure(be, index_t(rows * sizeof(float)), "tensor_parallel_gqa: rank LSEs", none);
+        if (!ranks_.device().same_device(int(r))) dkv_[r].ensure(be, kv_bytes, "tensor_parallel_gqa: rank KV staging", none);
+      }
     }
   }
 
@@ -383,27 +539,44 @@ class tensor_parallel_gqa {
   /// The prompt KV of `seq` for `layer`, full heads ([token][Hkv][head_dim]
   /// per plane, activation space of the backends); each rank gets its heads
   /// as a strided view (no copy). Throws what inplace_kv_cache::append_prefill throws.
+  /// Device backends: each rank reads its heads on its own stream after the
+  /// caller's work (a rank on another device than rank 0's from a staging copy
+  /// of them on its device), and the caller stream waits for the ranks' reads.
   void append_prefill(int layer, sequence_id seq, const kv_input& kv) {
-    for (int r = 0; r < ranks(); ++r) cache(r).append_prefill(layer, ranks_.id_on(r, seq), slice(kv, r));
+    if constexpr (host_path) {
+      for (int r = 0; r < ranks(); ++r) cache(r).append_prefill(layer, ranks_.id_on(r, seq), slice(kv, r));
+    } else {
+      ranks_.device_call([&] {
+        for (int r = 0; r < ranks(); ++r)
+          ranks_.device_rank_call(r, [&] { cache(r).append_prefill(layer, ranks_.id_on(r, seq), rank_input(kv, r)); });
+      });
+    }
   }
   /// One decode token per sequence (token i of `kv`, full heads, belongs to seqs[i]).
   void append(int layer, std::span<const sequence_id> seqs, const kv_input& kv) {
-    for (int r = 0; r < ranks(); ++r) cache(r).append(layer, ranks_.ids_on(r, seqs), slice(kv, r));
+    if constexpr (host_path) {
+      for (int r = 0; r < ranks(); ++r) cache(r).append(layer, ranks_.ids_on(r, seqs), slice(kv, r));
+    } else {
+      ranks_.device_call([&] {
+        for (int r = 0; r < ranks(); ++r)
+          ranks_.device_rank_call(r, [&] { cache(r).append(layer, ranks_.ids_on(r, seqs), rank_input(kv, r)); });
+      });
+    }
   }
   /// Every rank's flush(); the reports summed (a batch of a sequence counts once per rank).
   flush_report flush() { return ranks_.flush(); }
 
   /// One layer's step for `seqs` on every rank at once (see the file comment).
-  ///   q    [batch][Hq][q_dim] fp32, host-accessible activation space
+  ///   q    [batch][Hq][q_dim] fp32, activation space (a device backend: on rank 0's device)
   ///   out  [batch][Hq][v_dim] fp32 (+ optional lse [batch][Hq]); head h of a
   ///        row is written by the rank that holds it
+  /// Device backends: ordered after the work on rank 0's caller stream, and
+  /// the outputs are complete in that stream's order (file comment).
   /// Returns each rank's step_report (rank order), valid until the next step.
   /// Throws shape_error for sizes before any work; what a rank's step throws.
   std::span<const step_report> step(int layer, std::span<const sequence_id> seqs,
                                     mem_span<const float, activation_space> q, float scale,
                                     const step_outputs<activation_space>& out) {
-    static_assert(host_accessible_space<activation_space>,
-                  "tensor_parallel_gqa::step gathers query heads with host memcpy: host-accessible activations only");
     const int n = ranks();
     const index_t batch = index_t(seqs.size());
     const int hq = layout_.num_q_heads(), hr = rank_q_heads();
@@ -411,31 +584,95 @@ class tensor_parallel_gqa {
     reports_.resize(std::size_t(n));
     step_ids_.resize(std::size_t(n));
     for (int r = 0; r < n; ++r) step_ids_[std::size_t(r)] = ranks_.ids_on(r, seqs);  // before the threads start
-    ranks_.run([&](int r) {
-      float* qr = q_[std::size_t(r)].data();
-      for (index_t i = 0; i < batch; ++i)
-        std::memcpy(qr + std::size_t(i * hr) * Layout::q_dim, q.data() + std::size_t(i * hq + r * hr) * Layout::q_dim,
-                    sizeof(float) * std::size_t(hr) * Layout::q_dim);
-      const std::size_t rows = std::size_t(batch * hr);
-      step_outputs<activation_space> so{mem_span<float, activation_space>(o_[std::size_t(r)].data(), index_t(rows * Layout::v_dim)),
-                                        mem_span<float, activation_space>(lse_[std::size_t(r)].data(), index_t(rows)),
-                                        nullptr};
-      reports_[std::size_t(r)] =
-          attention(r).step(layer, step_ids_[std::size_t(r)], mem_span<const float, activation_space>(qr, index_t(rows) * Layout::q_dim),
-                            scale, so);
-      for (index_t i = 0; i < batch; ++i) {
-        std::memcpy(out.out.data() + std::size_t(i * hq + r * hr) * Layout::v_dim,
-                    o_[std::size_t(r)].data() + std::size_t(i * hr) * Layout::v_dim,
-                    sizeof(float) * std::size_t(hr) * Layout::v_dim);
-        if (!out.lse.empty())
-          std::memcpy(out.lse.data() + std::size_t(i * hq + r * hr), lse_[std::size_t(r)].data() + std::size_t(i * hr),
-                      sizeof(float) * std::size_t(hr));
-      }
-    });
+    if constexpr (!host_path) {
+      step_on_devices(layer, q, scale, out, batch);
+    } else {
+      ranks_.run([&](int r) {
+        float* qr = q_[std::size_t(r)].data();
+        for (index_t i = 0; i < batch; ++i)
+          std::memcpy(qr + std::size_t(i * hr) * Layout::q_dim, q.data() + std::size_t(i * hq + r * hr) * Layout::q_dim,
+                      sizeof(float) * std::size_t(hr) * Layout::q_dim);
+        const std::size_t rows = std::size_t(batch * hr);
+        step_outputs<activation_space> so{mem_span<float, activation_space>(o_[std::size_t(r)].data(), index_t(rows * Layout::v_dim)),
+                                          mem_span<float, activation_space>(lse_[std::size_t(r)].data(), index_t(rows)),
+                                          nullptr};
+        reports_[std::size_t(r)] =
+            attention(r).step(layer, step_ids_[std::size_t(r)], mem_span<const float, activation_space>(qr, index_t(rows) * Layout::q_dim),
+                              scale, so);
+        for (index_t i = 0; i < batch; ++i) {
+          std::memcpy(out.out.data() + std::size_t(i * hq + r * hr) * Layout::v_dim,
+                      o_[std::size_t(r)].data() + std::size_t(i * hr) * Layout::v_dim,
+                      sizeof(float) * std::size_t(hr) * Layout::v_dim);
+          if (!out.lse.empty())
+            std::memcpy(out.lse.data() + std::size_t(i * hq + r * hr), lse_[std::size_t(r)].data() + std::size_t(i * hr),
+                        sizeof(float) * std::size_t(hr));
+        }
+      });
+    }
     return reports_;
   }
 
  private:
+  static constexpr bool host_path = host_accessible_space<activation_space>;
+  using buffer = detail::tp_buffer<Backend>;
+
+  [[nodiscard]] Backend& rank_backend(int r) noexcept { return ranks_.at(r).cache.backend(); }
+
+  // The device path of step(): per rank (its thread, its device current, its
+  // caller stream after rank 0's): its query heads of every row gathered by a
+  // strided copy, its step, its output heads (and LSEs) scattered back into
+  // `out` by strided copies; rank 0's caller stream then waits for every rank.
+  void step_on_devices(int layer, mem_span<const float, activation_space> q, float scale,
+                       const step_outputs<activation_space>& out, index_t batch) {
+    const int hq = layout_.num_q_heads(), hr = rank_q_heads();
+    constexpr std::size_t F = sizeof(float), Q = Layout::q_dim, V = Layout::v_dim;
+    const std::size_t rows = std::size_t(batch) * std::size_t(hr), h = std::size_t(batch);
+    auto& dev = ranks_.device();
+    ranks_.device_call([&] {
+      ranks_.run([&](int r) {
+        ranks_.device_rank_call(r, [&] {
+          const std::size_t ur = std::size_t(r);
+          float* qr = dq_[ur].template as<float>();
+          float* orr = do_[ur].template as<float>();
+          float* lr = dl_[ur].template as<float>();
+          dev.copy_rows(r, qr, hr * Q * F, r, q.data() + std::size_t(r * hr) * Q, std::size_t(hq) * Q * F, 0,
+                        hr * Q * F, h);
+          step_outputs<activation_space> so{mem_span<float, activation_space>(orr, index_t(rows * V)),
+                                            mem_span<float, activation_space>(lr, index_t(rows)), nullptr};
+          reports_[ur] = attention(r).step(layer, step_ids_[ur],
+                                           mem_span<const float, activation_space>(qr, index_t(rows * Q)), scale, so);
+          dev.copy_rows(r, out.out.data() + std::size_t(r * hr) * V, std::size_t(hq) * V * F, 0, orr, hr * V * F, r,
+                        hr * V * F, h);
+          if (!out.lse.empty())
+            dev.copy_rows(r, out.lse.data() + std::size_t(r * hr), std::size_t(hq) * F, 0, lr, hr * F, r, hr * F, h);
+        });
+      });
+    });
+  }
+
+  // Device path: rank r's heads of `kv` where rank r's device can read them:
+  // the strided view of slice() on rank 0's device, else a copy of them
+  // (dense, by strided peer copies on rank r's stream) in its staging buffer.
+  kv_input rank_input(const kv_input& kv, int r) {
+    if (ranks_.device().same_device(r) || kv.num_tokens <= 0) return slice(kv, r);
+    const index_t row = index_t(rank_kv_heads()) * Layout::row_elems;
+    const std::size_t plane = std::size_t(kv.num_tokens) * std::size_t(row);
+    buffer& b = dkv_[std::size_t(r)];
+    b.ensure(rank_backend(r), index_t(plane * Layout::planes * sizeof(bf16)), "tensor_parallel_gqa: rank KV staging",
+             [&] { ranks_.device().synchronize_rank(r); });
+    const std::size_t w = std::size_t(row) * sizeof(bf16), sp = std::size_t(kv.stride(layout_)) * sizeof(bf16);
+    kv_input s;
+    s.num_tokens = kv.num_tokens;
+    for (int p = 0; p < Layout::planes; ++p) {
+      if (kv.planes[std::size_t(p)] == nullptr) continue;
+      bf16* d = b.template as<bf16>() + std::size_t(p) * plane;
+      ranks_.device().copy_rows(r, d, w, r, kv.planes[std::size_t(p)] + std::size_t(r) * std::size_t(row), sp, 0, w,
+                                std::size_t(kv.num_tokens));
+      s.planes[std::size_t(p)] = d;
+    }
+    return s;
+  }
+
   // Rank r's layout (Hq/N, Hkv/N), after the checks.
   static Layout rank_layout_of(int n, const Layout& l) {
     detail::check_ranks(n, "tensor_parallel_gqa");
@@ -475,7 +712,8 @@ class tensor_parallel_gqa {
 
   Layout layout_;
   ranks_type ranks_;
-  std::vector<std::vector<float>> q_, o_, lse_;  // [rank] gathered queries, rank outputs (host)
+  std::vector<std::vector<float>> q_, o_, lse_;  // [rank] gathered queries, rank outputs (host path)
+  std::vector<buffer> dq_, do_, dl_, dkv_;       // [rank] the same on the rank's device; KV staging (device path)
   std::vector<step_report> reports_;
   std::vector<std::span<const sequence_id>> step_ids_;  // [rank] the step's batch in the rank's ids
 };
@@ -516,8 +754,9 @@ class tensor_parallel_mla {
   using attention_type = typename ranks_type::attention_type;
   using activation_space = typename Backend::activation_space;
   using kv_input = kv_tokens<Layout, activation_space>;
-  static_assert(host_accessible_space<activation_space>,
-                "tensor_parallel_mla gathers prompt rows and queries with host memcpy: host-accessible activations only");
+  static_assert(detail::tp_device<Backend>::available,
+                "tensor_parallel_mla on a device backend: include <writescope/cuda/tensor_parallel.hpp> "
+                "(the device gathers, the merge kernel and the events of basic_cuda_backend)");
 
   /// One rank per backend (each must outlive this object); `layout`, `spec`,
   /// `policy`, `pinned` and `cache_opts` are each rank's (every rank holds all
@@ -532,14 +771,43 @@ class tensor_parallel_mla {
         ranks_((detail::check_ranks(int(backends.size()), "tensor_parallel_mla"), backends), layout, spec, policy,
                options, pinned, cache_opts, "tensor_parallel_mla") {  // one argument: checked before anything else
     const std::size_t n = backends.size(), rows = std::size_t(spec.max_sequences) * std::size_t(layout.num_q_heads());
-    q_.resize(n);
-    o_.resize(n);
-    lse_.resize(n);
     rows_.resize(n);
-    for (std::size_t r = 0; r < n; ++r) {
-      q_[r].resize(rows * Layout::q_dim);
-      o_[r].resize(rows * Layout::v_dim);
-      lse_[r].resize(rows);
+    if constexpr (host_path) {
+      q_.resize(n);
+      o_.resize(n);
+      lse_.resize(n);
+      for (std::size_t r = 0; r < n; ++r) {
+        q_[r].resize(rows * Layout::q_dim);
+        o_[r].resize(rows * Layout::v_dim);
+        lse_[r].resize(rows);
+      }
+    } else {
+      // per rank, on its device: gathered queries, its partial state, a KV
+      // staging buffer (appends: max_sequences rows; grows for the longest
+      // prompt share); per rank on another device than rank 0's, a landing
+      // buffer for its partial state on rank 0's device; there, the merge's
+      // LSE state when the caller asks for no LSE
+      dq_ = std::vector<buffer>(n);
+      do_ = std::vector<buffer>(n);
+      dl_ = std::vector<buffer>(n);
+      dkv_ = std::vector<buffer>(n);
+      land_o_ = std::vector<buffer>(n);
+      land_l_ = std::vector<buffer>(n);
+      auto none = [] {};
+      constexpr std::size_t F = sizeof(float);
+      for (std::size_t r = 0; r < n; ++r) {
+        Backend& be = rank_backend(int(r));
+        dq_[r].ensure(be, index_t(rows * Layout::q_dim * F), "tensor_parallel_mla: rank queries", none);
+        do_[r].ensure(be, index_t(rows * Layout::v_dim * F), "tensor_parallel_mla: rank partial outputs", none);
+        dl_[r].ensure(be, index_t(rows * F), "tensor_parallel_mla: rank partial LSEs", none);
+        dkv_[r].ensure(be, index_t(spec.max_sequences) * Layout::row_elems * index_t(sizeof(bf16)),
+                       "tensor_parallel_mla: rank KV staging", none);
+        if (!ranks_.device().same_device(int(r))) {
+          land_o_[r].ensure(rank_backend(0), index_t(rows * Layout::v_dim * F), "tensor_parallel_mla: partial landing", none);
+          land_l_[r].ensure(rank_backend(0), index_t(rows * F), "tensor_parallel_mla: partial landing", none);
+        }
+      }
+      state_lse_.ensure(rank_backend(0), index_t(rows * F), "tensor_parallel_mla: merge LSE state", none);
     }
   }
 
@@ -581,9 +849,10 @@ class tensor_parallel_mla {
     seqs_[std::size_t(seq)] = seq_state{};
   }
 
-  /// The prompt KV of `seq` for `layer` (all P tokens, host-accessible): each
-  /// rank's tokens are gathered into a host buffer and written by its
-  /// append_prefill. Throws shape_error (layer, sequence, token count, null
+  /// The prompt KV of `seq` for `layer` (all P tokens, activation space): each
+  /// rank's tokens are gathered into a buffer (host path: host memory; device
+  /// backends: the rank's KV staging on its device, by copies on its stream)
+  /// and written by its append_prefill. Throws shape_error (layer, sequence, token count, null
   /// plane), state_error (layer already written) before any rank writes.
   void append_prefill(int layer, sequence_id seq, const kv_input& kv) {
     seq_state& st = state(seq, layer, "append_prefill");
@@ -597,18 +866,22 @@ class tensor_parallel_mla {
     if (kv.num_tokens > 0 && kv.planes[0] == nullptr)
       throw shape_error("tensor_parallel_mla::append_prefill: KV plane 0 is null");
     const index_t stride = kv.stride(layout_), D = batch_tokens();
-    for (int r = 0; r < ranks(); ++r) {
-      gather_.clear();
-      for (index_t t0 = index_t(r) * D; t0 < st.prompt; t0 += index_t(ranks()) * D) {
-        const index_t n = std::min(D, st.prompt - t0);
-        for (index_t t = t0; t < t0 + n; ++t)
-          gather_.insert(gather_.end(), kv.planes[0] + t * stride, kv.planes[0] + t * stride + Layout::row_elems);
+    if constexpr (!host_path) {
+      prefill_on_devices(layer, seq, kv, st.prompt, stride, D);
+    } else {
+      for (int r = 0; r < ranks(); ++r) {
+        gather_.clear();
+        for (index_t t0 = index_t(r) * D; t0 < st.prompt; t0 += index_t(ranks()) * D) {
+          const index_t n = std::min(D, st.prompt - t0);
+          for (index_t t = t0; t < t0 + n; ++t)
+            gather_.insert(gather_.end(), kv.planes[0] + t * stride, kv.planes[0] + t * stride + Layout::row_elems);
+        }
+        if (gather_.empty()) continue;  // a rank without tokens of the prompt has nothing to write
+        kv_input part;
+        part.planes[0] = gather_.data();
+        part.num_tokens = index_t(gather_.size()) / Layout::row_elems;
+        cache(r).append_prefill(layer, ranks_.id_on(r, seq), part);
       }
-      if (gather_.empty()) continue;  // a rank without tokens of the prompt has nothing to write
-      kv_input part;
-      part.planes[0] = gather_.data();
-      part.num_tokens = index_t(gather_.size()) / Layout::row_elems;
-      cache(r).append_prefill(layer, ranks_.id_on(r, seq), part);
     }
     st.ready[std::size_t(layer)] = 1;
   }
@@ -641,15 +914,19 @@ class tensor_parallel_mla {
                           " tokens); call flush() after the last layer of each step");
     }
     const index_t stride = kv.stride(layout_);
-    for (std::size_t i = 0; i < seqs.size(); ++i) {
-      seq_state& st = seqs_[std::size_t(seqs[i])];
-      const int r = rank_of_token(st.length[std::size_t(layer)]);
-      kv_input one;
-      one.planes[0] = kv.planes[0] + index_t(i) * stride;
-      one.num_tokens = 1;
-      const sequence_id id = ranks_.id_on(r, seqs[i]);
-      cache(r).append(layer, std::span<const sequence_id>(&id, 1), one);
-      ++st.length[std::size_t(layer)];
+    if constexpr (!host_path) {
+      append_on_devices(layer, seqs, kv, stride);
+    } else {
+      for (std::size_t i = 0; i < seqs.size(); ++i) {
+        seq_state& st = seqs_[std::size_t(seqs[i])];
+        const int r = rank_of_token(st.length[std::size_t(layer)]);
+        kv_input one;
+        one.planes[0] = kv.planes[0] + index_t(i) * stride;
+        one.num_tokens = 1;
+        const sequence_id id = ranks_.id_on(r, seqs[i]);
+        cache(r).append(layer, std::span<const sequence_id>(&id, 1), one);
+        ++st.length[std::size_t(layer)];
+      }
     }
   }
 
@@ -657,8 +934,10 @@ class tensor_parallel_mla {
   flush_report flush() { return ranks_.flush(); }
 
   /// One layer's step for `seqs` (see the class comment).
-  ///   q    [batch][Hq][q_dim] fp32 (absorbed q'), host-accessible
+  ///   q    [batch][Hq][q_dim] fp32 (absorbed q'), activation space (a device backend: on rank 0's device)
   ///   out  [batch][Hq][v_dim] fp32 (+ optional lse [batch][Hq]): the merge of the ranks' partials
+  /// Device backends: ordered after the work on rank 0's caller stream; the
+  /// merge runs on that stream (file comment).
   /// Returns each rank's step_report (rank order; a rank that holds no token
   /// of the batch does not step and reports zeros). Throws shape_error /
   /// state_error for the input before any work; what a rank's step throws.
@@ -702,43 +981,169 @@ class tensor_parallel_mla {
       for (int i : rows_[std::size_t(r)]) ids.push_back(ranks_.id_on(r, seqs[std::size_t(i)]));
     }
     reports_.assign(std::size_t(n), step_report{});
-    const std::size_t qrow = std::size_t(hq) * Layout::q_dim, orow = std::size_t(hq) * Layout::v_dim;
-    ranks_.run([&](int r) {
-      const auto& sub = rows_[std::size_t(r)];
-      if (sub.empty()) return;
-      float* qr = q_[std::size_t(r)].data();
-      for (std::size_t k = 0; k < sub.size(); ++k)
-        std::memcpy(qr + k * qrow, q.data() + std::size_t(sub[k]) * qrow, sizeof(float) * qrow);
-      const index_t m = index_t(sub.size());
-      step_outputs<activation_space> so{
-          mem_span<float, activation_space>(o_[std::size_t(r)].data(), m * index_t(orow)),
-          mem_span<float, activation_space>(lse_[std::size_t(r)].data(), m * hq), nullptr};
-      reports_[std::size_t(r)] = attention(r).step(layer, step_ids_[std::size_t(r)],
-                                                   mem_span<const float, activation_space>(qr, m * index_t(qrow)), scale, so);
-    });
-    // Merge in rank order from the empty state (merge_state_row(empty, x) == x).
-    next_.assign(std::size_t(n), 0);
-    for (index_t i = 0; i < batch; ++i) {
-      float* o = out.out.data() + std::size_t(i) * orow;
-      std::fill(o, o + orow, 0.0f);
-      row_lse_.assign(std::size_t(hq), empty_lse);
-      for (int r = 0; r < n; ++r) {
+    if constexpr (!host_path) {
+      step_on_devices(layer, q, scale, out, batch);
+    } else {
+      const std::size_t qrow = std::size_t(hq) * Layout::q_dim, orow = std::size_t(hq) * Layout::v_dim;
+      ranks_.run([&](int r) {
         const auto& sub = rows_[std::size_t(r)];
-        std::size_t& k = next_[std::size_t(r)];
-        if (k >= sub.size() || index_t(sub[k]) != i) continue;
-        for (int h = 0; h < hq; ++h)
-          merge_state_row(o + std::size_t(h) * Layout::v_dim, row_lse_[std::size_t(h)],
-                          o_[std::size_t(r)].data() + k * orow + std::size_t(h) * Layout::v_dim,
-                          lse_[std::size_t(r)][k * std::size_t(hq) + std::size_t(h)], o + std::size_t(h) * Layout::v_dim,
-                          &row_lse_[std::size_t(h)], Layout::v_dim);
-        ++k;
+        if (sub.empty()) return;
+        float* qr = q_[std::size_t(r)].data();
+        for (std::size_t k = 0; k < sub.size(); ++k)
+          std::memcpy(qr + k * qrow, q.data() + std::size_t(sub[k]) * qrow, sizeof(float) * qrow);
+        const index_t m = index_t(sub.size());
+        step_outputs<activation_space> so{
+            mem_span<float, activation_space>(o_[std::size_t(r)].data(), m * index_t(orow)),
+            mem_span<float, activation_space>(lse_[std::size_t(r)].data(), m * hq), nullptr};
+        reports_[std::size_t(r)] = attention(r).step(layer, step_ids_[std::size_t(r)],
+                                                     mem_span<const float, activation_space>(qr, m * index_t(qrow)), scale, so);
+      });
+      // Merge in rank order from the empty state (merge_state_row(empty, x) == x).
+      next_.assign(std::size_t(n), 0);
+      for (index_t i = 0; i < batch; ++i) {
+        float* o = out.out.data() + std::size_t(i) * orow;
+        std::fill(o, o + orow, 0.0f);
+        row_lse_.assign(std::size_t(hq), empty_lse);
+        for (int r = 0; r < n; ++r) {
+          const auto& sub = rows_[std::size_t(r)];
+          std::size_t& k = next_[std::size_t(r)];
+          if (k >= sub.size() || index_t(sub[k]) != i) continue;
+          for (int h = 0; h < hq; ++h)
+            merge_state_row(o + std::size_t(h) * Layout::v_dim, row_lse_[std::size_t(h)],
+                            o_[std::size_t(r)].data() + k * orow + std::size_t(h) * Layout::v_dim,
+                            lse_[std::size_t(r)][k * std::size_t(hq) + std::size_t(h)], o + std::size_t(h) * Layout::v_dim,
+                            &row_lse_[std::size_t(h)], Layout::v_dim);
+          ++k;
+        }
+        if (!out.lse.empty()) std::copy(row_lse_.begin(), row_lse_.end(), out.lse.data() + std::size_t(i) * std::size_t(hq));
       }
-      if (!out.lse.empty()) std::copy(row_lse_.begin(), row_lse_.end(), out.lse.data() + std::size_t(i) * std::size_t(hq));
     }
     return reports_;
   }
 
  private:
+  static constexpr bool host_path = host_accessible_space<activation_space>;
+  using buffer = detail::tp_buffer<Backend>;
+
+  [[nodiscard]] Backend& rank_backend(int r) noexcept { return ranks_.at(r).cache.backend(); }
+
+  // Device path of append_prefill: rank r's rows of the prompt gathered into
+  // its KV staging on its device (one copy per eviction batch, on its stream
+  // after the caller's work), then its append_prefill from there.
+  void prefill_on_devices(int layer, sequence_id seq, const kv_input& kv, index_t prompt, index_t stride, index_t D) {
+    constexpr std::size_t row_bytes = std::size_t(Layout::row_elems) * sizeof(bf16);
+    auto& dev = ranks_.device();
+    ranks_.device_call([&] {
+      for (int r = 0; r < ranks(); ++r) {
+        const index_t m = rank_prompt_tokens(r, prompt);
+        if (m == 0) continue;  // a rank without tokens of the prompt has nothing to write
+        ranks_.device_rank_call(r, [&] {
+          buffer& b = dkv_[std::size_t(r)];
+          b.ensure(rank_backend(r), m * index_t(row_bytes), "tensor_parallel_mla: rank KV staging",
+                   [&] { dev.synchronize_rank(r); });
+          bf16* g = b.template as<bf16>();
+          index_t k = 0;
+          for (index_t t0 = index_t(r) * D; t0 < prompt; t0 += index_t(ranks()) * D) {
+            const index_t c = std::min(D, prompt - t0);
+            dev.copy_rows(r, g + std::size_t(k) * Layout::row_elems, row_bytes, r, kv.planes[0] + std::size_t(t0 * stride),
+                          std::size_t(stride) * sizeof(bf16), 0, row_bytes, std::size_t(c));
+            k += c;
+          }
+          kv_input part;
+          part.planes[0] = g;
+          part.num_tokens = k;
+          cache(r).append_prefill(layer, ranks_.id_on(r, seq), part);
+        });
+      }
+    });
+  }
+
+  // Device path of append (after validation): per rank, its tokens of the
+  // batch in batch order, read where they are (a rank on rank 0's device) or
+  // from a copy in its KV staging (row i of the batch in row i).
+  void append_on_devices(int layer, std::span<const sequence_id> seqs, const kv_input& kv, index_t stride) {
+    constexpr std::size_t row_bytes = std::size_t(Layout::row_elems) * sizeof(bf16);
+    auto& dev = ranks_.device();
+    owner_.resize(seqs.size());
+    for (std::size_t i = 0; i < seqs.size(); ++i)
+      owner_[i] = rank_of_token(seqs_[std::size_t(seqs[i])].length[std::size_t(layer)]);
+    ranks_.device_call([&] {
+      for (int r = 0; r < ranks(); ++r) {
+        if (std::find(owner_.begin(), owner_.end(), r) == owner_.end()) continue;
+        ranks_.device_rank_call(r, [&] {
+          for (std::size_t i = 0; i < seqs.size(); ++i) {
+            if (owner_[i] != r) continue;
+            kv_input one;
+            one.num_tokens = 1;
+            const bf16* src = kv.planes[0] + std::size_t(index_t(i) * stride);
+            if (dev.same_device(r)) {
+              one.planes[0] = src;
+            } else {
+              bf16* d = dkv_[std::size_t(r)].template as<bf16>() + i * std::size_t(Layout::row_elems);
+              dev.copy_rows(r, d, row_bytes, r, src, row_bytes, 0, row_bytes, 1);
+              one.planes[0] = d;
+            }
+            const sequence_id id = ranks_.id_on(r, seqs[i]);
+            cache(r).append(layer, std::span<const sequence_id>(&id, 1), one);
+            ++seqs_[std::size_t(seqs[i])].length[std::size_t(layer)];
+          }
+        });
+      }
+    });
+  }
+
+  // Device path of step(): per rank (its thread, its device current, its
+  // caller stream after rank 0's): the query rows of its sub-batch gathered
+  // (one copy per run of consecutive rows), its step, its partial state copied
+  // to rank 0's device when it lies on another (peer copy); then on rank 0's
+  // caller stream, after every rank's copies: the states set to empty and the
+  // ranks' partials merged in rank order (launch_merge_rows).
+  void step_on_devices(int layer, mem_span<const float, activation_space> q, float scale,
+                       const step_outputs<activation_space>& out, index_t batch) {
+    const int hq = layout_.num_q_heads();
+    constexpr std::size_t F = sizeof(float);
+    const std::size_t qrow = std::size_t(hq) * Layout::q_dim, orow = std::size_t(hq) * Layout::v_dim;
+    auto& dev = ranks_.device();
+    ranks_.device_call([&] {
+      ranks_.run([&](int r) {
+        const auto& sub = rows_[std::size_t(r)];
+        if (sub.empty()) return;
+        ranks_.device_rank_call(r, [&] {
+          const std::size_t ur = std::size_t(r), m = sub.size();
+          float* qr = dq_[ur].template as<float>();
+          float* orr = do_[ur].template as<float>();
+          float* lr = dl_[ur].template as<float>();
+          for (std::size_t k = 0; k < m;) {
+            std::size_t e = k + 1;
+            while (e < m && sub[e] == sub[e - 1] + 1) ++e;
+            const std::size_t bytes = (e - k) * qrow * F;
+            dev.copy_rows(r, qr + k * qrow, bytes, r, q.data() + std::size_t(sub[k]) * qrow, bytes, 0, bytes, 1);
+            k = e;
+          }
+          step_outputs<activation_space> so{mem_span<float, activation_space>(orr, index_t(m * orow)),
+                                            mem_span<float, activation_space>(lr, index_t(m) * hq), nullptr};
+          reports_[ur] = attention(r).step(layer, step_ids_[ur],
+                                           mem_span<const float, activation_space>(qr, index_t(m * qrow)), scale, so);
+          if (!dev.same_device(r)) {
+            dev.copy_rows(r, land_o_[ur].template as<float>(), m * orow * F, 0, orr, m * orow * F, r, m * orow * F, 1);
+            dev.copy_rows(r, land_l_[ur].template as<float>(), m * std::size_t(hq) * F, 0, lr, m * std::size_t(hq) * F,
+                          r, m * std::size_t(hq) * F, 1);
+          }
+        });
+      });
+    });
+    float* lse = out.lse.empty() ? state_lse_.template as<float>() : out.lse.data();
+    dev.template init_states<Layout>(out.out.data(), lse, batch * hq);
+    for (int r = 0; r < ranks(); ++r) {  // rank order 0..N-1, from the empty state
+      const std::size_t ur = std::size_t(r);
+      if (rows_[ur].empty()) continue;
+      const bool here = dev.same_device(r);
+      dev.template merge_rows<Layout>(out.out.data(), lse, (here ? do_[ur] : land_o_[ur]).template as<float>(),
+                                      (here ? dl_[ur] : land_l_[ur]).template as<float>(), hq,
+                                      std::span<const int>(rows_[ur]));
+    }
+  }
+
   struct seq_state {
     bool live = false;
     index_t prompt = 0;
@@ -764,7 +1169,11 @@ class tensor_parallel_mla {
   ranks_type ranks_;
   std::vector<seq_state> seqs_;                   // [composite id]
   std::vector<bf16> gather_;                      // append_prefill: one rank's prompt rows
-  std::vector<std::vector<float>> q_, o_, lse_;   // [rank] gathered queries, rank partials (host)
+  std::vector<std::vector<float>> q_, o_, lse_;   // [rank] gathered queries, rank partials (host path)
+  std::vector<buffer> dq_, do_, dl_, dkv_;        // [rank] the same on the rank's device; KV staging (device path)
+  std::vector<buffer> land_o_, land_l_;           // [rank] its partials on rank 0's device (ranks on other devices)
+  buffer state_lse_;                              // the merge's LSE state on rank 0's device (no lse asked for)
+  std::vector<int> owner_;                        // append: the rank of each token of the batch
   std::vector<std::vector<int>> rows_;            // [rank] batch rows the rank attends
   std::vector<std::vector<sequence_id>> step_ids_;  // [rank] those rows' sequences, the rank's ids
   std::vector<std::size_t> next_;
