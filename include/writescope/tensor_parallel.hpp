@@ -29,18 +29,53 @@
 // calling thread and ranks 1..N−1 on one persistent std::thread each, started
 // with the object and joined at its destruction (none when N = 1; a rank whose
 // thread could not start runs on the calling thread); step() returns when
-// every rank has finished. Each rank's CPU engine gets
+// every rank has finished (device backends: has enqueued its work; see
+// Streams). Each rank's CPU engine gets
 // its share of attention_options::cpu_threads (the total, split as evenly as
 // possible, at least 1 each), so the ranks' steps running at once do not
 // oversubscribe the host. Prefill, append, flush and end_sequence run the
 // ranks one after the other on the calling thread.
 //
-// Memory spaces: K/V inputs are in each rank's backend's activation space
-// (host_backend: host memory) and are sliced without copies where the slice
-// is a strided view (GQA heads); the MLA prefill and both steps gather
-// queries and merge outputs with host memcpy, so step() (and the MLA prefill)
-// require a backend whose activations are host-accessible (host_backend);
-// a device backend needs device-side gathers, not provided here.
+// Shapes (fp32 unless noted; batch = the step's sequences):
+//   K/V       kv_tokens of the full layer: GQA plane p [tokens][Hkv][head_dim]
+//             bf16 (K, V), MLA [tokens][kv_lora_rank + rope_dim] bf16
+//   q         [batch][Hq][q_dim]          (MLA: absorbed q')
+//   out, lse  [batch][Hq][v_dim], [batch][Hq] (lse optional)
+//
+// Memory spaces: every input and output is in the backends' activation space.
+//   host_backend (host-accessible activations): K/V slices are strided views
+//     (GQA heads) or host gathers (MLA prompt rows); queries are gathered,
+//     outputs scattered (GQA) or merged (MLA, merge_state_row) with host memcpy
+//     into host buffers sized at construction (max_sequences rows).
+//   cuda_backend (device activations; include writescope/cuda/tensor_parallel.hpp,
+//     which specializes detail::tp_device): K/V, q, out and lse are device
+//     memory of rank 0's device. Per rank, allocated at construction on its
+//     device: its gathered queries, its outputs or partial state and LSEs
+//     (max_sequences rows of its heads), and a KV staging buffer (MLA: every
+//     rank, max_sequences rows, grown to the longest prompt share it is given;
+//     GQA: ranks on another device than rank 0's, max_sequences tokens of its
+//     heads, grown for a longer prompt); MLA, per rank on another device, its
+//     partial state's landing buffer on rank 0's device, and there the merge's
+//     LSE state. Gathers and scatters are device copies (cudaMemcpy2DAsync,
+//     cudaMemcpyAsync; between devices cudaMemcpy3DPeerAsync,
+//     cudaMemcpyPeerAsync), the MLA merge the kernel launch_merge_rows
+//     (kernels.hpp) in rank order from the empty state.
+//
+// Streams (device backends): the caller's stream is rank 0's backend's
+// caller stream; the inputs must be written, and the outputs are read, in its
+// order. Every composite call (append_prefill, append, step) records an event
+// on it at its start; rank r's work runs on rank r's caller stream, which
+// first waits for that event, and records an event of its own at the end that
+// rank 0's caller stream waits for before the call returns (no events where
+// rank r's caller stream is rank 0's). So a step's outputs, and the ranks'
+// reads of the call's K/V and q, are ordered before anything enqueued on the
+// caller's stream afterwards; the MLA merge runs on it after those waits.
+// Nothing blocks the host except growing a staging buffer (a prompt longer
+// than any before: the rank's stream is synchronized before the old buffer
+// is freed) and what the ranks' own calls block on.
+// Devices: every call into rank r (construction, begin, prefill, append,
+// flush, step, end, destruction) runs with rank r's device current (restored
+// afterwards), on the calling thread or on rank r's thread in step().
 //
 // Errors: typed exceptions (error.hpp) from any rank propagate unchanged.
 // Validation is identical on every rank (the ranks' bookkeeping is the same
@@ -51,6 +86,10 @@
 // flush() the ranks before it have evicted; a retried flush() evicts only
 // what is left. In step(), the lowest rank's exception is rethrown after every
 // rank has finished; the caches are unchanged and the outputs unspecified.
+// The constructors throw config_error naming the values for no ranks, a null
+// backend, Hkv or Hq not a multiple of N (GQA), and, on device backends, one
+// backend given to two ranks; resource_error when a device buffer cannot be
+// allocated. A failing CUDA call of the device path throws cuda_error.
 #pragma once
 
 #include <algorithm>
