@@ -252,8 +252,15 @@ struct tp_buffer {
   typename Backend::device_buffer mem;
 
   tp_buffer() = default;
-  tp_buffer(const tp_buffer&) = delete;
-  tp_buffer& operator=(const tp_buffer&) = delete;
+  tp_buffer(tp_buffer&& o) noexcept : owner(std::exchange(o.owner, nullptr)), mem(std::move(o.mem)) {}
+  tp_buffer& operator=(tp_buffer&& o) noexcept {
+    if (this != &o) {
+      release();
+      owner = std::exchange(o.owner, nullptr);
+      mem = std::move(o.mem);
+    }
+    return *this;
+  }
   ~tp_buffer() { release(); }
 
   /// At least `bytes` on `be`'s device; `before_free` runs before an older,
@@ -328,6 +335,8 @@ class tp_ranks {
   }
   tp_ranks(const tp_ranks&) = delete;
   tp_ranks& operator=(const tp_ranks&) = delete;
+  tp_ranks(tp_ranks&&) noexcept = default;  // the ranks and the team are held by pointer
+  tp_ranks& operator=(tp_ranks&&) = delete;
   ~tp_ranks() {
     team_.reset();  // its threads end (idle) before the ranks go
     release_ranks();

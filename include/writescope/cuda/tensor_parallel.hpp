@@ -82,6 +82,8 @@ struct tp_device<basic_cuda_backend<Hooks>> {
   tp_device() = default;
   tp_device(const tp_device&) = delete;
   tp_device& operator=(const tp_device&) = delete;
+  tp_device(tp_device&&) noexcept = default;
+  tp_device& operator=(tp_device&&) = delete;
 
   /// The ranks' backends (non-null, checked by the caller). Throws
   /// config_error when one backend serves two ranks; cuda_error when an event
