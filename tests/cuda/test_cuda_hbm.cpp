@@ -264,6 +264,81 @@ TEST_CASE("HBM (device): an all-GPU step returns without waiting for the device;
   }
 }
 
+TEST_CASE("HBM (device): an all-GPU step that streams nothing runs on the caller stream, with the two-stream path's "
+          "bits") {
+  const G L(32, 4);
+  cuda_backend be_on;
+  CHECK(be_on.caller_stream_steps());
+  SUBCASE("ragged batches over 40 steps: HBM, D-window, both, neither; against fp64 and the switch off") {
+  // Two caches fed the same tokens: caller-stream steps on (the default) and off.
+  cuda_backend be_off;
+  be_off.set_caller_stream_steps(false);
+  device_cache<G, gpu_only> on_cache(be_on, L, hbm_spec(L, 2, 6, 16), gpu_only{}, {}, cache_options{true});
+  device_cache<G, gpu_only> off_cache(be_off, L, hbm_spec(L, 2, 6, 16), gpu_only{}, {}, cache_options{true});
+  device_decode_driver<decltype(on_cache)> on(on_cache, attention_options{4, true}, 113, gqa_scale);
+  device_decode_driver<decltype(off_cache)> off(off_cache, attention_options{4, true}, 113, gqa_scale);
+  // ragged: HBM + window, HBM only (a whole batch), window only, two HBM batches + window, empty
+  const index_t lengths[] = {32 + 5, 32, 3, 2 * 32 + 17, 0};
+  std::vector<sequence_id> batch;
+  for (const index_t n : lengths) {
+    batch.push_back(on.add(n, 500 + std::uint64_t(n)));
+    (void)off.add(n, 500 + std::uint64_t(n));
+  }
+  const int hq = L.num_q_heads();
+  const std::size_t n_out = batch.size() * std::size_t(hq) * G::v_dim;
+  for (int step = 0; step < 40; ++step) {  // appends fill the D-windows; flushes evict them into HBM
+    for (int l = 0; l < 2; ++l) {
+      on.append_layer(l, batch);
+      off.append_layer(l, batch);
+      const index_t before = on.attention().engine().caller_stream_launches();
+      debug_partials dbg_on, dbg_off;
+      compare_result r_on, r_off;
+      on.attend_layer(l, batch, true, r_on, step % 8 == 0 ? &dbg_on : nullptr);
+      off.attend_layer(l, batch, true, r_off, step % 8 == 0 ? &dbg_off : nullptr);
+      INFO("step " << step << " layer " << l << ": rel_l2 " << r_on.max_rel_l2 << " lse " << r_on.max_lse_err);
+      CHECK(r_on.ok());
+      CHECK(r_off.ok());
+      CHECK_FALSE(on.last_report.cpu_side);
+      CHECK(on.last_report.streamed_tokens == 0);
+      CHECK(on.attention().engine().caller_stream_launches() == before + 1);
+      CHECK(same_bits(on.out.data(), off.out.data(), n_out));
+      CHECK(same_bits(on.lse.data(), off.lse.data(), batch.size() * std::size_t(hq)));
+      if (step % 8 == 0) {  // the partials: the D-window's read from the split workspace, the same bits
+        CHECK(same_bits(dbg_on.window_o.data(), dbg_off.window_o.data(), n_out));
+        CHECK(same_bits(dbg_on.window_lse.data(), dbg_off.window_lse.data(), batch.size() * std::size_t(hq)));
+        CHECK(same_bits(dbg_on.streamed_o.data(), dbg_off.streamed_o.data(), n_out));
+      }
+    }
+    (void)on_cache.flush();
+    (void)off_cache.flush();
+  }
+  CHECK(off.attention().engine().caller_stream_launches() == 0);
+  CHECK(on_cache.usage().hbm_used_blocks > 0);
+  }
+  SUBCASE("a batch with a streamed sequence takes the two-stream path") {
+    device_cache<G, gpu_only> small(be_on, L, hbm_spec(L, 1, 2, 1), gpu_only{}, {}, cache_options{true});
+    device_decode_driver<decltype(small)> d(small, attention_options{4, true}, 117, gqa_scale);
+    const std::vector<sequence_id> two{d.add(32 + 3), d.add(2 * 32 + 5)};  // HBM, then pinned: the region is full
+    REQUIRE(small.sequence(two[1]).pinned_blocks.size() > 0);
+    const index_t before = d.attention().engine().caller_stream_launches();
+    compare_result r;
+    d.attend_layer(0, two, true, r);
+    CHECK(r.ok());
+    CHECK(d.attention().engine().caller_stream_launches() == before);
+    CHECK(d.last_report.streamed_tokens > 0);
+  }
+  SUBCASE("the caller-stream step is queued behind the caller's work and returns before it ends") {
+    device_cache<G, gpu_only> small(be_on, L, hbm_spec(L, 1, 3, 4), gpu_only{}, {}, cache_options{true});
+    device_decode_driver<decltype(small)> d(small, attention_options{4, true}, 119, gqa_scale);
+    const std::vector<sequence_id> three{d.add(32 + 3), d.add(9), d.add(2 * 32)};
+    const index_t before = d.attention().engine().caller_stream_launches();
+    step_report rep;
+    CHECK(step_returns_before_spin_ends(d, three, rep));
+    CHECK(d.attention().engine().caller_stream_launches() == before + 1);
+    CHECK(rep.resident_tokens == 3 * 32);
+  }
+}
+
 TEST_CASE("HBM (device): an engine launched without a CPU side refuses host_queries and cpu_partial; its output is "
           "the GPU partials alone") {
   const G L(32, 4);

@@ -96,6 +96,7 @@ struct backend_context {
   [[no_unique_address]] typename Hooks::ablation ablation{};
   bool launch_thread = false;  ///< set_launch_thread
   bool resident_kernel = false;  ///< set_resident_kernel
+  bool caller_stream_steps = true;  ///< set_caller_stream_steps
   completion_list pending;
 };
 

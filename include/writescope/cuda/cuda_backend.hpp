@@ -177,6 +177,18 @@ class basic_cuda_backend {
   void set_resident_kernel(bool on) noexcept { ctx_.resident_kernel = on; }
   [[nodiscard]] bool resident_kernel() const noexcept { return ctx_.resident_kernel; }
 
+  /// Whether an all-GPU dense step (gpu_step_args::cpu_side false) that
+  /// streams nothing runs on the caller stream (on by default;
+  /// docs/CUDA-ENGINE.md, "Caller-stream steps"): its HBM-resident splits and
+  /// D-windows in one attention launch, one fold, the merge, and no event
+  /// waited on or stream crossed; the output has the same bits as the
+  /// two-stream path (off). It applies while the resident splits plus the
+  /// batch fit one launch (gpu::max_attend_items) and the resident kernels
+  /// (set_resident_kernel) do not take the step. Read at each launch; set
+  /// between steps from the thread that drives the cache.
+  void set_caller_stream_steps(bool on) noexcept { ctx_.caller_stream_steps = on; }
+  [[nodiscard]] bool caller_stream_steps() const noexcept { return ctx_.caller_stream_steps; }
+
   /// cudaMalloc of `bytes`; throws resource_error naming `what` and the size.
   device_buffer allocate_device(index_t bytes, const char* what) {
     return cuda_detail::allocate_device_buffer(bytes, what);
@@ -348,6 +360,8 @@ class basic_cuda_backend<Hooks>::gpu_engine {
   void reserve_resident_items(index_t max_runs) { dense_.reserve_resident_items(max_runs); }
   /// Dense launches whose resident splits ran through the resident kernels.
   [[nodiscard]] index_t resident_kernel_launches() const noexcept { return dense_.resident_kernel_launches(); }
+  /// Dense launches that took the caller-stream path (set_caller_stream_steps).
+  [[nodiscard]] index_t caller_stream_launches() const noexcept { return dense_.caller_stream_steps(); }
 
   void reserve_sparse(const sparse_reservation& r) {
     dense_.join_launch();

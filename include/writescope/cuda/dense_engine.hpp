@@ -29,6 +29,12 @@
 // CPU partial's H2D and merges without it (an empty partial is an identity),
 // so that the step does not make the host wait for the device (the resident
 // kernels' table ring aside: a host more than its slots ahead waits there).
+// An all-GPU launch that streams nothing (no plan chunk) and whose resident
+// splits and D-windows fit one attention launch runs on the caller stream
+// instead (launch_on_caller; set_caller_stream_steps): init, one attention
+// launch over the resident splits then the D-windows, one fold of the
+// resident splits; merge() reads the D-window partials from the split
+// workspace. Same kernels, same merge order, same bits; no event waited on.
 //
 // Shapes: partial states are fp32, [max_batch][Hq][v_dim] and [max_batch][Hq]
 // (device); the split workspace holds gpu::max_attend_items splits; q staging
@@ -148,6 +154,10 @@ class dense_engine {
     const ablation abl = ctx_->ablation;
     if (abl.per_step_allocation) allocate_step_buffers(*a.plan, a.ping_pong.size(), a.format.block_bytes());
     mark_launched(a.batch, false);
+    if (caller_stream_step(a, dbg, abl)) {  // an all-GPU step with nothing to stream: one stream, no events
+      launch_on_caller(a);
+      return;
+    }
 
     // 0-2. Caller event, q to the CPU engine, stream ordering, workspaces.
     const int slot = begin_step(a, dbg);
@@ -157,6 +167,96 @@ class dense_engine {
     run_chunks(a, dbg, abl);
     end_step(a, slot);
   }
+
+  // --- the caller-stream step -----------------------------------------------
+
+  /// Whether launch() takes the caller-stream path: an all-GPU step
+  /// (gpu_step_args::cpu_side false) whose plan streams nothing (no chunk)
+  /// and whose HBM-resident splits and D-windows fit one attention launch
+  /// (max_attend_items items, one fold segment per sequence), with the
+  /// backend's switch on (set_caller_stream_steps), the resident kernels not
+  /// taking the step, no per-step allocation (ablation) and none of the
+  /// mutation switches that concern these kernels.
+  [[nodiscard]] bool caller_stream_step(const args_type& a, const switches& dbg, const ablation& abl) const {
+    if (!ctx_->caller_stream_steps || a.cpu_side || abl.per_step_allocation) return false;
+    if (dbg.skip_caller_event || dbg.consumer_delay_cycles > 0) return false;
+    const stream_plan& plan = *a.plan;
+    if (plan.sparse || !plan.chunks.empty() || !plan.runs.empty()) return false;
+    const index_t items = index_t(plan.resident_splits.size()) + index_t(a.batch);
+    if (items > index_t(gpu::max_attend_items) || a.batch > gpu::max_fold_segments) return false;
+    const bool resident_kernel = ctx_->resident_kernel && !plan.resident_groups.empty() &&
+                                 index_t(plan.resident_runs.size()) <= resident_capacity_;
+    return !resident_kernel;
+  }
+
+  // The caller-stream step (docs/CUDA-ENGINE.md, "Caller-stream steps"): on
+  // the caller stream, after everything the caller enqueued before (the
+  // appends and HBM writes of K7 included, by stream order): the streamed
+  // state set empty; one attention launch over the HBM-resident splits
+  // (items [0, k), in plan order) and every sequence's D-window (item k + i
+  // for sequence i); one fold of each sequence's resident splits, in order,
+  // into its streamed state. merge() then reads the D-window partials from
+  // the split workspace (rows [k*Hq, (k+b)*Hq)), so out = streamed ⊕ D-window
+  // with the same kernels and order as the two-stream path: the same bits.
+  // No event is waited on and the copy stream is not touched (nothing is
+  // copied from host blocks, so C9's h2d_done of earlier steps stays valid).
+  void launch_on_caller(const args_type& a) {
+    cudaStream_t caller = ctx_->caller;
+    const stream_plan& plan = *a.plan;
+    const index_t rows = index_t(a.batch) * hq_;
+    const int k = int(plan.resident_splits.size());
+    on_caller_ = true;
+    cpu_side_ = false;
+    const int slot = take_timing_slot();
+    record(t_ready_[std::size_t(slot)], caller);
+    record(t_start_[std::size_t(slot)], caller);
+    if (a.poison_workspaces) {
+      WS_CUDA_TRY(cudaMemsetAsync(split_o_.data(), 0xff, static_cast<std::size_t>(split_o_.size_bytes()), caller));
+      WS_CUDA_TRY(cudaMemsetAsync(split_lse_.data(), 0xff, static_cast<std::size_t>(split_lse_.size_bytes()), caller));
+    }
+    gpu::launch_init_state<Layout>(streamed_o_.as<float>(), streamed_lse_.as<float>(), rows, caller);
+    gpu::attend_params& ap = attend_;
+    ap.q = a.q.data();
+    ap.block_elems = a.format.block_elems();
+    ap.scale = a.softmax_scale;
+    ap.hq = hq_;
+    ap.hkv = layout_.kv_heads();
+    ap.group = layout_.group_size();
+    ap.block_tokens = a.format.block_tokens;
+    ap.block_lists = nullptr;
+    ap.out_o = split_o_.as<float>();
+    ap.out_lse = split_lse_.as<float>();
+    ap.num_items = k + a.batch;
+    gpu::fold_params& fp = fold_;
+    fp.state_o = streamed_o_.as<float>();
+    fp.state_lse = streamed_lse_.as<float>();
+    fp.split_o = split_o_.as<float>();
+    fp.split_lse = split_lse_.as<float>();
+    fp.hq = hq_;
+    fp.num_segments = 0;
+    for (int s = 0; s < k; ++s) {
+      const stream_split& sp = plan.resident_splits[std::size_t(s)];
+      ap.items[s] = {a.resident.block(sp.first_block).data(), sp.num_blocks * a.format.block_tokens, sp.batch_index, s,
+                     0};
+      if (fp.num_segments > 0 && fp.segments[fp.num_segments - 1].batch_index == sp.batch_index)
+        fp.segments[fp.num_segments - 1].split_end = s + 1;
+      else
+        fp.segments[fp.num_segments++] = {sp.batch_index, s, s + 1};
+    }
+    for (int i = 0; i < a.batch; ++i) {
+      const window_ref<Layout>& w = a.windows[std::size_t(i)];
+      ap.items[k + i] = {w.blocks.block(0).data(), w.tokens, i, k + i, 0};
+    }
+    if (ap.num_items > 0) gpu::launch_attend<Layout>(ap, caller);
+    if (fp.num_segments > 0) gpu::launch_fold<Layout>(fp, caller);
+    window_src_o_ = split_o_.as<float>() + index_t(k) * hq_ * V;
+    window_src_lse_ = split_lse_.as<float>() + index_t(k) * hq_;
+    record(t_end_[std::size_t(slot)], caller);
+    close_timing_slot(slot, plan, a.format.block_tokens);
+    ++caller_stream_steps_;
+  }
+  /// Launches that took the caller-stream path (diagnostics, tests).
+  [[nodiscard]] index_t caller_stream_steps() const noexcept { return caller_stream_steps_; }
 
   // --- validation ------------------------------------------------------------
 
@@ -215,6 +315,9 @@ class dense_engine {
     cudaStream_t comp = compute_.get();
     record(launch_ev_, ctx_->caller);
     cpu_side_ = a.cpu_side;
+    on_caller_ = false;
+    window_src_o_ = window_o_.as<float>();
+    window_src_lse_ = window_lse_.as<float>();
     if (cpu_side_) {  // an all-GPU step (gpu_step_args::cpu_side false) needs no host copy of q
       if (!dbg.skip_caller_event) wait(qstream_.get(), launch_ev_);
       if (rows > 0)
@@ -223,15 +326,7 @@ class dense_engine {
       record(q_done_, qstream_.get());
     }
     if (!dbg.skip_caller_event) wait(comp, launch_ev_);
-    const int slot = timing_slot_;
-    // A host more than one launch ahead (all-GPU steps do not wait for the
-    // device) reuses a slot whose launch may not have completed: that launch's
-    // timing is dropped (fewer samples, never one launch's events paired with
-    // another's tokens).
-    if (timing_pending_[std::size_t(slot)] && event_done(t_end_[std::size_t(slot)]) &&
-        event_done(t_start_[std::size_t(slot)]) && event_done(t_ready_[std::size_t(slot)]))
-      read_timing(std::size_t(slot));
-    timing_pending_[std::size_t(slot)] = false;
+    const int slot = take_timing_slot();
     record(t_ready_[std::size_t(slot)], comp);
     if (!dbg.skip_landing_wait) wait(h2d, ctx_->d2h_done);
     record(t_start_[std::size_t(slot)], h2d);
@@ -453,10 +548,28 @@ class dense_engine {
     }
     record(t_end_[std::size_t(slot)], comp);
     record(compute_done_, comp);
+    close_timing_slot(slot, *a.plan, a.format.block_tokens);
+  }
+
+  // The timing slot of a new launch. A host more than one launch ahead
+  // (all-GPU steps do not wait for the device) reuses a slot whose launch may
+  // not have completed: that launch's timing is dropped (fewer samples, never
+  // one launch's events paired with another's tokens).
+  int take_timing_slot() {
+    const int slot = timing_slot_;
+    if (timing_pending_[std::size_t(slot)] && event_done(t_end_[std::size_t(slot)]) &&
+        event_done(t_start_[std::size_t(slot)]) && event_done(t_ready_[std::size_t(slot)]))
+      read_timing(std::size_t(slot));
+    timing_pending_[std::size_t(slot)] = false;
+    return slot;
+  }
+
+  // The slot's end recorded: its launch's tokens kept for read_timing, the next launch's slot chosen.
+  void close_timing_slot(int slot, const stream_plan& plan, int block_tokens) {
     timing_pending_[std::size_t(slot)] = true;
-    slot_tokens_[std::size_t(slot)] = a.plan->streamed_blocks * a.format.block_tokens;
-    slot_resident_[std::size_t(slot)] = a.plan->resident_blocks * a.format.block_tokens;
-    slot_sparse_[std::size_t(slot)] = a.plan->sparse;
+    slot_tokens_[std::size_t(slot)] = plan.streamed_blocks * block_tokens;
+    slot_resident_[std::size_t(slot)] = plan.resident_blocks * block_tokens;
+    slot_sparse_[std::size_t(slot)] = plan.sparse;
     last_slot_ = slot;
     timing_slot_ = slot ^ 1;
   }
@@ -520,13 +633,13 @@ class dense_engine {
       }
       record(cpu_h2d_done_, caller);
     }
-    wait(caller, compute_done_);      // streamed and D-window partials are final (the compute stream's reads of q too)
+    if (!on_caller_) wait(caller, compute_done_);  // streamed and D-window partials are final (and the reads of q)
     if (cpu_side_) wait(caller, q_done_);  // the caller may overwrite q after this
     gpu::merge_params mp{};
     mp.streamed_o = streamed_o_.as<float>();
     mp.streamed_lse = streamed_lse_.as<float>();
-    mp.window_o = window_o_.as<float>();
-    mp.window_lse = window_lse_.as<float>();
+    mp.window_o = window_src_o_;  // window_o_, or the split workspace after a caller-stream launch
+    mp.window_lse = window_src_lse_;
     mp.cpu_o = cpu_side_ ? cpu_o_.as<float>() : nullptr;  // null: no CPU partial (an exact identity)
     mp.cpu_lse = cpu_side_ ? cpu_lse_.as<float>() : nullptr;
     mp.out = o.out.data();
@@ -713,13 +826,12 @@ class dense_engine {
     d.streamed_lse.resize(n_l);
     d.window_o.resize(n_o);
     d.window_lse.resize(n_l);
-    const std::pair<std::vector<float>*, const device_buffer*> pairs[] = {
-        {&d.streamed_o, &streamed_o_}, {&d.streamed_lse, &streamed_lse_}, {&d.window_o, &window_o_},
-        {&d.window_lse, &window_lse_}};
-    for (const auto& [vec, buf] : pairs)
+    const std::pair<std::vector<float>*, const float*> pairs[] = {
+        {&d.streamed_o, streamed_o_.as<float>()}, {&d.streamed_lse, streamed_lse_.as<float>()},
+        {&d.window_o, window_src_o_}, {&d.window_lse, window_src_lse_}};
+    for (const auto& [vec, src] : pairs)
       if (!vec->empty())
-        WS_CUDA_TRY(cudaMemcpyAsync(vec->data(), buf->data(), vec->size() * sizeof(float), cudaMemcpyDeviceToHost,
-                                    caller));
+        WS_CUDA_TRY(cudaMemcpyAsync(vec->data(), src, vec->size() * sizeof(float), cudaMemcpyDeviceToHost, caller));
     WS_CUDA_TRY(cudaStreamSynchronize(caller));
     if (!cpu_side_) {  // an all-GPU step: the CPU partial is empty
       d.cpu_o.assign(n_o, 0.0f);
@@ -745,6 +857,10 @@ class dense_engine {
   int batch_ = 0;
   bool launched_ = false;
   bool cpu_side_ = true;  // the launch's gpu_step_args::cpu_side
+  bool on_caller_ = false;  // the launch took the caller-stream path (launch_on_caller)
+  const float* window_src_o_ = nullptr;  // where merge() reads the D-window partials of the launch
+  const float* window_src_lse_ = nullptr;
+  index_t caller_stream_steps_ = 0;
   bool last_sparse_ = false;
   device_buffer streamed_o_, streamed_lse_, window_o_, window_lse_, cpu_o_, cpu_lse_, split_o_, split_lse_;
   host_allocation q_host_, cpu_o_host_, cpu_lse_host_;
