@@ -1003,11 +1003,14 @@ void run_hbm(context& cx, double hbm_gbps) {
              {"region_tokens_per_layer", cap_tokens}, {"region_gib", o.hbm_gib}, {"fill", fill},
              {"threads", o.threads}, {"ceilings", ce.to_json()}, {"hbm_read_gbps", hbm_gbps},
              {"costs", costs_json(costs)}, {"H_ns_per_token", hbm_cost * 1e9}, {"H_source", hbm_cost_source}};
-    auto timed = [&](index_t region_tokens, double H, bool resident_kernel = false, bool all_gpu_steps = true) {
+    auto timed = [&](index_t region_tokens, double H, bool resident_kernel = false, bool all_gpu_steps = true,
+                     bool caller_stream_steps = true) {
 #if WS_BENCH_CUDA
       cx.be->set_resident_kernel(resident_kernel);
+      cx.be->set_caller_stream_steps(caller_stream_steps);
 #else
       (void)resident_kernel;  // refused at parsing on the host build
+      (void)caller_stream_steps;  // the host backend has one stream
 #endif
       rig_config c = rc;
       c.hbm_capacity_tokens = region_tokens;
@@ -1050,12 +1053,16 @@ void run_hbm(context& cx, double hbm_gbps) {
       // the small row once more with the CPU side in every step (the ablation of the all-GPU step),
       // then the default once more (an order check: A, B, A)
       json cs = timed(cap_tokens, hbm_cost, false, false);
+      json two = timed(cap_tokens, hbm_cost, false, true, false);  // all-GPU on the engine's two streams
       json again = timed(cap_tokens, hbm_cost);
-      char buf[160];
-      std::snprintf(buf, sizeof buf, "  (every step with a CPU side: %.3f ms; all-GPU again after it: %.3f ms)",
-                    cs["step_ms"].get<double>(), again["step_ms"].get<double>());
+      char buf[224];
+      std::snprintf(buf, sizeof buf,
+                    "  (every step with a CPU side: %.3f ms; all-GPU on two streams: %.3f ms; all-GPU again after "
+                    "them: %.3f ms)",
+                    cs["step_ms"].get<double>(), two["step_ms"].get<double>(), again["step_ms"].get<double>());
       fixed_cost_note = buf;
       row["with_hbm_cpu_side"] = std::move(cs);
+      row["with_hbm_two_streams"] = std::move(two);
       row["with_hbm_again"] = std::move(again);
     }
     if (o.hbm_resident_kernel) {
@@ -1178,8 +1185,12 @@ int main(int argc, char** argv) {
                                {"hbm.with_hbm_cpu_side", "the first (small) row with "
                                                          "attention_options::all_gpu_steps off: the CPU side in "
                                                          "every step"},
+                               {"hbm.with_hbm_two_streams", "the first row's all-GPU steps with "
+                                                            "set_caller_stream_steps off: on the engine's "
+                                                            "compute and copy streams, events between them"},
                                {"hbm.with_hbm_again", "the first row's default run repeated after "
-                                                      "with_hbm_cpu_side (an order check)"},
+                                                      "with_hbm_cpu_side and with_hbm_two_streams (an order "
+                                                      "check)"},
                                {"hbm.deployed_over_best", "the roofline's step_ms / the best swept fixed share's "
                                                           "(--hbm-sweep; 1 = the sweep's optimum)"}};
     for (const char* s : {"policies", "track", "ablate", "contend", "hbm"}) cx.out.doc[s] = json::array();

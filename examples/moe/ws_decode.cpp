@@ -79,6 +79,7 @@ struct cli {
   double assist_max_fraction = 0.5, eviction_bounce_mib = 32.0;
   std::string launch_thread = "off", grouped_experts = "on";
   std::string hbm_resident_kernel = "off";  // --hbm-resident-kernel
+  std::string caller_stream_steps = "on";   // --caller-stream-steps
   int grouped_expert_max_rows = 32, grouped_expert_min_active = 16;
   std::string device_experts_issue = "auto";
   std::string stream_experts = "on", flash_prefill = "on", cudnn_prefill = "on";
@@ -511,7 +512,8 @@ int run(cli& a) {
         "--cudnn-prefill",    "--no-warmup",               "--router-zipf",               "--expert-placement",
         "--migrate-max-experts", "--migration",          "--prefill-expert-gemm",       "--prefill-expert-groups",
         "--decode-routing",   "--no-dram-ceiling",         "--device-experts-issue",      "--hbm-kv",
-        "--hbm-kv-gib",       "--hbm-resident-kernel",     "--hbm-read-gbps",             "--prefill-moe-chunk-tokens"};
+        "--hbm-kv-gib",       "--hbm-resident-kernel",     "--hbm-read-gbps",             "--prefill-moe-chunk-tokens",
+        "--caller-stream-steps"};
     for (const char* opt : cuda_only)
       if (a.gave(opt))
         refuse(opt, "acts on the CUDA path only (--device cuda or emulated)",
@@ -520,7 +522,7 @@ int run(cli& a) {
   if (a.precision != "bf16" && a.precision != "fp32")
     throw writescope::config_error("--precision " + a.precision + " is not one of bf16, fp32");
   if (kind == device_kind::emulated)  // cuda_backend's own settings: the host backend has none of them
-    for (const char* opt : {"--launch-thread", "--eviction-bounce-mib", "--kv-write-bounce-mib"})
+    for (const char* opt : {"--launch-thread", "--eviction-bounce-mib", "--kv-write-bounce-mib", "--caller-stream-steps"})
       if (a.gave(opt)) refuse(opt, "acts with --device cuda only (a setting of cuda_backend)", "--device emulated");
   if (a.precision == "fp32")  // the fp32 precision materialises the prefill scores and runs experts per expert
     for (const char* opt : {"--flash-prefill", "--batched-prefill-experts", "--cudnn-prefill", "--prefill-expert-gemm",
@@ -732,6 +734,7 @@ int run(cli& a) {
   dopt.eviction_bounce_bytes = writescope::index_t(a.eviction_bounce_mib * double(1 << 20));
   dopt.launch_thread = a.launch_thread == "on";
   dopt.resident_kernel = a.hbm_resident_kernel == "on";
+  dopt.caller_stream_steps = a.caller_stream_steps == "on";
   dopt.grouped_experts = a.grouped_experts == "on";
   dopt.grouped_expert_max_rows = a.grouped_expert_max_rows;
   dopt.grouped_expert_min_active = a.grouped_expert_min_active;
@@ -785,6 +788,7 @@ int run(cli& a) {
     j["launch_thread"] = dopt.launch_thread && kind == device_kind::cuda;
     j["all_gpu_steps"] = o.all_gpu_steps;
     j["hbm_resident_kernel"] = dopt.resident_kernel && kind == device_kind::cuda;
+    j["caller_stream_steps"] = dopt.caller_stream_steps && kind == device_kind::cuda;
     j["command_line"] = a.command_line;  // with the fields below, what reproduces the run
     j["model_source"] = a.random_weights ? "random weights (seed " + std::to_string(a.seed) + ") from " + config_path.string()
                                          : a.model_dir;
@@ -1083,6 +1087,11 @@ int main(int argc, char** argv) {
   app.add_option("--hbm-resident-kernel", a.hbm_resident_kernel,
                  "--device cuda: on = the HBM KV region attended by the split-K resident kernels "
                  "(experimental); off = by the streamed-chunk kernel")
+      ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--caller-stream-steps", a.caller_stream_steps,
+                 "--device cuda: on = an all-GPU attention step that streams nothing (every token of the batch "
+                 "in HBM or the D-window) runs on the caller stream, no event between streams; off = on the "
+                 "engine's compute and copy streams (the same bits)")
       ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
   app.add_option("--launch-thread", a.launch_thread,
                  "--device cuda: on = a launcher thread enqueues each layer's streamed chunks while the "

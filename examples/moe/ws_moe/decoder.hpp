@@ -150,6 +150,9 @@ struct device_report {
   index_t experts_gpu_bytes = 0;     ///< routed experts on the device
   index_t experts_host_bytes = 0;    ///< routed experts in host memory
   index_t kv_bytes = 0;              ///< the cache's device regions (D-window + ping-pong)
+  /// Decode attention steps that ran on the caller stream (cuda_backend's
+  /// caller-stream steps: all-GPU, nothing streamed; --caller-stream-steps).
+  index_t caller_stream_steps = 0;
   index_t workspace_bytes = 0;       ///< activations and scratch of the decoder
   /// Of workspace_bytes, the routed experts' buffers that scale with the tokens
   /// of one MoE pass (routing, its sort, packed rows and their products), and

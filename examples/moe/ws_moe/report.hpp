@@ -468,6 +468,9 @@ inline void print_summary(std::FILE* f, const model_config& c, const generation_
                r.attention_seconds, r.cpu_engine_seconds, r.gpu_engine_seconds, static_cast<long long>(r.cpu_tokens),
                static_cast<long long>(r.streamed_tokens), static_cast<long long>(r.resident_tokens),
                static_cast<long long>(r.window_tokens));
+  if (r.device.caller_stream_steps > 0)
+    std::fprintf(f, "           %lld layer steps on the caller stream (all-GPU, nothing streamed)\n",
+                 static_cast<long long>(r.device.caller_stream_steps));
   if (r.assist_tokens > 0)
     std::fprintf(f, "assist     the CPU engine attended %lld pinned KV tokens in place (%.3f of the pinned tokens attended)\n",
                  static_cast<long long>(r.assist_tokens),
@@ -615,7 +618,8 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
                     {"gpu_side_seconds", r.gpu_engine_seconds}, {"cpu_tokens", r.cpu_tokens},
                     {"streamed_tokens", r.streamed_tokens}, {"window_tokens", r.window_tokens},
                     {"hbm_tokens", r.resident_tokens},
-                    {"assist_tokens", r.assist_tokens}};
+                    {"assist_tokens", r.assist_tokens},
+                    {"caller_stream_steps", r.device.caller_stream_steps}};
   nlohmann::json traj = nlohmann::json::array();
   for (const auto& p : r.trajectory)
     traj.push_back({{"step", p.step}, {"placed_tokens", p.placed_tokens}, {"cpu_share", p.cpu_share}, {"target", p.target}});

@@ -112,6 +112,9 @@ struct device_options {
   /// cuda_backend: the HBM-resident region attended by the split-K resident
   /// kernels (cuda_backend::set_resident_kernel; experimental, off by default).
   bool resident_kernel = false;
+  /// cuda_backend: all-GPU attention steps that stream nothing run on the
+  /// caller stream (cuda_backend::set_caller_stream_steps; on by default).
+  bool caller_stream_steps = true;
   /// Decode MoE layers run their device experts in two launches (gate‖up with
   /// SiLU, then down: launch_expert_gemv) instead of one cuBLAS product per
   /// expert and matrix, when the experts are bf16, no expert has more than
@@ -345,6 +348,8 @@ class device_decoder {
       x_.backend().set_deferred_host_writes(d_.deferred_kv_write_bytes);
     if constexpr (requires(backend_type& b) { b.set_resident_kernel(true); })
       x_.backend().set_resident_kernel(d_.resident_kernel);  // before hybrid_attention: it reserves the workspace
+    if constexpr (requires(backend_type& b) { b.set_caller_stream_steps(true); })
+      x_.backend().set_caller_stream_steps(d_.caller_stream_steps);
     attention_options ao;
     ao.cpu_threads = o.threads;
     ao.assist = o.assist;
@@ -567,6 +572,8 @@ class device_decoder {
     if (o.progress && !res.step_seconds.empty() && int(res.step_seconds.size()) < steps)
       o.progress(phase::decode, steps, steps);  // every sequence stopped early: close the bar
     x_.sync();
+    if constexpr (requires { hybrid_->engine().caller_stream_launches(); })
+      res.device.caller_stream_steps = hybrid_->engine().caller_stream_launches();
     counting_ = counting::off;
 
     res.usage = cache_->usage();  // with the stopped sequences' blocks returned
