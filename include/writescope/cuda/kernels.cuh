@@ -2,8 +2,9 @@
 // writescope/cuda/kernels.cuh — the GPU side of a decode step (paper §4.2,
 // §6): split attention over streamed ping-pong chunks and over the
 // D-window, the in-order fold of split partials, the final LSE merge, the
-// merge of tensor_parallel_mla's rank partials, the scatter of appended KV into blocks, the sparse pipeline's wait kernel and
-// device pull, and two small helpers (fill, spin).
+// merge of tensor_parallel_mla's rank partials, the scatter of appended KV
+// into blocks, the sparse pipeline's wait kernel and device pull, and two
+// small helpers (fill, spin).
 // nvcc only. Host code includes kernels.hpp (declarations) and links one .cu
 // that includes this file and instantiates its layouts:
 //
