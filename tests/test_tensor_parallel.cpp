@@ -61,9 +61,14 @@ struct run_stats {
 
 // Drives `tp` (a tensor_parallel_gqa or _mla) and one cache of the full
 // layout with the same tokens and queries; compares every layer of every step.
-template <class TP, class Layout>
+struct no_step_hook {
+  template <class... A>
+  void operator()(A&&...) const {}
+};
+
+template <class TP, class Layout, class StepHook = no_step_hook>
 run_stats drive(TP& tp, const Layout& L, const partition_spec& spec, const std::vector<index_t>& prompts, int steps,
-                double scale, bool check_placement) {
+                double scale, bool check_placement, StepHook&& after_step = {}) {
   host_backend be;
   host_cache<Layout, fixed_ratio> single(be, L, spec, fixed_ratio(0.5), {}, cache_options{true});
   attention_options ao;
@@ -117,6 +122,7 @@ run_stats drive(TP& tp, const Layout& L, const partition_spec& spec, const std::
       attn.step(l, batch, qs, float(scale),
                 {mem_span<float, pageable_host_space>(o2.data(), index_t(o2.size())),
                  mem_span<float, pageable_host_space>(l2.data(), index_t(l2.size())), nullptr});
+      after_step(l, std::span<const sequence_id>(batch), q, scale, o1, l1);
       s.bit_identical = s.bit_identical && same_bits(o1, o2) && same_bits(l1, l2);
       s.max_diff_out = std::max(s.max_diff_out, max_abs_diff(o1, o2));
       s.max_diff_lse = std::max(s.max_diff_lse, max_abs_diff(l1, l2));
@@ -192,7 +198,48 @@ TEST_CASE("tensor_parallel_mla: N = 1, 2, 4 ranks (tokens split by eviction batc
     index_t sum = 0;
     for (int r = 0; r < n; ++r) sum += tp.rank_prompt_tokens(r, 130);
     CHECK(sum == 130);
-    const run_stats s = drive(tp, L, spec, {5, 40, 77, 130}, 40, scale, false);
+    // The merge rule, bit for bit: each rank's own step over the sequences it holds tokens of
+    // (run again: the same partials), merged by merge_state_row in rank order 0..N-1 from the
+    // empty state, must give the composite's output exactly (a merge in another order would
+    // differ in the last bits, which the comparison with one cache cannot see).
+    int merge_mismatches = 0, merged_rows = 0;
+    auto merge_order = [&](int l, std::span<const sequence_id> batch, const std::vector<float>& q, double sc,
+                           const std::vector<float>& o1, const std::vector<float>& l1) {
+      constexpr int Q = M::q_dim, V = M::v_dim;
+      const int hq = L.num_q_heads();
+      const std::size_t orow = std::size_t(hq) * V;
+      std::vector<float> want(batch.size() * orow, 0.0f), want_lse(batch.size() * std::size_t(hq), empty_lse);
+      for (int r = 0; r < n; ++r) {
+        std::vector<sequence_id> ids;
+        std::vector<std::size_t> rows;
+        for (std::size_t i = 0; i < batch.size(); ++i) {
+          const sequence_id id = tp.rank_sequence(r, batch[i]);
+          if (tp.cache(r).sequence(id).total_tokens(l) > 0) {
+            ids.push_back(id);
+            rows.push_back(i);
+          }
+        }
+        if (ids.empty()) continue;
+        std::vector<float> qr(ids.size() * std::size_t(hq) * Q), orr(ids.size() * orow), lr(ids.size() * std::size_t(hq));
+        for (std::size_t k = 0; k < ids.size(); ++k)
+          std::copy_n(q.data() + rows[k] * std::size_t(hq) * Q, std::size_t(hq) * Q, qr.data() + k * std::size_t(hq) * Q);
+        tp.attention(r).step(l, ids, mem_span<const float, pageable_host_space>(qr.data(), index_t(qr.size())), float(sc),
+                             {mem_span<float, pageable_host_space>(orr.data(), index_t(orr.size())),
+                              mem_span<float, pageable_host_space>(lr.data(), index_t(lr.size())), nullptr});
+        for (std::size_t k = 0; k < ids.size(); ++k)
+          for (int h = 0; h < hq; ++h) {
+            float* o = want.data() + rows[k] * orow + std::size_t(h) * V;
+            float& lse = want_lse[rows[k] * std::size_t(hq) + std::size_t(h)];
+            merge_state_row(o, lse, orr.data() + k * orow + std::size_t(h) * V, lr[k * std::size_t(hq) + std::size_t(h)], o,
+                            &lse, V);
+          }
+      }
+      merged_rows += int(batch.size());
+      if (!same_bits(want, o1) || !same_bits(want_lse, l1)) ++merge_mismatches;
+    };
+    const run_stats s = drive(tp, L, spec, {5, 40, 77, 130}, 40, scale, false, merge_order);
+    CHECK(merged_rows > 0);
+    CHECK(merge_mismatches == 0);
     CHECK(s.evictions > 0);
     CHECK(s.ref.ok());
     CHECK(s.max_diff_out <= 2e-5);
