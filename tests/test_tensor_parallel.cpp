@@ -289,6 +289,17 @@ TEST_CASE("tensor_parallel: refusals name the numbers; rank errors propagate; en
       CHECK(mentions(e.what(), {"Hkv = 2", "4 ranks"}));
     }
   }
+  SUBCASE("one backend for two ranks") {
+    host_backend one;
+    std::vector<host_backend*> ptrs{&one, &one};
+    try {
+      tp_gqa<G> tp(ptrs, L, gqa_spec(G(16, 4)), fixed_ratio(0.5));
+      FAIL("no throw");
+    } catch (const config_error& e) {
+      CHECK(mentions(e.what(), {"tensor_parallel_gqa", "ranks 0 and 1", "same backend"}));
+    }
+    CHECK_THROWS_AS(tp_mla<M>(ptrs, M(16), small_spec_for(M(16), 1, 2), fixed_ratio(0.5)), config_error);
+  }
   SUBCASE("null backend") {
     std::vector<host_backend*> ptrs{nullptr};
     CHECK_THROWS_AS(tp_gqa<G>(ptrs, L, gqa_spec(L), fixed_ratio(0.5)), config_error);

@@ -87,8 +87,8 @@
 // what is left. In step(), the lowest rank's exception is rethrown after every
 // rank has finished; the caches are unchanged and the outputs unspecified.
 // The constructors throw config_error naming the values for no ranks, a null
-// backend, Hkv or Hq not a multiple of N (GQA), and, on device backends, one
-// backend given to two ranks; resource_error when a device buffer cannot be
+// backend, one backend given to two ranks, and Hkv or Hq not a multiple of N
+// (GQA); resource_error when a device buffer cannot be
 // allocated. A failing CUDA call of the device path throws cuda_error.
 #pragma once
 
@@ -316,6 +316,16 @@ class tp_ranks {
     for (int r = 0; r < n; ++r)
       if (backends[std::size_t(r)] == nullptr)
         throw config_error(std::string(what) + ": the backend of rank " + std::to_string(r) + " is null");
+    for (int r = 0; r < n; ++r)
+      for (int s = 0; s < r; ++s)
+        if (backends[std::size_t(r)] == backends[std::size_t(s)]) {
+          std::string where;
+          if constexpr (requires(Backend& b) { b.device(); })
+            where = " (device " + std::to_string(backends[std::size_t(r)]->device()) + ")";
+          throw config_error(std::string(what) + ": ranks " + std::to_string(s) + " and " + std::to_string(r) +
+                             " were given the same backend" + where +
+                             "; each rank needs a backend of its own (one backend is driven from one thread)");
+        }
     device_.attach(backends, what);  // a device backend's own refusals, before anything is allocated
     ranks_.reserve(std::size_t(n));
     ids_.resize(std::size_t(n));

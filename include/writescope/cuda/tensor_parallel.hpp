@@ -20,8 +20,8 @@
 // (cudaMemcpyPeerAsync, cudaMemcpy3DPeerAsync: no peer access needed), on the
 // stream of the rank whose work they are.
 //
-// Errors: a backend given for two ranks is refused with config_error naming
-// both ranks and the device at construction; a failing CUDA call throws
+// Errors: a backend given for two ranks is refused before this is attached
+// (tensor_parallel.hpp: config_error naming both ranks and the device); a failing CUDA call throws
 // cuda_error (WS_CUDA_TRY). The *_quiet members, for exception paths, ignore
 // CUDA errors.
 // Threads: begin_call / end_call / init_states / merge_rows on the driving
@@ -85,18 +85,10 @@ struct tp_device<basic_cuda_backend<Hooks>> {
   tp_device(tp_device&&) noexcept = default;
   tp_device& operator=(tp_device&&) = delete;
 
-  /// The ranks' backends (non-null, checked by the caller). Throws
-  /// config_error when one backend serves two ranks; cuda_error when an event
-  /// cannot be created (on its rank's device).
-  void attach(std::span<backend_type* const> backends, const char* what) {
+  /// The ranks' backends (non-null and distinct, checked by the caller).
+  /// Throws cuda_error when an event cannot be created (on its rank's device).
+  void attach(std::span<backend_type* const> backends, const char* /*what*/) {
     const int n = int(backends.size());
-    for (int r = 0; r < n; ++r)
-      for (int s = 0; s < r; ++s)
-        if (backends[std::size_t(r)] == backends[std::size_t(s)])
-          throw config_error(std::string(what) + ": ranks " + std::to_string(s) + " and " + std::to_string(r) +
-                             " were given the same backend (device " +
-                             std::to_string(backends[std::size_t(r)]->device()) +
-                             "); each rank needs a backend of its own (one backend is driven from one thread)");
     backends_.assign(backends.begin(), backends.end());
     done_.clear();
     done_.resize(std::size_t(n));
