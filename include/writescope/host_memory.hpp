@@ -6,7 +6,8 @@
 // library takes (pageable regions, page-locked regions, staging buffers); its
 // release function is chosen by whoever allocated it. Allocation failures throw
 // resource_error / pinned_memory_error naming the size, at init or at region
-// growth — never in the middle of a decode step.
+// growth — never in the middle of a decode step. mlock_allocator can bind its
+// pages to a NUMA node (numa.hpp; numa_placeable_allocator).
 #pragma once
 
 #include <sys/mman.h>
@@ -26,6 +27,7 @@
 
 #include "config.hpp"
 #include "error.hpp"
+#include "numa.hpp"
 
 namespace writescope {
 
@@ -194,6 +196,17 @@ inline void require_memory_cgroup_headroom(index_t bytes, const std::string& wha
   if (!m.empty()) throw pinned_memory_error(m);
 }
 
+/// The page-owning allocators' NUMA step (numa.hpp): binds the freshly mapped,
+/// untouched [p, p + bytes) to `node` with MPOL_BIND; empty on success,
+/// otherwise the pinned-memory refusal naming `what`, the size, the node and
+/// the errno text (the caller unmaps and throws).
+inline std::string numa_place_pinned(void* p, index_t bytes, int node, const char* what) {
+  std::string m = numa_bind_refusal(p, bytes, node);
+  if (m.empty()) return m;
+  return "pinned memory: placing " + format_bytes(bytes) + " for " + what + " on NUMA node " + std::to_string(node) +
+         " failed: " + m;
+}
+
 }  // namespace detail
 
 /// Opt-in tag of the pinned_allocator concept.
@@ -226,14 +239,30 @@ struct pageable_allocator {
 /// and the memory cgroup). A refusal throws pinned_memory_error naming the
 /// size and the limit; a request past the memory cgroup's headroom is refused
 /// before mlock (detail::require_memory_cgroup_headroom).
+///
+/// NUMA placement: with `numa_node` set to an online node, the pages are
+/// mmap'ed, bound to that node (mbind, MPOL_BIND; numa.hpp), then locked
+/// (mlock faults them in, on that node only). A node that is not online throws
+/// config_error naming it and the online nodes, before anything is mapped; a
+/// refused mbind throws pinned_memory_error naming the size, the node and the
+/// errno text, with nothing left mapped. no_numa_node (the default): no
+/// placement, the pages land where the kernel's default policy puts them.
+/// Aggregate: `mlock_allocator{}`, `mlock_allocator{1}` (node 1).
 struct mlock_allocator {
   using allocator_concept = pinned_allocator_tag;
   static constexpr const char* name = "mlock";
   static constexpr bool page_locked = true;
+  /// The NUMA node the pages are bound to; no_numa_node: none.
+  int numa_node = no_numa_node;
+
   host_allocation allocate(index_t bytes) const {
     if (bytes <= 0) return {};
+    if (numa_node != no_numa_node) require_online_numa_node(numa_node, "mlock_allocator");
     detail::require_memory_cgroup_headroom(bytes, "mlock");
     host_allocation a = detail::map_pageable(bytes, "pinned load region");
+    if (numa_node != no_numa_node)
+      if (std::string m = detail::numa_place_pinned(a.data(), bytes, numa_node, "mlock"); !m.empty())
+        throw pinned_memory_error(m);  // `a` unmaps on the way out
     if (::mlock(a.data(), static_cast<std::size_t>(bytes)) != 0) {
       const int err = errno;
       struct rlimit rl {};
@@ -249,7 +278,20 @@ struct mlock_allocator {
   }
 };
 
+/// A pinned_allocator that can place its pages on one NUMA node: a public
+/// `int numa_node` member, no_numa_node (the default) for no placement. Those
+/// that own their pages model it (mlock_allocator, cuda_host_register);
+/// cuda_host_alloc does not (the driver allocates its pages). The
+/// tensor-parallel compositions give each rank's copy its GPU's node
+/// (docs/MULTI-GPU.md, NUMA placement).
+template <class A>
+concept numa_placeable_allocator = pinned_allocator<A> && requires(A& a) {
+  { a.numa_node } -> std::same_as<int&>;
+};
+
 static_assert(pinned_allocator<pageable_allocator>);
 static_assert(pinned_allocator<mlock_allocator>);
+static_assert(numa_placeable_allocator<mlock_allocator>);
+static_assert(!numa_placeable_allocator<pageable_allocator>);
 
 }  // namespace writescope

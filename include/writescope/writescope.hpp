@@ -18,6 +18,7 @@
 #include "inplace_kv_cache.hpp"
 #include "layout.hpp"
 #include "memory_space.hpp"
+#include "numa.hpp"
 #include "partial_state.hpp"
 #include "partition_spec.hpp"
 #include "policy.hpp"
