@@ -13,6 +13,16 @@
 //                       several times faster than cudaHostAlloc
 //                       (docs/CUDA-ENGINE.md).
 //
+// NUMA placement (numa.hpp, docs/MULTI-GPU.md). cuda_host_register owns its
+// pages, so it can place them: with `numa_node` set to an online node it binds
+// the fresh mapping to that node (mbind, MPOL_BIND) before the pre-touch, so
+// every page is allocated there; cuda/numa.hpp gives a device's node.
+// cuda_host_alloc cannot: the driver allocates its pages, and where they land
+// follows the driver and the calling thread's memory policy, not the allocator. It
+// has no `numa_node`, so asking it for a node does not compile
+// (numa_placeable_allocator is false for it); place a region with
+// cuda_host_register instead.
+//
 // Device mapping. Both make the region addressable by kernels, which the
 // sparse pipeline's device pull needs (sparse_transfer::device_pull: a copy
 // kernel reads selected blocks straight out of the region over PCIe;
@@ -75,6 +85,7 @@
 #include "../detail/thread_affinity.hpp"
 #include "../error.hpp"
 #include "../host_memory.hpp"
+#include "../numa.hpp"
 #include "cuda_error.hpp"
 
 namespace writescope {
@@ -277,7 +288,9 @@ inline std::string cuda_error_text(cudaError_t e) {
 inline std::size_t registered_pinned_ranges() { return cuda_detail::pinned_registry::instance().size(); }
 
 /// Pinned load region through cudaHostAlloc (portable, write-back cached;
-/// device-mapped under unified addressing, see the file comment).
+/// device-mapped under unified addressing, see the file comment). No NUMA
+/// placement: the driver allocates the pages (file comment); there is no
+/// `numa_node` member to set.
 struct cuda_host_alloc {
   using allocator_concept = pinned_allocator_tag;
   static constexpr const char* name = "cudaHostAlloc";
@@ -347,6 +360,13 @@ struct cuda_host_register {
   /// ends), release builds silently copy from it as pageable memory. Off by
   /// default; never set it in production.
   bool skip_refusal_check = false;
+  /// The NUMA node the pages are bound to (mbind, MPOL_BIND) between the mmap
+  /// and the pre-touch, so that every page is allocated there; no_numa_node
+  /// (the default): no placement. A node that is not online throws
+  /// config_error (naming it and the online nodes) before anything is mapped;
+  /// a refused mbind throws pinned_memory_error naming the size, the node and
+  /// the errno text, with nothing left mapped.
+  int numa_node = no_numa_node;
 
   /// Page-locks `bytes` (0 gives an empty allocation). Throws
   /// pinned_memory_error naming pinned memory, the size and the CUDA error (or
@@ -354,6 +374,7 @@ struct cuda_host_register {
   host_allocation allocate(index_t bytes) const {
     if (bytes <= 0) return {};
     using namespace cuda_detail;
+    if (numa_node != no_numa_node) require_online_numa_node(numa_node, "cuda_host_register");
     const index_t page = page_bytes();
     const index_t mapped = round_up(bytes, page);
     // The pre-touch below would meet the cgroup OOM killer past the memory cgroup's limit.
@@ -370,6 +391,11 @@ struct cuda_host_register {
       throw_pin_error(counters(), "pinned memory: reserving " + format_bytes(bytes) +
                                       " of host memory for cudaHostRegister failed: " + std::strerror(errno));
     auto* base = static_cast<unsigned char*>(p);
+    if (numa_node != no_numa_node)
+      if (std::string m = detail::numa_place_pinned(p, mapped, numa_node, "cudaHostRegister"); !m.empty()) {
+        ::munmap(p, static_cast<std::size_t>(mapped));
+        throw_pin_error(counters(), m);
+      }
 
     // Pre-touch: fault every page in now, in parallel, so that registration
     // only pins resident pages, which is several times faster than pinning
@@ -465,5 +491,7 @@ struct cuda_host_register {
 
 static_assert(pinned_allocator<cuda_host_alloc>);
 static_assert(pinned_allocator<cuda_host_register>);
+static_assert(!numa_placeable_allocator<cuda_host_alloc>);  // the driver places its pages
+static_assert(numa_placeable_allocator<cuda_host_register>);
 
 }  // namespace writescope
