@@ -77,6 +77,16 @@
 // flush, step, end, destruction) runs with rank r's device current (restored
 // afterwards), on the calling thread or on rank r's thread in step().
 //
+// NUMA placement: each rank gets its own copy of the pinned allocator. When
+// that allocator can place its pages (numa_placeable_allocator:
+// mlock_allocator, cuda_host_register), its numa_node is no_numa_node and the
+// host has more than one online node, rank r's copy gets the node of rank r's
+// device (tp_device::numa_node; cuda_device_numa_node for cuda_backend, none
+// for host_backend's emulated devices) when that node is reported and online.
+// Otherwise every rank's copy is the allocator as given: one-node hosts,
+// allocators without a node (pageable_allocator, cuda_host_alloc) and a node
+// set by the caller are left as they are.
+//
 // Errors: typed exceptions (error.hpp) from any rank propagate unchanged.
 // Validation is identical on every rank (the ranks' bookkeeping is the same
 // for the same calls), so a shape_error / state_error / config_error of the
@@ -110,9 +120,11 @@
 #include "block_pool.hpp"
 #include "cpu/kernel.hpp"
 #include "error.hpp"
+#include "host_memory.hpp"
 #include "hybrid_attention.hpp"
 #include "inplace_kv_cache.hpp"
 #include "layout.hpp"
+#include "numa.hpp"
 #include "partial_state.hpp"
 #include "region.hpp"
 
@@ -125,6 +137,23 @@ namespace detail {
 [[nodiscard]] inline int rank_cpu_threads(int total, int ranks, int r) noexcept {
   const int share = total / ranks + (r < total % ranks ? 1 : 0);
   return std::max(1, share);
+}
+
+/// Rank r's copy of the pinned allocator (the file comment's NUMA placement):
+/// `pinned` with numa_node set to `device_node` when the allocator can place
+/// its pages, the caller left its node unset, `online` (the host's online
+/// nodes) has more than one node and holds `device_node`; otherwise `pinned`
+/// unchanged.
+template <pinned_allocator PinnedAllocator>
+[[nodiscard]] PinnedAllocator tp_rank_allocator(const PinnedAllocator& pinned, int device_node,
+                                                std::span<const int> online) {
+  PinnedAllocator pa = pinned;
+  if constexpr (numa_placeable_allocator<PinnedAllocator>) {
+    if (pa.numa_node == no_numa_node && online.size() > 1 && device_node != no_numa_node &&
+        std::find(online.begin(), online.end(), device_node) != online.end())
+      pa.numa_node = device_node;
+  }
+  return pa;
 }
 
 /// One persistent thread per rank 1..n−1 (rank 0 is the caller's): run(f)
@@ -242,6 +271,9 @@ struct tp_device {
     ~scope() {}  // NOLINT(modernize-use-equals-default): a guard, not "set but unused"
   };
   void attach(std::span<Backend* const>, const char*) noexcept {}
+  /// The host NUMA node of the backend's device (here: none; an emulated
+  /// device has no PCI slot).
+  static int numa_node(const Backend&) noexcept { return no_numa_node; }
 };
 
 /// A device buffer of one rank's backend, allocated and freed with that
@@ -327,6 +359,9 @@ class tp_ranks {
                              "; each rank needs a backend of its own (one backend is driven from one thread)");
         }
     device_.attach(backends, what);  // a device backend's own refusals, before anything is allocated
+    std::vector<int> online;  // read only where a node may be given (the file comment's NUMA placement)
+    if constexpr (numa_placeable_allocator<PinnedAllocator>)
+      if (pinned.numa_node == no_numa_node) online = numa_online_nodes();
     ranks_.reserve(std::size_t(n));
     ids_.resize(std::size_t(n));
     id_buf_.resize(std::size_t(n));
@@ -335,7 +370,9 @@ class tp_ranks {
         attention_options ao = options;
         ao.cpu_threads = rank_cpu_threads(total_cpu_threads_, n, r);
         const device_scope g(*backends[std::size_t(r)]);  // the rank's device regions on its device
-        ranks_.push_back(std::make_unique<rank>(*backends[std::size_t(r)], rank_layout, spec, policy, pinned, co, ao));
+        const int node = online.size() > 1 ? device_type::numa_node(*backends[std::size_t(r)]) : no_numa_node;
+        ranks_.push_back(std::make_unique<rank>(*backends[std::size_t(r)], rank_layout, spec, policy,
+                                                tp_rank_allocator(pinned, node, online), co, ao));
       }
       team_ = std::make_unique<rank_team>(n);
     } catch (...) {

@@ -24,6 +24,9 @@
 // (tensor_parallel.hpp: config_error naming both ranks and the device); a failing CUDA call throws
 // cuda_error (WS_CUDA_TRY). The *_quiet members, for exception paths, ignore
 // CUDA errors.
+// NUMA: numa_node(backend) is the node of the backend's device
+// (cuda_device_numa_node, cuda/numa.hpp), which tensor_parallel.hpp gives each
+// rank's copy of a numa_placeable_allocator on a host with several nodes.
 // Threads: begin_call / end_call / init_states / merge_rows on the driving
 // thread; rank_begin / rank_end / copy_rows for rank r on the thread that runs
 // rank r (rank_team), between them.
@@ -42,6 +45,7 @@
 #include "cuda_error.hpp"
 #include "handles.hpp"
 #include "kernels.hpp"
+#include "numa.hpp"
 
 namespace writescope::detail {
 
@@ -102,6 +106,10 @@ struct tp_device<basic_cuda_backend<Hooks>> {
       done_[std::size_t(r)] = cuda_detail::unique_event::create();
     }
   }
+
+  /// The host NUMA node of the backend's device (cuda_device_numa_node;
+  /// no_numa_node where the platform does not report it). Throws cuda_error.
+  static int numa_node(const backend_type& be) { return cuda_device_numa_node(be.device()); }
 
   [[nodiscard]] int device(int r) const noexcept { return backends_[std::size_t(r)]->device(); }
   [[nodiscard]] cudaStream_t stream(int r) const noexcept { return backends_[std::size_t(r)]->caller_stream(); }
