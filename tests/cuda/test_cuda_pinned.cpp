@@ -31,6 +31,7 @@
 #include "device_harness.hpp"
 
 #include <writescope/cuda/copy_batch.hpp>
+#include <writescope/cuda/numa.hpp>
 
 using namespace wstest;
 using namespace wstest::dev;
@@ -93,6 +94,35 @@ TEST_CASE("pinned allocators page-lock, account and release") {
   SUBCASE("cuda_host_alloc") { check_allocator(cuda_host_alloc{}); }
   SUBCASE("cuda_host_register, 1 GiB chunks") { check_allocator(cuda_host_register{}); }
   SUBCASE("cuda_host_register, 64 KiB chunks") { check_allocator(cuda_host_register{index_t{64} << 10, 2}); }
+}
+
+TEST_CASE("NUMA: cuda_host_register with a node binds its pages there (MPOL_BIND) and registers them; the device's node") {
+  // The device's node: one the host has online, or none where the platform does not say.
+  const int dev_node = cuda_device_numa_node(0);
+  const std::vector<int> online = numa_online_nodes();
+  MESSAGE("device 0: NUMA node " << dev_node << " (online nodes " << format_numa_node_list(online) << ")");
+  CHECK((dev_node == no_numa_node || std::find(online.begin(), online.end(), dev_node) != online.end()));
+
+  const int node = dev_node == no_numa_node ? online.front() : dev_node;
+  cuda_host_register alloc{index_t{64} << 10, 2};
+  alloc.numa_node = node;
+  const std::size_t ranges0 = registered_pinned_ranges();
+  const index_t bytes = (index_t{1} << 20) + 100;
+  {
+    host_allocation a = alloc.allocate(bytes);
+    CHECK(page_locked(a.data()));
+    CHECK(page_locked(a.data() + bytes - 1));
+    for (index_t off : {index_t{0}, bytes - 1}) {
+      const numa_page_info info = numa_page_policy(a.data() + off);
+      CHECK(info.mode == MPOL_BIND);
+      CHECK(info.nodes == std::vector<int>{node});
+      CHECK(info.node == node);
+    }
+  }
+  CHECK(registered_pinned_ranges() == ranges0);
+  alloc.numa_node = online.back() + 1;  // not online: refused before anything is mapped or registered
+  CHECK_THROWS_AS((void)alloc.allocate(bytes), config_error);
+  CHECK(registered_pinned_ranges() == ranges0);
 }
 
 TEST_CASE("pinned allocators refuse with a message naming pinned memory and the size, nothing half-registered") {
