@@ -215,34 +215,14 @@ class dense_engine {
       WS_CUDA_TRY(cudaMemsetAsync(split_lse_.data(), 0xff, static_cast<std::size_t>(split_lse_.size_bytes()), caller));
     }
     gpu::launch_init_state<Layout>(streamed_o_.as<float>(), streamed_lse_.as<float>(), rows, caller);
-    gpu::attend_params& ap = attend_;
-    ap.q = a.q.data();
-    ap.block_elems = a.format.block_elems();
-    ap.scale = a.softmax_scale;
-    ap.hq = hq_;
-    ap.hkv = layout_.kv_heads();
-    ap.group = layout_.group_size();
-    ap.block_tokens = a.format.block_tokens;
+    gpu::attend_params& ap = step_attend_params(a);
     ap.block_lists = nullptr;
     ap.out_o = split_o_.as<float>();
     ap.out_lse = split_lse_.as<float>();
     ap.num_items = k + a.batch;
-    gpu::fold_params& fp = fold_;
-    fp.state_o = streamed_o_.as<float>();
-    fp.state_lse = streamed_lse_.as<float>();
-    fp.split_o = split_o_.as<float>();
-    fp.split_lse = split_lse_.as<float>();
-    fp.hq = hq_;
-    fp.num_segments = 0;
-    for (int s = 0; s < k; ++s) {
-      const stream_split& sp = plan.resident_splits[std::size_t(s)];
-      ap.items[s] = {a.resident.block(sp.first_block).data(), sp.num_blocks * a.format.block_tokens, sp.batch_index, s,
-                     0};
-      if (fp.num_segments > 0 && fp.segments[fp.num_segments - 1].batch_index == sp.batch_index)
-        fp.segments[fp.num_segments - 1].split_end = s + 1;
-      else
-        fp.segments[fp.num_segments++] = {sp.batch_index, s, s + 1};
-    }
+    gpu::fold_params& fp = split_fold_params();
+    for (int s = 0; s < k; ++s)
+      add_split_item(ap, fp, s, plan.resident_splits[std::size_t(s)], a.resident, a.format.block_tokens, nullptr);
     for (int i = 0; i < a.batch; ++i) {
       const window_ref<Layout>& w = a.windows[std::size_t(i)];
       ap.items[k + i] = {w.blocks.block(0).data(), w.tokens, i, k + i, 0};
@@ -341,6 +321,13 @@ class dense_engine {
       }
     }
     gpu::launch_init_state<Layout>(streamed_o_.as<float>(), streamed_lse_.as<float>(), rows, comp);
+    (void)step_attend_params(a);
+    return slot;
+  }
+
+  // The attention parameters of the step (queries, block format, scale, heads); the
+  // caller sets the items, their outputs and block lists.
+  gpu::attend_params& step_attend_params(const args_type& a) {
     gpu::attend_params& ap = attend_;
     ap.q = a.q.data();
     ap.block_elems = a.format.block_elems();
@@ -349,7 +336,32 @@ class dense_engine {
     ap.hkv = layout_.kv_heads();
     ap.group = layout_.group_size();
     ap.block_tokens = a.format.block_tokens;
-    return slot;
+    return ap;
+  }
+
+  // Split `sp` (blocks of `region`) as attention item `local` (its partial at
+  // split row `local`), and into the fold: a new segment, or the previous one
+  // extended when it is the same sequence's.
+  static void add_split_item(gpu::attend_params& ap, gpu::fold_params& fp, int local, const stream_split& sp,
+                             const device_region<Layout>& region, int block_tokens, const std::int32_t* lists) {
+    ap.items[local] = {region.block(sp.first_block).data(), sp.num_blocks * block_tokens, sp.batch_index, local,
+                       lists != nullptr ? int(sp.list_offset) : 0};
+    if (fp.num_segments > 0 && fp.segments[fp.num_segments - 1].batch_index == sp.batch_index)
+      fp.segments[fp.num_segments - 1].split_end = local + 1;
+    else
+      fp.segments[fp.num_segments++] = {sp.batch_index, local, local + 1};
+  }
+
+  // The fold of the split workspace into the streamed state, no segment yet.
+  gpu::fold_params& split_fold_params() {
+    gpu::fold_params& fp = fold_;
+    fp.state_o = streamed_o_.as<float>();
+    fp.state_lse = streamed_lse_.as<float>();
+    fp.split_o = split_o_.as<float>();
+    fp.split_lse = split_lse_.as<float>();
+    fp.hq = hq_;
+    fp.num_segments = 0;
+    return fp;
   }
 
   // Step 3's compute side for one chunk in ping-pong buffer `b` (at `buf`),
@@ -504,23 +516,9 @@ class dense_engine {
       ap.out_o = split_o_.as<float>();
       ap.out_lse = split_lse_.as<float>();
       ap.num_items = int(s1 - s0);
-      gpu::fold_params& fp = fold_;
-      fp.state_o = streamed_o_.as<float>();
-      fp.state_lse = streamed_lse_.as<float>();
-      fp.split_o = split_o_.as<float>();
-      fp.split_lse = split_lse_.as<float>();
-      fp.hq = hq_;
-      fp.num_segments = 0;
-      for (index_t s = s0; s < s1; ++s) {
-        const stream_split& sp = splits[std::size_t(s)];
-        const int local = int(s - s0);
-        ap.items[local] = {region.block(sp.first_block).data(), sp.num_blocks * block_tokens, sp.batch_index, local,
-                           lists != nullptr ? int(sp.list_offset) : 0};
-        if (fp.num_segments > 0 && fp.segments[fp.num_segments - 1].batch_index == sp.batch_index)
-          fp.segments[fp.num_segments - 1].split_end = local + 1;
-        else
-          fp.segments[fp.num_segments++] = {sp.batch_index, local, local + 1};
-      }
+      gpu::fold_params& fp = split_fold_params();
+      for (index_t s = s0; s < s1; ++s)
+        add_split_item(ap, fp, int(s - s0), splits[std::size_t(s)], region, block_tokens, lists);
       attend_streamed(ap, lists != nullptr, dbg, comp);
       if (s1 == end) after_last_attend(comp);
       gpu::launch_fold<Layout>(fp, comp);
