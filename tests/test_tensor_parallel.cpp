@@ -137,15 +137,7 @@ run_stats drive(TP& tp, const Layout& L, const partition_spec& spec, const std::
     ++s.steps;
     if (check_placement) {
       // every rank's block table of every sequence equals the single cache's
-      for (int r = 0; r < tp.ranks(); ++r)
-        for (sequence_id id : seqs) {
-          const sequence_state& a = tp.cache(r).sequence(tp.rank_sequence(r, id));
-          const sequence_state& b = single.sequence(id);
-          bool same = a.block_table.size() == b.block_table.size();
-          for (std::size_t k = 0; same && k < a.block_table.size(); ++k)
-            same = a.block_table[k].region == b.block_table[k].region;
-          s.placement_mismatches += same ? 0 : 1;
-        }
+      s.placement_mismatches += rank_placement_mismatches(tp, single, seqs);
     }
   }
   return s;

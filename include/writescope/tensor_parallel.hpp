@@ -533,6 +533,16 @@ inline void check_ranks(int n, const char* what) {
     throw config_error(std::string(what) + ": " + std::to_string(n) + " ranks (backends) given; at least 1 is needed");
 }
 
+/// The host path's per-rank buffers: n ranks of q_elems gathered query
+/// elements, o_elems output elements and lse_elems LSEs (fp32, host memory).
+inline void size_host_rank_buffers(std::vector<std::vector<float>>& q, std::vector<std::vector<float>>& o,
+                                   std::vector<std::vector<float>>& lse, std::size_t n, std::size_t q_elems,
+                                   std::size_t o_elems, std::size_t lse_elems) {
+  q.assign(n, std::vector<float>(q_elems));
+  o.assign(n, std::vector<float>(o_elems));
+  lse.assign(n, std::vector<float>(lse_elems));
+}
+
 }  // namespace detail
 
 // =============================================================================
@@ -581,14 +591,7 @@ class tensor_parallel_gqa {
     const std::size_t n = backends.size();
     const std::size_t rows = std::size_t(spec.max_sequences) * std::size_t(rank_q_heads());
     if constexpr (host_path) {
-      q_.resize(n);
-      o_.resize(n);
-      lse_.resize(n);
-      for (std::size_t r = 0; r < n; ++r) {
-        q_[r].resize(rows * Layout::q_dim);
-        o_[r].resize(rows * Layout::v_dim);
-        lse_[r].resize(rows);
-      }
+      detail::size_host_rank_buffers(q_, o_, lse_, n, rows * Layout::q_dim, rows * Layout::v_dim, rows);
     } else {
       // per rank, on its device: gathered queries and its output heads; a KV
       // staging buffer for a rank on another device than rank 0's (appends:
@@ -868,14 +871,7 @@ class tensor_parallel_mla {
     const std::size_t n = backends.size(), rows = std::size_t(spec.max_sequences) * std::size_t(layout.num_q_heads());
     rows_.resize(n);
     if constexpr (host_path) {
-      q_.resize(n);
-      o_.resize(n);
-      lse_.resize(n);
-      for (std::size_t r = 0; r < n; ++r) {
-        q_[r].resize(rows * Layout::q_dim);
-        o_[r].resize(rows * Layout::v_dim);
-        lse_[r].resize(rows);
-      }
+      detail::size_host_rank_buffers(q_, o_, lse_, n, rows * Layout::q_dim, rows * Layout::v_dim, rows);
     } else {
       // per rank, on its device: gathered queries, its partial state, a KV
       // staging buffer (appends: max_sequences rows; grows for the longest

@@ -599,6 +599,24 @@ compare_result check_engine_partial(const Layout& L, const kv_history<Layout>& h
 }
 
 /// Bitwise equality of two float vectors (NaN payloads and signed zeros included).
+/// Tensor-parallel ranks against one cache of the full layout: the sequences
+/// of `seqs` whose block table on some rank differs (in length or in a
+/// block's region) from the single cache's, counted once per rank.
+template <class TP, class Cache>
+int rank_placement_mismatches(TP& tp, const Cache& single, std::span<const sequence_id> seqs) {
+  int bad = 0;
+  for (int r = 0; r < tp.ranks(); ++r)
+    for (sequence_id id : seqs) {
+      const sequence_state& a = tp.cache(r).sequence(tp.rank_sequence(r, id));
+      const sequence_state& b = single.sequence(id);
+      bool same = a.block_table.size() == b.block_table.size();
+      for (std::size_t k = 0; same && k < a.block_table.size(); ++k)
+        same = a.block_table[k].region == b.block_table[k].region;
+      bad += same ? 0 : 1;
+    }
+  return bad;
+}
+
 inline bool same_bits(const float* a, const float* b, std::size_t n) { return std::memcmp(a, b, n * sizeof(float)) == 0; }
 inline bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && same_bits(a.data(), b.data(), a.size());
