@@ -18,6 +18,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,37 @@ using namespace writescope;
 
 // env_flag, quick(), sanitizer_sizes() and scaled() (WS_TEST_QUICK,
 // WS_TEST_SANITIZER) are support/harness.hpp's: the shared bodies size by them too.
+
+/// A device array of n elements (cudaMalloc), freed on destruction; synchronous
+/// upload / download; poison() fills it with 0xff bytes (NaN for fp32).
+template <class T>
+class dev_array {
+ public:
+  explicit dev_array(std::size_t n) : n_(n) {
+    void* v = nullptr;
+    WS_CUDA_TRY(cudaMalloc(&v, std::max<std::size_t>(n, 1) * sizeof(T)));
+    p_ = static_cast<T*>(v);
+  }
+  dev_array(const dev_array&) = delete;
+  dev_array& operator=(const dev_array&) = delete;
+  ~dev_array() { (void)cudaFree(p_); }
+  T* get() const { return p_; }
+  void upload(const std::vector<T>& h) {
+    if (h.size() > n_)
+      throw std::logic_error("dev_array: " + std::to_string(h.size()) + " elements into " + std::to_string(n_));
+    if (!h.empty()) WS_CUDA_TRY(cudaMemcpy(p_, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> download(std::size_t n) const {
+    std::vector<T> h(n);
+    if (n > 0) WS_CUDA_TRY(cudaMemcpy(h.data(), p_, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+  void poison() { WS_CUDA_TRY(cudaMemset(p_, 0xff, std::max<std::size_t>(n_, 1) * sizeof(T))); }  // NaN for fp32
+
+ private:
+  T* p_ = nullptr;
+  std::size_t n_;
+};
 
 /// A device buffer that only grows; growing waits for `stream` first (the old
 /// buffer may still be read by work enqueued there).

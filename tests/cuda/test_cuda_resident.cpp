@@ -27,9 +27,11 @@
 #include <writescope/cuda/cuda_error.hpp>
 #include <writescope/cuda/kernels.hpp>
 
+#include "device_harness.hpp"
 #include "support/harness.hpp"
 
 using namespace writescope;
+using wstest::dev::dev_array;
 
 namespace {
 
@@ -38,35 +40,6 @@ using M = mla_layout<512, 64>;
 
 constexpr double tight_rel_l2 = 1e-4;
 constexpr double tight_lse_abs = 1e-4;
-
-/// A device array, freed on destruction.
-template <class T>
-class dev_array {
- public:
-  explicit dev_array(std::size_t n) : n_(n) {
-    void* v = nullptr;
-    WS_CUDA_TRY(cudaMalloc(&v, std::max<std::size_t>(n, 1) * sizeof(T)));
-    p_ = static_cast<T*>(v);
-  }
-  dev_array(const dev_array&) = delete;
-  dev_array& operator=(const dev_array&) = delete;
-  ~dev_array() { (void)cudaFree(p_); }
-  T* get() const { return p_; }
-  void upload(const std::vector<T>& h) {
-    REQUIRE(h.size() <= n_);
-    if (!h.empty()) WS_CUDA_TRY(cudaMemcpy(p_, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  std::vector<T> download(std::size_t n) const {
-    std::vector<T> h(n);
-    if (n > 0) WS_CUDA_TRY(cudaMemcpy(h.data(), p_, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-  void poison() { WS_CUDA_TRY(cudaMemset(p_, 0xff, std::max<std::size_t>(n_, 1) * sizeof(T))); }  // NaN for fp32
-
- private:
-  T* p_ = nullptr;
-  std::size_t n_;
-};
 
 /// The case: a pool of blocks, sequences of items (the first block of each
 /// run, tokens; every run but the last holds run_blocks whole blocks).

@@ -191,19 +191,19 @@ class dense_engine {
 
   // The caller-stream step (docs/CUDA-ENGINE.md, "Caller-stream steps"): on
   // the caller stream, after everything the caller enqueued before (the
-  // appends and HBM writes of K7 included, by stream order): the streamed
-  // state set empty; one attention launch over the HBM-resident splits
-  // (items [0, k), in plan order) and every sequence's D-window (item k + i
-  // for sequence i); one fold of each sequence's resident splits, in order,
-  // into its streamed state. merge() then reads the D-window partials from
-  // the split workspace (rows [k*Hq, (k+b)*Hq)), so out = streamed ⊕ D-window
-  // with the same kernels and order as the two-stream path: the same bits.
-  // No event is waited on and the copy stream is not touched (nothing is
-  // copied from host blocks, so C9's h2d_done of earlier steps stays valid).
+  // appends and HBM writes of K7 included, by stream order): one attention
+  // launch over the HBM-resident splits (items [0, k), in plan order) and
+  // every sequence's D-window (item k + i for sequence i). merge() then runs
+  // one fold_merge launch: each sequence's resident splits folded in order
+  // from the empty state (written as the streamed partial), then ⊕ its
+  // D-window partial (rows [k*Hq, (k+b)*Hq) of the split workspace): the
+  // same merges in the same order as the two-stream path's init, fold and
+  // merge kernels, so the same bits. No event is waited on and the copy
+  // stream is not touched (nothing is copied from host blocks, so C9's
+  // h2d_done of earlier steps stays valid).
   void launch_on_caller(const args_type& a) {
     cudaStream_t caller = ctx_->caller;
     const stream_plan& plan = *a.plan;
-    const index_t rows = index_t(a.batch) * hq_;
     const int k = int(plan.resident_splits.size());
     on_caller_ = true;
     cpu_side_ = false;
@@ -214,7 +214,6 @@ class dense_engine {
       WS_CUDA_TRY(cudaMemsetAsync(split_o_.data(), 0xff, static_cast<std::size_t>(split_o_.size_bytes()), caller));
       WS_CUDA_TRY(cudaMemsetAsync(split_lse_.data(), 0xff, static_cast<std::size_t>(split_lse_.size_bytes()), caller));
     }
-    gpu::launch_init_state<Layout>(streamed_o_.as<float>(), streamed_lse_.as<float>(), rows, caller);
     gpu::attend_params& ap = step_attend_params(a);
     ap.block_lists = nullptr;
     ap.out_o = split_o_.as<float>();
@@ -228,9 +227,21 @@ class dense_engine {
       ap.items[k + i] = {w.blocks.block(0).data(), w.tokens, i, k + i, 0};
     }
     if (ap.num_items > 0) gpu::launch_attend<Layout>(ap, caller);
-    if (fp.num_segments > 0) gpu::launch_fold<Layout>(fp, caller);
     window_src_o_ = split_o_.as<float>() + index_t(k) * hq_ * V;
     window_src_lse_ = split_lse_.as<float>() + index_t(k) * hq_;
+    // merge()'s fold_merge: sequence i's segment (empty where it has no resident split)
+    gpu::fold_merge_params& fm = fold_merge_;
+    fm = {};
+    fm.state_o = streamed_o_.as<float>();
+    fm.state_lse = streamed_lse_.as<float>();
+    fm.split_o = split_o_.as<float>();
+    fm.split_lse = split_lse_.as<float>();
+    fm.window_o = window_src_o_;
+    fm.window_lse = window_src_lse_;
+    fm.hq = hq_;
+    fm.batch = a.batch;
+    for (int i = 0; i < a.batch; ++i) fm.segments[i] = {i, 0, 0};
+    for (int g = 0; g < fp.num_segments; ++g) fm.segments[fp.segments[g].batch_index] = fp.segments[g];
     record(t_end_[std::size_t(slot)], caller);
     close_timing_slot(slot, plan, a.format.block_tokens);
     ++caller_stream_steps_;
@@ -631,7 +642,14 @@ class dense_engine {
       }
       record(cpu_h2d_done_, caller);
     }
-    if (!on_caller_) wait(caller, compute_done_);  // streamed and D-window partials are final (and the reads of q)
+    if (on_caller_) {  // the caller-stream step's fold and merge in one launch (launch_on_caller)
+      fold_merge_.out = o.out.data();
+      fold_merge_.out_lse = o.lse.empty() ? nullptr : o.lse.data();
+      gpu::launch_fold_merge<Layout>(fold_merge_, caller);
+      if (o.debug) copy_debug(*o.debug, rows);
+      return completed_gpu_seconds();
+    }
+    wait(caller, compute_done_);  // streamed and D-window partials are final (and the reads of q)
     if (cpu_side_) wait(caller, q_done_);  // the caller may overwrite q after this
     gpu::merge_params mp{};
     mp.streamed_o = streamed_o_.as<float>();
@@ -856,6 +874,7 @@ class dense_engine {
   bool launched_ = false;
   bool cpu_side_ = true;  // the launch's gpu_step_args::cpu_side
   bool on_caller_ = false;  // the launch took the caller-stream path (launch_on_caller)
+  gpu::fold_merge_params fold_merge_{};  // merge()'s launch after a caller-stream launch
   const float* window_src_o_ = nullptr;  // where merge() reads the D-window partials of the launch
   const float* window_src_lse_ = nullptr;
   index_t caller_stream_steps_ = 0;

@@ -32,13 +32,17 @@
 //
 // Attention kernel design (a simple one: the streamed side is bound by PCIe
 // (Gen5 x16: ≈ 55 GB/s), far below what even a plain kernel reads from HBM). One CTA of 256
-// threads attends one item (a streamed split or a D-window) for one KV head and
-// up to 16 query heads of its group. Per tile of 32 tokens it copies the K (and
-// V) rows into shared memory with 16-byte loads (MLA: one 576-wide row serves
-// both products and all heads), computes the 16×32 scores with one lane per
-// token and one warp per two heads, updates the online softmax per head inside
-// the warp (shuffles), and accumulates P·V with each thread owning 8 output
-// columns of a few heads. Rows past the item's valid tokens are never read.
+// threads attends one item (a streamed split, an HBM-resident split or a
+// D-window) for one KV head and up to 16 query heads of its group. Tiles of 32
+// tokens stream through shared memory in a cp.async pipeline of
+// attend_cfg::stages stages (16-byte asynchronous copies; MLA: one 576-wide row
+// serves both products and all heads), so the copies of the next tiles are in
+// flight while a tile is computed: the 16×32 scores with one lane per token and
+// one warp per two heads, the online softmax per head inside the warp
+// (shuffles), and P·V with each thread owning 8 output columns of a few heads.
+// Rows past the item's valid tokens are never read. The pipeline changes when
+// bytes land, not which bytes or the arithmetic: results do not depend on the
+// stage count.
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -100,6 +104,21 @@ __device__ __forceinline__ void merge_into(float& oa, float& la, float ob, float
 
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 
+/// 16 bytes global -> shared, asynchronous (sm_80+); `bytes` = 0 zero-fills the
+/// 16 shared bytes and reads nothing from `gmem` (which must still be a valid
+/// address). Both addresses 16-byte aligned.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int bytes = 16) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes) : "memory");
+}
+/// Closes this thread's group of cp.async copies issued since the last commit.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+/// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // -----------------------------------------------------------------------------
 // Attention over items
 // -----------------------------------------------------------------------------
@@ -109,6 +128,10 @@ struct attend_cfg {
   static constexpr int threads = 256;
   static constexpr int warps = threads / 32;
   static constexpr int tile = 32;                          ///< tokens per tile: one per lane
+  /// cp.async pipeline depth: tiles in shared memory at once. Rows wider than
+  /// 128 elements (MLA's 576, GQA head dim 256) take two, so that two CTAs
+  /// still fit an SM's 228 KiB; narrower rows three.
+  static constexpr int stages = L::row_elems > 128 ? 2 : 3;
   static constexpr int heads = attend_heads_per_cta;       ///< query heads per CTA
   static constexpr int heads_per_warp = heads / warps;     ///< score/softmax phase
   static constexpr int R = L::row_elems;
@@ -122,8 +145,9 @@ struct attend_cfg {
   static constexpr int PS = tile + 1;                      ///< padded probability row
   static constexpr unsigned q_off = 0;
   static constexpr unsigned k_off = q_off + unsigned(sizeof(float)) * heads * R;
-  static constexpr unsigned v_off = k_off + unsigned(sizeof(std::uint16_t)) * tile * RP;
-  static constexpr unsigned p_off = v_off + (shared_kv ? 0u : unsigned(sizeof(std::uint16_t)) * tile * RP);
+  static constexpr unsigned tile_bytes = unsigned(sizeof(std::uint16_t)) * tile * RP;  ///< one plane, one stage
+  static constexpr unsigned v_off = k_off + tile_bytes * stages;
+  static constexpr unsigned p_off = v_off + (shared_kv ? 0u : tile_bytes * stages);
   static constexpr unsigned stat_off = p_off + unsigned(sizeof(float)) * heads * PS;
   static constexpr unsigned smem_bytes = stat_off + unsigned(sizeof(float)) * 3 * heads;
 
@@ -132,6 +156,9 @@ struct attend_cfg {
   static_assert(VC <= threads && threads % VC == 0, "attend: v_dim/8 must divide the thread count");
   static_assert(L::q_dim == R, "attend: a query head is as wide as a key row");
   static_assert(k_off % 16 == 0 && v_off % 16 == 0 && p_off % 16 == 0, "attend: smem regions must be 16-byte aligned");
+  static_assert(tile_bytes % 16 == 0 && (RP * 2) % 16 == 0, "attend: smem rows must be 16-byte aligned");
+  static_assert(stages >= 2, "attend: two pipeline stages at least");
+  static_assert(smem_bytes <= 227u * 1024u, "attend: shared memory over the sm_90 per-CTA limit");
 };
 
 /// The production attention kernel's spin parameter: none.
@@ -188,18 +215,50 @@ __global__ void __launch_bounds__(256) attend_kernel(const __grid_constant__ att
     (void)spin;
   }
 
-  // Queries of this CTA's heads, pre-scaled, fp32.
+  const auto* kbase =
+      reinterpret_cast<const std::uint16_t*>(it.base) + block_format<L>::offset_in(p.hkv, bt, L::key_plane, kvh, 0, 0);
+  const auto* vbase =
+      reinterpret_cast<const std::uint16_t*>(it.base) + block_format<L>::offset_in(p.hkv, bt, L::value_plane, kvh, 0, 0);
+
+  // Issues the copies of tile t (rows [t*tile, t*tile + n)) into stage st;
+  // rows past n are neither copied nor read.
+  auto load_tile = [&](int t, int st) {
+    const int t0 = t * C::tile;
+    const int n = imin(C::tile, tokens - t0);
+    std::uint16_t* kd = ks + st * C::tile * C::RP;
+    std::uint16_t* vd = vs + st * C::tile * C::RP;
+#pragma unroll 4
+    for (int i = tid; i < n * C::RC; i += C::threads) {
+      const int r = i / C::RC;
+      const int c = i - r * C::RC;
+      const int tok = t0 + r;
+      const int blk = tok / bt;
+      int src_blk = blk;
+      if constexpr (Listed) {
+        const int x = lst[1 + blk];
+        src_blk = x >= 0 && x < nb ? x : 0;
+      }
+      const index_t off = index_t(src_blk) * p.block_elems + index_t(tok - blk * bt) * C::R + c * 8;
+      cp_async16(kd + r * C::RP + c * 8, kbase + off);
+      if constexpr (!C::shared_kv) cp_async16(vd + r * C::RP + c * 8, vbase + off);
+    }
+  };
+  const int num_tiles = (tokens + C::tile - 1) / C::tile;
+  // Prologue: the first stages - 1 tiles in flight, one commit group each
+  // (empty past the last tile, so that every thread's group count is uniform).
+#pragma unroll
+  for (int st = 0; st < C::stages - 1; ++st) {
+    if (st < num_tiles) load_tile(st, st);
+    cp_async_commit();
+  }
+
+  // Queries of this CTA's heads, pre-scaled, fp32 (while the first tiles land).
   const index_t qrow0 = index_t(it.q_seq) * p.hq + index_t(kvh) * p.group + g0;
   for (int i = tid; i < gc * C::R; i += C::threads) {
     const int g = i / C::R;
     const int e = i - g * C::R;
     qs[g * C::R + e] = p.q[(qrow0 + g) * C::R + e] * p.scale;
   }
-
-  const auto* kbase =
-      reinterpret_cast<const std::uint16_t*>(it.base) + block_format<L>::offset_in(p.hkv, bt, L::key_plane, kvh, 0, 0);
-  const auto* vbase =
-      reinterpret_cast<const std::uint16_t*>(it.base) + block_format<L>::offset_in(p.hkv, bt, L::value_plane, kvh, 0, 0);
 
   float m[C::heads_per_warp];
   float l[C::heads_per_warp];
@@ -216,35 +275,24 @@ __global__ void __launch_bounds__(256) attend_kernel(const __grid_constant__ att
   const int vc = tid % C::VC;  // this thread's 8 output columns: [8*vc, 8*vc+8)
   const int hl = tid / C::VC;  // and heads hl, hl+NH, ...
 
-  for (int t0 = 0; t0 < tokens; t0 += C::tile) {
-    const int n = imin(C::tile, tokens - t0);
-    __syncthreads();  // queries written / previous tile fully consumed
-
-    // 1. Tile rows [t0, t0+n) -> shared memory, 16 bytes per load.
-#pragma unroll 4
-    for (int i = tid; i < n * C::RC; i += C::threads) {
-      const int r = i / C::RC;
-      const int c = i - r * C::RC;
-      const int tok = t0 + r;
-      const int blk = tok / bt;
-      int src_blk = blk;
-      if constexpr (Listed) {
-        const int x = lst[1 + blk];
-        src_blk = x >= 0 && x < nb ? x : 0;
-      }
-      const index_t off = index_t(src_blk) * p.block_elems + index_t(tok - blk * bt) * C::R + c * 8;
-      *reinterpret_cast<uint4*>(ks + r * C::RP + c * 8) = *reinterpret_cast<const uint4*>(kbase + off);
-      if constexpr (!C::shared_kv)
-        *reinterpret_cast<uint4*>(vs + r * C::RP + c * 8) = *reinterpret_cast<const uint4*>(vbase + off);
-    }
+  for (int ti = 0; ti < num_tiles; ++ti) {
+    const int n = imin(C::tile, tokens - ti * C::tile);
+    // 1. This thread's copies of tile t have landed; after the barrier every
+    //    thread's have, the queries are written, and tile t-1 is fully consumed,
+    //    so its stage takes the copies of tile t + stages - 1.
+    cp_async_wait<C::stages - 2>();
     __syncthreads();
+    if (ti + C::stages - 1 < num_tiles) load_tile(ti + C::stages - 1, (ti + C::stages - 1) % C::stages);
+    cp_async_commit();
+    const std::uint16_t* kt = ks + (ti % C::stages) * C::tile * C::RP;
+    const std::uint16_t* vt = vs + (ti % C::stages) * C::tile * C::RP;
 
     // 2. Scores: lane = token, warp = heads warp, warp+8 (same thread keeps them).
     float s[C::heads_per_warp];
 #pragma unroll
     for (int j = 0; j < C::heads_per_warp; ++j) s[j] = 0.0f;
     if (lane < n) {
-      const std::uint16_t* krow = ks + lane * C::RP;
+      const std::uint16_t* krow = kt + lane * C::RP;
 #pragma unroll 2
       for (int c = 0; c < C::RC; ++c) {
         float kf[8];
@@ -299,7 +347,7 @@ __global__ void __launch_bounds__(256) attend_kernel(const __grid_constant__ att
     }
     for (int r = 0; r < n; ++r) {
       float vf[8];
-      unpack8(*reinterpret_cast<const uint4*>(vs + r * C::RP + vc * 8), vf);
+      unpack8(*reinterpret_cast<const uint4*>(vt + r * C::RP + vc * 8), vf);
 #pragma unroll
       for (int jj = 0; jj < C::HPT; ++jj) {
         const int g = hl + C::NH * jj;
@@ -311,6 +359,7 @@ __global__ void __launch_bounds__(256) attend_kernel(const __grid_constant__ att
       }
     }
   }
+  cp_async_wait<0>();  // only empty groups can remain
 
   // 5. Normalise and write the partial state.
 #pragma unroll
@@ -342,6 +391,35 @@ __global__ void __launch_bounds__(256) attend_kernel(const __grid_constant__ att
 // Fold, init, merge
 // -----------------------------------------------------------------------------
 
+/// Partials whose loads one fold thread issues ahead of their merges.
+inline constexpr int fold_unroll = 8;
+
+/// (o, lse) ⊕= split[begin] ⊕ ... ⊕ split[end-1] for output element i of
+/// query head h, in split order (merge_into each). The partials' loads do not
+/// depend on the running state: fold_unroll of them are issued together ahead
+/// of their merges (a long segment is a chain of merges, latency-bound
+/// otherwise); the merges keep the split order, so the bits do not depend on
+/// fold_unroll.
+template <int V>
+__device__ __forceinline__ void fold_chain(float& o, float& lse, const float* split_o, const float* split_lse, int begin,
+                                           int end, int hq, int h, int i) {
+  constexpr int U = fold_unroll;
+  for (int s0 = begin; s0 < end; s0 += U) {
+    float po[U], pl[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (s0 + u < end) {
+        const index_t srow = index_t(s0 + u) * hq + h;
+        po[u] = split_o[srow * V + i];
+        pl[u] = split_lse[srow];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (s0 + u < end) merge_into(o, lse, po[u], pl[u]);
+  }
+}
+
 /// One CTA folds segment `sg` (its partials split_o/split_lse, rows
 /// [split_begin, split_end)) into the running state of its sequence, query
 /// head blockIdx.y, in the partials' order: the body of fold_kernel and of
@@ -359,10 +437,7 @@ __device__ __forceinline__ void fold_segment_into_state(const fold_segment& sg, 
   for (int i = int(threadIdx.x); i < V; i += int(blockDim.x)) {
     float o = state_o[row * V + i];
     float lse = lse0;
-    for (int s = sg.split_begin; s < sg.split_end; ++s) {
-      const index_t srow = index_t(s) * hq + h;
-      merge_into(o, lse, split_o[srow * V + i], split_lse[srow]);
-    }
+    fold_chain<V>(o, lse, split_o, split_lse, sg.split_begin, sg.split_end, hq, h, i);
     state_o[row * V + i] = o;
     lse_out = lse;
   }
@@ -403,6 +478,35 @@ __global__ void __launch_bounds__(128) merge_kernel(const merge_params p) {
     lse_out = lse;
   }
   if (p.out_lse != nullptr && threadIdx.x == 0) p.out_lse[row] = lse_out;
+}
+
+/// The caller-stream step's tail in one kernel (fold_merge_params): the same
+/// merge_into calls in the same order as launch_init_state + launch_fold +
+/// launch_merge without a CPU partial, so the same bits. Grid (batch, hq).
+template <class L>
+__global__ void __launch_bounds__(128) fold_merge_kernel(const __grid_constant__ fold_merge_params p) {
+  constexpr int V = L::v_dim;
+  const int b = int(blockIdx.x);
+  const int h = int(blockIdx.y);
+  const fold_segment sg = p.segments[b];
+  const index_t row = index_t(b) * p.hq + h;
+  const float lw = p.window_lse[row];
+  float state_lse = -INFINITY;
+  float lse_out = -INFINITY;
+  for (int i = int(threadIdx.x); i < V; i += int(blockDim.x)) {
+    float o = 0.0f;  // launch_init_state's empty partial
+    float lse = -INFINITY;
+    fold_chain<V>(o, lse, p.split_o, p.split_lse, sg.split_begin, sg.split_end, p.hq, h, i);
+    p.state_o[row * V + i] = o;
+    state_lse = lse;
+    merge_into(o, lse, p.window_o[row * V + i], lw);  // streamed ⊕ D-window
+    p.out[row * V + i] = o;
+    lse_out = lse;
+  }
+  if (threadIdx.x == 0) {
+    p.state_lse[row] = state_lse;
+    if (p.out_lse != nullptr) p.out_lse[row] = lse_out;
+  }
 }
 
 /// One CTA merges partial row part_begin + blockIdx.x, query head
@@ -574,6 +678,16 @@ void launch_fold(const fold_params& p, cudaStream_t stream) {
 }
 
 template <class Layout>
+void launch_fold_merge(const fold_merge_params& p, cudaStream_t stream) {
+  if (p.batch <= 0) return;
+  if (p.batch > max_fold_segments)
+    throw config_error("launch_fold_merge: batch " + std::to_string(p.batch) + " over " +
+                       std::to_string(max_fold_segments) + " sequences per launch");
+  detail::fold_merge_kernel<Layout><<<dim3(unsigned(p.batch), unsigned(p.hq)), 128, 0, stream>>>(p);
+  WS_CUDA_CHECK_LAST();
+}
+
+template <class Layout>
 void launch_init_state(float* o, float* lse, index_t rows, cudaStream_t stream) {
   if (rows <= 0) return;
   detail::init_state_kernel<Layout><<<detail::grid_for(rows * Layout::v_dim, 256), 256, 0, stream>>>(o, lse, rows);
@@ -667,6 +781,8 @@ void launch_pull_blocks(const void* const* src, index_t count, void* dst, index_
   template void writescope::gpu::launch_fold<__VA_ARGS__>(const writescope::gpu::fold_params&, cudaStream_t);     \
   template void writescope::gpu::launch_init_state<__VA_ARGS__>(float*, float*, writescope::index_t, cudaStream_t); \
   template void writescope::gpu::launch_merge<__VA_ARGS__>(const writescope::gpu::merge_params&, cudaStream_t);   \
+  template void writescope::gpu::launch_fold_merge<__VA_ARGS__>(const writescope::gpu::fold_merge_params&,       \
+                                                                cudaStream_t);                                    \
   template void writescope::gpu::launch_merge_rows<__VA_ARGS__>(const writescope::gpu::merge_rows_params&,       \
                                                                 cudaStream_t);                                    \
   template void writescope::gpu::launch_scatter<__VA_ARGS__>(const writescope::gpu::scatter_params&, cudaStream_t); \

@@ -234,6 +234,33 @@ struct merge_params {
 template <class Layout>
 void launch_merge(const merge_params& p, cudaStream_t stream);
 
+/// The tail of an all-GPU step on the caller stream (dense_engine's
+/// caller-stream path) in one launch, for sequence b and query head h:
+///   state = empty ⊕ split[segments[b].split_begin] ⊕ ... ⊕ split[segments[b].split_end - 1]
+///   out   = state ⊕ window[b]
+/// state written to state_o/state_lse (the streamed partial), out to
+/// out/out_lse: the same merge_state_row calls in the same order as
+/// launch_init_state + launch_fold + launch_merge (no CPU partial), so the same
+/// bits. Grid (batch, hq).
+struct fold_merge_params {
+  float* state_o;           ///< [batch][hq][v_dim]
+  float* state_lse;         ///< [batch][hq]
+  const float* split_o;     ///< [split][hq][v_dim]
+  const float* split_lse;   ///< [split][hq]
+  const float* window_o;    ///< [batch][hq][v_dim]: the D-window partials
+  const float* window_lse;  ///< [batch][hq]
+  float* out;               ///< [batch][hq][v_dim]
+  float* out_lse;           ///< [batch][hq] or null
+  int hq;
+  int batch;                ///< <= max_fold_segments
+  /// segments[b]: sequence b's splits (batch_index b; split_begin == split_end: none).
+  fold_segment segments[max_fold_segments];
+};
+static_assert(sizeof(fold_merge_params) <= 4096, "fold_merge_params must fit the 4 KiB kernel-parameter limit");
+
+template <class Layout>
+void launch_fold_merge(const fold_merge_params& p, cudaStream_t stream);
+
 /// Rows of one launch of launch_merge_rows.
 inline constexpr int max_merge_rows = 512;
 

@@ -55,17 +55,7 @@ namespace writescope::gpu::detail {
 // PTX wrappers (sm_80+)
 // -----------------------------------------------------------------------------
 
-/// 16 bytes global -> shared, asynchronous; `bytes` = 0 zero-fills the 16
-/// shared bytes and reads nothing.
-__device__ __forceinline__ void res_cp_async16(void* smem, const void* gmem, int bytes) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void res_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void res_cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
+// cp.async: cp_async16 / cp_async_commit / cp_async_wait (kernels.cuh).
 
 /// Four 8×8 b16 matrices from shared memory; lane l gives the address of row
 /// l % 8 of matrix l / 8. Plain (B fragments of a [n][k] tile) or transposed
@@ -206,8 +196,8 @@ __global__ void __launch_bounds__(resident_attend_threads, resident_cfg<L>::min_
           ksrc = run_base + koff + off;
           vsrc = run_base + voff + off;
         }
-        res_cp_async16(kd + r * C::RP + c * 8, ksrc, valid ? 16 : 0);
-        if constexpr (!C::shared_kv) res_cp_async16(vd + r * C::RP + c * 8, vsrc, valid ? 16 : 0);
+        cp_async16(kd + r * C::RP + c * 8, ksrc, valid ? 16 : 0);
+        if constexpr (!C::shared_kv) cp_async16(vd + r * C::RP + c * 8, vsrc, valid ? 16 : 0);
       }
     }
   };
@@ -218,7 +208,7 @@ __global__ void __launch_bounds__(resident_attend_threads, resident_cfg<L>::min_
 #pragma unroll
   for (int s = 0; s < C::stages - 1; ++s) {
     if (s < num_tiles) load_tile(s, s);
-    res_cp_async_commit();
+    cp_async_commit();
   }
 
   // This warp's slice of the pre-scaled queries as A fragments, hi and lo.
@@ -262,10 +252,10 @@ __global__ void __launch_bounds__(resident_attend_threads, resident_cfg<L>::min_
   const int mr = lane & 7;
 
   for (int t = 0; t < num_tiles; ++t) {
-    res_cp_async_wait<C::stages - 2>();  // this thread's copies of tile t have landed
+    cp_async_wait<C::stages - 2>();  // this thread's copies of tile t have landed
     __syncthreads();                     // everyone's have; tile t-1's stage and the score buffer are free
     if (t + C::stages - 1 < num_tiles) load_tile(t + C::stages - 1, (t + C::stages - 1) % C::stages);
-    res_cp_async_commit();
+    cp_async_commit();
 
     const int st = t % C::stages;
     const std::uint16_t* ks_t = kt + st * C::tile * C::RP;
@@ -375,7 +365,7 @@ __global__ void __launch_bounds__(resident_attend_threads, resident_cfg<L>::min_
       }
     }
   }
-  res_cp_async_wait<0>();
+  cp_async_wait<0>();
 
   // 4. Normalise and write this warp's columns of the partial (rows < gc).
   const index_t row0 = index_t(it.out_index) * p.hq + index_t(kvh) * p.group + g0;
