@@ -9,6 +9,10 @@
 // expert in host memory (null table entry) whose rows must stay poisoned, and
 // rows of the output outside every expert poisoned too; each launch again over
 // the routed rows' sorted experts (block_experts) must give the same bits.
+// Also the router (launch_route against route_op), RMSNorm, and the decode
+// step's one-launch grouping of routed pairs (launch_group_pairs) against the
+// tables of the three-launch path it replaces (a stable sort, expert_bounds_op,
+// scatter_rows_op), element for element, up to the 1,024 pairs one launch takes.
 #include <doctest/doctest.h>
 
 #include <cuda_runtime_api.h>
@@ -16,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <vector>
@@ -223,6 +228,83 @@ TEST_CASE("launch_route equals route_op for the three routers, 1 to 300 rows, ti
       CHECK(worst <= 1e-7);  // NaN (an unwritten weight) fails too
       CHECK(std::none_of(w.begin(), w.end(), [](float x) { return std::isnan(x); }));
     }
+}
+
+TEST_CASE("launch_group_pairs writes the tables of sort_pairs + expert_bounds_op + scatter_rows_op") {
+  struct shape {
+    int E, k, tokens;
+  };
+  // 1024 pairs: the most one launch takes (and the expert_bounds position n past the last thread).
+  for (const shape s : {shape{128, 8, 1}, shape{128, 8, 7}, shape{128, 8, 128}, shape{8, 2, 1}, shape{8, 2, 512},
+                        shape{64, 6, 170}, shape{512, 8, 3}}) {
+    CAPTURE(s.E);
+    CAPTURE(s.k);
+    CAPTURE(s.tokens);
+    const int n = s.tokens * s.k;
+    std::mt19937_64 rng(std::uint64_t(s.E * 7919 + n));
+    std::vector<int> experts(static_cast<std::size_t>(n));
+    std::vector<float> weights(static_cast<std::size_t>(n));
+    std::uniform_real_distribution<float> u(0.0f, 1.0f);
+    for (int t = 0; t < s.tokens; ++t) {  // k distinct experts per token, router order (not sorted)
+      std::vector<int> all(static_cast<std::size_t>(s.E));
+      for (int e = 0; e < s.E; ++e) all[std::size_t(e)] = e;
+      std::shuffle(all.begin(), all.end(), rng);
+      if (t % 3 == 0) std::sort(all.begin(), all.begin() + s.k);  // and some with few distinct experts overall
+      for (int j = 0; j < s.k; ++j) {
+        experts[std::size_t(t * s.k + j)] = t % 5 == 0 ? j : all[std::size_t(j)];
+        weights[std::size_t(t * s.k + j)] = u(rng);
+      }
+    }
+    // The reference: a stable sort by expert, then the two functors on the host.
+    std::vector<int> order(static_cast<std::size_t>(n));
+    for (int i = 0; i < n; ++i) order[std::size_t(i)] = i;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int a, int b) { return unsigned(experts[std::size_t(a)]) < unsigned(experts[std::size_t(b)]); });
+    std::vector<unsigned> ref_keys(static_cast<std::size_t>(n));
+    for (int i = 0; i < n; ++i) ref_keys[std::size_t(i)] = unsigned(experts[std::size_t(order[std::size_t(i)])]);
+    std::vector<int> ref_first(std::size_t(s.E) + 1, -5);
+    const gpu::expert_bounds_op bounds{ref_keys.data(), n, s.E, ref_first.data()};
+    for (idx i = 0; i <= n; ++i) bounds(i);
+    std::vector<int> ref_src(std::size_t(n), -5), ref_crow(std::size_t(n), -5);
+    std::vector<float> ref_cw(std::size_t(n), -5.0f);
+    const gpu::scatter_rows_op scatter{ref_keys.data(), order.data(), ref_first.data(), ref_first.data(),
+                                       experts.data(),  weights.data(), s.k,           ref_src.data(),
+                                       ref_crow.data(), ref_cw.data()};
+    for (idx p = 0; p < n; ++p) scatter(p);
+
+    device_array<int> de(experts);
+    device_array<float> dw(weights);
+    device_array<unsigned> keys(std::vector<unsigned>(std::size_t(n), 0xdeadbeefu));
+    device_array<int> pairs(std::vector<int>(std::size_t(n), -7));
+    device_array<int> first(std::vector<int>(std::size_t(s.E) + 1, -7));
+    device_array<int> src(std::vector<int>(std::size_t(n), -7));
+    device_array<int> crow(std::vector<int>(std::size_t(n), -7));
+    device_array<float> cw(std::vector<float>(std::size_t(n), std::nanf("")));
+    gpu::launch_group_pairs(de.p, dw.p, n, s.k, s.E, keys.p, pairs.p, first.p, src.p, crow.p, cw.p, nullptr);
+    WS_CUDA_TRY(cudaDeviceSynchronize());
+    CHECK(keys.get() == ref_keys);
+    CHECK(pairs.get() == order);
+    CHECK(first.get() == ref_first);
+    CHECK(src.get() == ref_src);
+    CHECK(crow.get() == ref_crow);
+    const std::vector<float> w = cw.get();
+    CHECK(std::memcmp(w.data(), ref_cw.data(), w.size() * sizeof(float)) == 0);
+  }
+}
+
+TEST_CASE("launch_group_pairs refuses what one launch cannot take") {
+  CHECK_THROWS_AS(gpu::launch_group_pairs(nullptr, nullptr, 0, 8, 128, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                          nullptr, nullptr),
+                  writescope::config_error);
+  CHECK_THROWS_AS(gpu::launch_group_pairs(nullptr, nullptr, gpu::group_pairs_max + 8, 8, 128, nullptr, nullptr, nullptr,
+                                          nullptr, nullptr, nullptr, nullptr),
+                  writescope::config_error);
+  CHECK_THROWS_AS(gpu::launch_group_pairs(nullptr, nullptr, 12, 8, 128, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                          nullptr, nullptr),
+                  writescope::config_error);  // not whole tokens
+  CHECK_THROWS_AS(gpu::launch_group_pairs(nullptr, nullptr, 8, 8, gpu::route_op::max_experts + 1, nullptr, nullptr,
+                                          nullptr, nullptr, nullptr, nullptr, nullptr),
+                  writescope::config_error);
 }
 
 TEST_CASE("launch_route refuses shapes the warp kernel cannot hold") {

@@ -9,6 +9,7 @@
 #include <cub/block/block_reduce.cuh>
 #include <cub/device/device_radix_sort.cuh>
 
+#include <algorithm>
 #include <string>
 
 #include <writescope/cuda/cuda_error.hpp>
@@ -343,6 +344,77 @@ void launch_route(const route_op& p, idx n, cudaStream_t stream) {
   if (n > idx(0x7fffffff)) throw writescope::config_error("route: more than 2^31-1 rows in one launch");
   const idx rows_per_cta = threads / 32;
   route_warp_kernel<<<unsigned((n + rows_per_cta - 1) / rows_per_cta), threads, 0, stream>>>(p, n);
+  WS_CUDA_CHECK_LAST();
+}
+
+namespace {
+// launch_group_pairs: one CTA, thread p owns pair p. Stable rank of pair p =
+// pairs with a smaller key + pairs before p with the same key (cub's stable
+// radix sort order); then expert_bounds_op and scatter_rows_op on the sorted
+// tables, each thread its own element(s), with the same arithmetic.
+__global__ void __launch_bounds__(group_pairs_max) group_pairs_kernel(const int* experts, const float* weights, int n,
+                                                                      int k, int E, unsigned* sorted_keys,
+                                                                      int* sorted_pairs, int* first, int* src_rows,
+                                                                      int* comb_rows, float* comb_w) {
+  __shared__ unsigned keys[group_pairs_max];
+  __shared__ unsigned skeys[group_pairs_max];
+  __shared__ int spairs[group_pairs_max];
+  __shared__ int sfirst[route_op::max_experts + 1];
+  const int p = int(threadIdx.x);
+  if (p < n) keys[p] = unsigned(experts[p]);
+  __syncthreads();
+  if (p < n) {
+    const unsigned key = keys[p];
+    int rank = 0;
+    for (int q = 0; q < n; ++q) {
+      const unsigned kq = keys[q];
+      rank += (kq < key || (kq == key && q < p)) ? 1 : 0;
+    }
+    skeys[rank] = key;
+    spairs[rank] = p;
+    sorted_keys[rank] = key;
+    sorted_pairs[rank] = p;
+  }
+  __syncthreads();
+  for (int i = p; i <= n; i += int(blockDim.x)) {  // expert_bounds_op(i), i = 0..n
+    const auto clamp = [&](unsigned key) { return key > unsigned(E) ? E : int(key); };
+    const int prev = i == 0 ? -1 : clamp(skeys[i - 1]);
+    const int cur = i == n ? E : clamp(skeys[i]);
+    for (int e = prev + 1; e <= cur; ++e) {
+      sfirst[e] = i;
+      first[e] = i;
+    }
+  }
+  __syncthreads();
+  if (p < n) {  // scatter_rows_op(p) with row0 = first
+    const int pair = spairs[p];
+    const int e = int(skeys[p]);
+    const int row = sfirst[e] + (p - sfirst[e]);
+    const int t = pair / k;
+    src_rows[row] = t;
+    int j = 0;
+    for (int s = 0; s < k; ++s) j += int(keys[t * k + s]) < e ? 1 : 0;
+    comb_rows[t * k + j] = row;
+    comb_w[t * k + j] = weights[pair];
+  }
+}
+}  // namespace
+
+void launch_group_pairs(const int* experts, const float* weights, idx n, int k, int E, unsigned* sorted_keys,
+                        int* sorted_pairs, int* first, int* src_rows, int* comb_rows, float* comb_w,
+                        cudaStream_t stream) {
+  if (n < 1 || n > group_pairs_max)
+    throw writescope::config_error("group_pairs: " + std::to_string(n) + " routed pairs (one launch takes 1 to " +
+                                   std::to_string(group_pairs_max) + ")");
+  if (E < 1 || E > route_op::max_experts)
+    throw writescope::config_error("group_pairs: " + std::to_string(E) + " experts (needs 1 to " +
+                                   std::to_string(route_op::max_experts) + ")");
+  if (k < 1 || n % k != 0)
+    throw writescope::config_error("group_pairs: " + std::to_string(n) + " pairs are not whole tokens of " +
+                                   std::to_string(k) + " slots");
+  const idx threads = std::min<idx>(group_pairs_max, (n + 1 + 31) / 32 * 32);  // a thread per pair, whole warps
+  group_pairs_kernel<<<1, unsigned(threads), 0, stream>>>(experts, weights, int(n), k, E, sorted_keys, sorted_pairs,
+                                                          first, src_rows, comb_rows, comb_w);
   WS_CUDA_CHECK_LAST();
 }
 

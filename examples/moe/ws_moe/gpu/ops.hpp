@@ -55,4 +55,19 @@ void launch_expert_gemv(const expert_gemv_params& p, cudaStream_t stream);
 void launch_sort_pairs(const unsigned* keys_in, unsigned* keys_out, const int* values_in, int* values_out, idx n,
                        void* temp, std::size_t temp_bytes, cudaStream_t stream);
 
+/// Pairs launch_group_pairs takes in one launch (one CTA, a thread per pair).
+inline constexpr idx group_pairs_max = 1024;
+
+/// A decode step's grouping of its n = tokens * k routed (token, slot) pairs by
+/// expert in one launch, for n <= group_pairs_max: the tables that
+/// launch_sort_pairs (keys = experts, values = pair ids 0..n-1) followed by
+/// expert_bounds_op and scatter_rows_op (row0 = first, no padding) write,
+/// element for element: sorted_keys / sorted_pairs [n] (stable by expert),
+/// first [E + 1], src_rows [n], comb_rows / comb_w [n]. experts / weights: the
+/// router's [tokens][k]. Throws config_error for n outside [1, group_pairs_max]
+/// or E outside [1, route_op::max_experts]. Asynchronous on `stream`.
+void launch_group_pairs(const int* experts, const float* weights, idx n, int k, int E, unsigned* sorted_keys,
+                        int* sorted_pairs, int* first, int* src_rows, int* comb_rows, float* comb_w,
+                        cudaStream_t stream);
+
 }  // namespace ws_moe::gpu
