@@ -14,6 +14,16 @@
 // Copies: h2d() and d2h() (pageable host memory) return once the copy is
 // complete; the *_async variants need page-locked host memory (host_staging())
 // and are ordered on the stream.
+//
+// CUDA graphs: begin_capture() .. end_capture() records the work enqueued on
+// the stream in between (by this thread; cudaStreamCaptureModeThreadLocal)
+// into an executable graph instead of running it; launch_graph() enqueues it
+// on the stream. cuBLAS runs inside a capture only with a workspace of its own
+// (set_blas_workspace: no allocation during the capture). Between the two,
+// mark() and record() throw std::logic_error (an event recorded inside a
+// capture would not time or signal the work it seems to); a call that cannot
+// be captured (h2d, d2h, sync, ...) fails with writescope::cuda_error and
+// invalidates the capture, which end_capture() then reports.
 #pragma once
 
 #include <cublas_v2.h>
@@ -21,7 +31,9 @@
 
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -86,6 +98,15 @@ class cuda_exec {
     bufs_.clear();
     backend_.reset();
   }
+
+  /// Bytes of the cuBLAS workspace the decoder allocates and hands to
+  /// set_blas_workspace: 32 MiB, the size cuBLAS recommends on Hopper (4 MiB
+  /// on earlier GPUs), on every GPU.
+  static constexpr idx blas_workspace_bytes = idx{32} << 20;
+  /// cuBLAS's workspace: `bytes` of device memory at `p` (from alloc()), used by
+  /// every later cuBLAS call on the stream instead of cuBLAS's own pool, so
+  /// that a GEMM allocates nothing inside a graph capture.
+  void set_blas_workspace(void* p, idx bytes) { WS_CUBLAS_TRY(cublasSetWorkspace(blas_, p, std::size_t(bytes))); }
 
   [[nodiscard]] backend_type& backend() noexcept { return *backend_; }
   [[nodiscard]] std::string device_name() const { return std::string(backend_->name()); }
@@ -326,7 +347,10 @@ class cuda_exec {
     if (bytes > 0)
       WS_CUDA_TRY(cudaMemcpyAsync(dst, src, std::size_t(bytes), cudaMemcpyHostToDevice, stream_.get()));
   }
-  void record() { writescope::cuda_detail::record(done_, stream_.get()); }
+  void record() {
+    if (capturing_) throw std::logic_error("cuda_exec: record() inside a CUDA graph capture");
+    writescope::cuda_detail::record(done_, stream_.get());
+  }
   void wait_recorded() { WS_CUDA_TRY(cudaEventSynchronize(done_.get())); }
 
   // ---- expert streaming ring (prefill: host experts run on the device) --------
@@ -355,9 +379,54 @@ class cuda_exec {
   /// The kernels enqueued so far are the last readers of slot `slot`.
   void ring_release(int slot) { writescope::cuda_detail::record(ring_free_[std::size_t(slot)], stream_.get()); }
 
+  // ---- CUDA graphs of stream work --------------------------------------------------
+  struct graph_exec_deleter {
+    void operator()(cudaGraphExec_t g) const noexcept { (void)cudaGraphExecDestroy(g); }
+  };
+  /// An instantiated graph (cudaGraphExecDestroy on destruction; one still
+  /// running is freed when it completes).
+  using graph = std::unique_ptr<std::remove_pointer_t<cudaGraphExec_t>, graph_exec_deleter>;
+
+  /// Starts recording the stream's work into a graph (nothing runs until
+  /// launch_graph). Throws writescope::cuda_error when the stream cannot capture.
+  void begin_capture() {
+    if (capturing_) throw std::logic_error("cuda_exec: begin_capture inside a capture");
+    WS_CUDA_TRY(cudaStreamBeginCapture(stream_.get(), cudaStreamCaptureModeThreadLocal));
+    capturing_ = true;
+  }
+  /// Ends the capture and instantiates the graph. Returns null, with the reason
+  /// in `why`, when the capture was invalidated (a call inside it that cannot
+  /// be captured) or the graph does not instantiate; the error is cleared and
+  /// the stream is no longer capturing either way. Never throws.
+  graph end_capture(std::string& why) noexcept {
+    capturing_ = false;
+    cudaGraph_t g = nullptr;
+    cudaError_t e = cudaStreamEndCapture(stream_.get(), &g);
+    if (e != cudaSuccess || g == nullptr) {
+      why = std::string("cudaStreamEndCapture: ") + (e != cudaSuccess ? cudaGetErrorString(e) : "no graph");
+      if (g != nullptr) (void)cudaGraphDestroy(g);
+      (void)cudaGetLastError();
+      return graph{};
+    }
+    cudaGraphExec_t x = nullptr;
+    e = cudaGraphInstantiate(&x, g, 0);
+    (void)cudaGraphDestroy(g);
+    if (e != cudaSuccess || x == nullptr) {
+      why = std::string("cudaGraphInstantiate: ") + cudaGetErrorString(e);
+      if (x != nullptr) (void)cudaGraphExecDestroy(x);
+      (void)cudaGetLastError();
+      return graph{};
+    }
+    return graph(x);
+  }
+  [[nodiscard]] bool capturing() const noexcept { return capturing_; }
+  /// Enqueues an instantiated graph on the stream (after everything enqueued before it).
+  void launch_graph(const graph& g) { WS_CUDA_TRY(cudaGraphLaunch(g.get(), stream_.get())); }
+
   // ---- phase timing: events on the compute stream, read after a sync -------------
   /// Records a timing event on the compute stream; returns its index (reset_marks() starts over).
   int mark() {
+    if (capturing_) throw std::logic_error("cuda_exec: mark() inside a CUDA graph capture");
     if (marks_used_ == int(marks_.size())) marks_.push_back(writescope::cuda_detail::unique_event::create(true));
     writescope::cuda_detail::record(marks_[std::size_t(marks_used_)], stream_.get());
     return marks_used_++;
@@ -405,6 +474,7 @@ class cuda_exec {
   writescope::cuda_detail::unique_stream copy_stream_;
   std::vector<writescope::cuda_detail::unique_event> ring_ready_, ring_free_, marks_;
   int marks_used_ = 0;
+  bool capturing_ = false;  ///< between begin_capture and end_capture
   std::vector<int> grouped_int_;  ///< gemm_grouped's per-group host arrays
   std::vector<cublasOperation_t> grouped_ta_, grouped_tb_;
   std::vector<float> grouped_alpha_, grouped_beta_;
