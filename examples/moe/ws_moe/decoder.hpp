@@ -153,6 +153,15 @@ struct device_report {
   /// Decode attention steps that ran on the caller stream (cuda_backend's
   /// caller-stream steps: all-GPU, nothing streamed; --caller-stream-steps).
   index_t caller_stream_steps = 0;
+  /// CUDA graphs of the decode step (--decode-graphs; cuda_exec only): decode
+  /// segments launched from a graph (replays, and the launch right after each
+  /// capture), graphs captured (one per layer, segment and batch rows), and
+  /// captures that failed (that key then ran eagerly), with the first
+  /// failure's place and reason.
+  index_t decode_graph_launches = 0;
+  index_t decode_graph_captures = 0;
+  index_t decode_graph_fallbacks = 0;
+  std::string decode_graph_fallback_reason;
   index_t workspace_bytes = 0;       ///< activations and scratch of the decoder
   /// Of workspace_bytes, the routed experts' buffers that scale with the tokens
   /// of one MoE pass (routing, its sort, packed rows and their products), and

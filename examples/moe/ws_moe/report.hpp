@@ -471,6 +471,14 @@ inline void print_summary(std::FILE* f, const model_config& c, const generation_
   if (r.device.caller_stream_steps > 0)
     std::fprintf(f, "           %lld layer steps on the caller stream (all-GPU, nothing streamed)\n",
                  static_cast<long long>(r.device.caller_stream_steps));
+  if (r.device.decode_graph_launches > 0 || r.device.decode_graph_fallbacks > 0) {
+    std::fprintf(f, "graphs     %lld decode segments replayed from %lld CUDA graphs; %lld capture fallbacks%s%s\n",
+                 static_cast<long long>(r.device.decode_graph_launches),
+                 static_cast<long long>(r.device.decode_graph_captures),
+                 static_cast<long long>(r.device.decode_graph_fallbacks),
+                 r.device.decode_graph_fallback_reason.empty() ? "" : " (first: ",
+                 r.device.decode_graph_fallback_reason.empty() ? "" : (r.device.decode_graph_fallback_reason + ")").c_str());
+  }
   if (r.assist_tokens > 0)
     std::fprintf(f, "assist     the CPU engine attended %lld pinned KV tokens in place (%.3f of the pinned tokens attended)\n",
                  static_cast<long long>(r.assist_tokens),
@@ -620,6 +628,10 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
                     {"hbm_tokens", r.resident_tokens},
                     {"assist_tokens", r.assist_tokens},
                     {"caller_stream_steps", r.device.caller_stream_steps}};
+  j["decode_graph_segments"] = {{"launches", r.device.decode_graph_launches},
+                                {"captures", r.device.decode_graph_captures},
+                                {"fallbacks", r.device.decode_graph_fallbacks},
+                                {"first_fallback", r.device.decode_graph_fallback_reason}};
   nlohmann::json traj = nlohmann::json::array();
   for (const auto& p : r.trajectory)
     traj.push_back({{"step", p.step}, {"placed_tokens", p.placed_tokens}, {"cpu_share", p.cpu_share}, {"target", p.target}});

@@ -49,11 +49,13 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <compare>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <initializer_list>
 #include <limits>
+#include <map>
 #include <memory>
 #include <span>
 #include <stdexcept>
@@ -115,6 +117,14 @@ struct device_options {
   /// cuda_backend: all-GPU attention steps that stream nothing run on the
   /// caller stream (cuda_backend::set_caller_stream_steps; on by default).
   bool caller_stream_steps = true;
+  /// CUDA graphs of the decode step (cuda_exec only; the emulated executor
+  /// has none): per layer, the work before the cache append (RMSNorm and the
+  /// projections) and, where it runs on the device alone, the work after the
+  /// attention step (output projection, residual, FFN) are captured once per
+  /// (layer, segment, batch rows) and replayed in later steps
+  /// (docs/DECODER-INTERNALS.md, "CUDA graphs of the decode step"). The same
+  /// kernels with the same parameters: the same results as off.
+  bool decode_graphs = true;
   /// Decode MoE layers run their device experts in two launches (gate‖up with
   /// SiLU, then down: launch_expert_gemv) instead of one cuBLAS product per
   /// expert and matrix, when the experts are bf16, no expert has more than
@@ -266,6 +276,18 @@ inline std::vector<float> zipf_router_bias(int experts, double S, int hidden, do
   for (int r = 0; r < experts; ++r) bias[std::size_t(perm[std::size_t(r)])] = float(-beta * S * std::log(double(r + 1)));
   return bias;
 }
+
+/// The executor's instantiated CUDA graph (cuda_exec::graph), or
+/// std::nullptr_t for an executor without graphs (emulated_exec).
+template <class Exec>
+struct executor_graph {
+  using type = std::nullptr_t;
+};
+template <class Exec>
+  requires requires { typename Exec::graph; }
+struct executor_graph<Exec> {
+  using type = typename Exec::graph;
+};
 
 template <class Layout, class Exec>
 class device_decoder {
@@ -505,6 +527,15 @@ class device_decoder {
       double*& p;
       ~clear_on_exit() { p = nullptr; }
     } router_wait_guard{router_wait_ = &res.router_wait_seconds};
+    // CUDA graphs of the decode segments (run_segment): made again in each run,
+    // since they hold its buffer addresses; armed for the decode loop only (not the warm-up)
+    graphs_.clear();
+    graph_launches_ = graph_captures_ = graph_fallbacks_ = 0;
+    graph_fallback_why_.clear();
+    struct disarm_on_exit {
+      bool& armed;
+      ~disarm_on_exit() { armed = false; }
+    } graphs_guard{graphs_armed_ = has_graphs && d_.decode_graphs};
     // With host experts, each step's CPU expert bytes and seconds and its GPU
     // timeline marks (step start, routing round trips, overlap windows, LM
     // head done): the CPU experts against their bound (report.hpp expert_bound).
@@ -574,6 +605,10 @@ class device_decoder {
     x_.sync();
     if constexpr (requires { hybrid_->engine().caller_stream_launches(); })
       res.device.caller_stream_steps = hybrid_->engine().caller_stream_launches();
+    res.device.decode_graph_launches = graph_launches_;
+    res.device.decode_graph_captures = graph_captures_;
+    res.device.decode_graph_fallbacks = graph_fallbacks_;
+    res.device.decode_graph_fallback_reason = graph_fallback_why_;
     counting_ = counting::off;
 
     res.usage = cache_->usage();  // with the stopped sequences' blocks returned
@@ -739,6 +774,9 @@ class device_decoder {
     const index_t H = c_.hidden_size;
     const int hq = c_.num_heads;
     const int hkv = layout().kv_heads();
+    // cuBLAS's workspace, a buffer of ours (no allocation inside a decode graph's capture; graphs on or off alike)
+    if constexpr (requires(Exec& e) { e.set_blas_workspace(nullptr, index_t{0}); })
+      x_.set_blas_workspace(buffer<std::byte>(Exec::blas_workspace_bytes, "cuBLAS workspace"), Exec::blas_workspace_bytes);
     ids_ = buffer<int>(T, "token ids");
     pos_ = buffer<index_t>(T, "positions");
     x_buf_ = buffer<float>(T * H, "hidden states");
@@ -1707,13 +1745,7 @@ class device_decoder {
     // a decode step's routing round trip: the router's choices to the host, its grouping, the tables back
     const int trip0 = step_marking_ && decode && !device_routed_ ? x_.mark() : -1;
     if (device_routed_) {
-      group_decode_on_device(n);
-      if (counting_ == counting::decode) {  // every routed row is a device row, under the placement at load too
-        decode_rows_total_ += n * k;
-        decode_rows_device_ += n * k;
-        decode_rows_device_initial_ += n * k;
-      }
-      ++device_routed_passes_;
+      group_decode_on_device(n);  // counted by layer_decode (count_device_routed_pass), replayed or not
     } else {
       if (!decode && batched_prefill_)
         group_on_device(L, n);
@@ -2102,7 +2134,7 @@ class device_decoder {
         const index_t I = c_.moe_intermediate_size;
         products(L.expert_tables, L.expert_tables + E, I, H, xg_, eg_);  // gate‖up with SiLU
         products(L.expert_tables + 2 * E, nullptr, H, I, eg_, yg_);      // down
-        ++grouped_passes_;
+        if (!device_routed_) ++grouped_passes_;  // device-routed: count_device_routed_pass
       } else if (batched) {
         const auto t_gemms = std::chrono::steady_clock::now();
         const index_t s0 = stream_batched_ ? stream_range(l).first : 0;
@@ -2793,14 +2825,23 @@ class device_decoder {
       peak_process_ = std::max(peak_process_, index_t(p));
   }
 
+  /// One decode layer over the B sequences of `seqs` (rows 0..B-1 of x_buf_):
+  /// segment A (RMSNorm, projections), the cache append and the hybrid
+  /// attention step (host planning, eager), segment B (output projection,
+  /// residual, FFN). With decode graphs armed, segment A always and segment B
+  /// where it runs on the device alone (decode_segment_b_graphable) run from
+  /// CUDA graphs (run_segment); the counters of a MoE pass grouped on the
+  /// device are added here, whichever way its segment ran.
   void layer_decode(int l, const std::vector<writescope::sequence_id>& seqs, generation_result& res) {
     using namespace writescope;
     const gpu::dlayer& L = m_.layers[std::size_t(l)];
     const index_t B = index_t(seqs.size());
     const index_t H = c_.hidden_size;
     const int hq = c_.num_heads;
-    rms_norm(x_buf_, H, L.input_norm, B, int(H), h_, H);
-    project(L, B);
+    run_segment(l, 0, B, true, [&] {
+      rms_norm(x_buf_, H, L.input_norm, B, int(H), h_, H);
+      project(L, B);
+    });
     kv_tokens<Layout, space> kv;
     for (int p = 0; p < Layout::planes; ++p) kv.planes[std::size_t(p)] = kvb_[std::size_t(p)];
     kv.num_tokens = B;
@@ -2819,9 +2860,86 @@ class device_decoder {
     res.streamed_tokens += r.streamed_tokens;
     res.window_tokens += r.window_tokens;
     res.resident_tokens += r.resident_tokens;
-    attention_output(L, B);
-    x_.run(gpu::add_op{x_buf_, y_}, B * H);
-    ffn_residual(l, B, true);
+    run_segment(l, 1, B, decode_segment_b_graphable(l, B), [&] {
+      attention_output(L, B);
+      x_.run(gpu::add_op{x_buf_, y_}, B * H);
+      ffn_residual(l, B, true);
+    });
+    if (L.is_moe && device_routes_decode(l, B)) count_device_routed_pass(B);
+  }
+
+  /// Whether decode segment B of layer l at n rows (attention output, residual,
+  /// FFN) runs on the device alone, so that a graph can hold it: a dense
+  /// layer, or a MoE layer grouped on the device (device_routes_decode: no
+  /// routing download, no host experts, no event or mark). A MoE layer grouped
+  /// on the host waits for the router on the host and may run CPU experts:
+  /// eager.
+  [[nodiscard]] bool decode_segment_b_graphable(int l, index_t n) const {
+    const gpu::dlayer& L = m_.layers[std::size_t(l)];
+    return !L.is_moe || device_routes_decode(l, n);
+  }
+
+  /// The host-side counters of a decode MoE pass grouped on the device, for
+  /// every such pass whether its work ran eagerly, was captured or replayed
+  /// from a graph: every routed row is a device row (under the placement at
+  /// load too), one device-routed pass through the grouped kernels.
+  void count_device_routed_pass(index_t n) {
+    const index_t rows = n * c_.experts_per_tok;
+    if (counting_ == counting::decode) {
+      decode_rows_total_ += rows;
+      decode_rows_device_ += rows;
+      decode_rows_device_initial_ += rows;
+    }
+    ++device_routed_passes_;
+    ++grouped_passes_;
+  }
+
+  /// Runs `body` (stream work of decode layer l, segment seg, n rows) eagerly,
+  /// or, with decode graphs armed and `graphable`, from the graph of that key:
+  /// eager at the key's first call (the first launch of each kernel and the
+  /// first cuBLAS call of each shape happen outside a capture), captured at
+  /// its second and launched then (a capture runs nothing), launched alone
+  /// after. `body`'s host-side effects must be none but idempotent state: a
+  /// replay skips it. A capture that fails (a call that cannot be captured:
+  /// end_capture returns no graph, or a cuda_error inside it) leaves the key
+  /// eager for the rest of the run, counted in graph_fallbacks_ with the first
+  /// reason; any other exception ends the capture and propagates.
+  template <class F>
+  void run_segment(int l, int seg, index_t n, bool graphable, F&& body) {
+    if constexpr (has_graphs) {
+      if (graphs_armed_ && graphable && !att16_ready_) {
+        graph_slot& g = graphs_[graph_key{l, seg, n}];
+        if (!g.exec && !g.failed && g.eager_runs++ >= 1) {
+          std::string why;
+          x_.begin_capture();
+          try {
+            body();
+          } catch (const writescope::cuda_error& e) {
+            (void)x_.end_capture(why);
+            why = e.what();
+          } catch (...) {
+            (void)x_.end_capture(why);
+            throw;
+          }
+          if (why.empty()) g.exec = x_.end_capture(why);
+          if (g.exec) {
+            ++graph_captures_;
+          } else {
+            g.failed = true;
+            ++graph_fallbacks_;
+            if (graph_fallback_why_.empty())
+              graph_fallback_why_ = "layer " + std::to_string(l) + " segment " + (seg == 0 ? "A" : "B") + ", " +
+                                    std::to_string(n) + " rows: " + why;
+          }
+        }
+        if (g.exec) {
+          x_.launch_graph(g.exec);
+          ++graph_launches_;
+          return;
+        }
+      }
+    }
+    body();
   }
 
   // Declaration order = destruction order reversed: the executor (and its
@@ -2986,6 +3104,26 @@ class device_decoder {
   std::vector<std::vector<char>> initial_on_host_;
   index_t prefill_rows_total_ = 0, prefill_rows_device_ = 0;
   index_t decode_rows_total_ = 0, decode_rows_device_ = 0, decode_rows_device_initial_ = 0;
+
+  // CUDA graphs of the decode segments (run_segment; cuda_exec only)
+  static constexpr bool has_graphs = requires(Exec& e, std::string& why) {
+    e.begin_capture();
+    e.end_capture(why);
+  };
+  struct graph_key {
+    int layer = 0, segment = 0;  ///< segment 0: before the cache append; 1: after the attention step
+    index_t rows = 0;
+    auto operator<=>(const graph_key&) const = default;
+  };
+  struct graph_slot {
+    typename executor_graph<Exec>::type exec{};  ///< the instantiated graph, once captured
+    int eager_runs = 0;                          ///< runs before the capture (the first one is eager)
+    bool failed = false;                         ///< its capture failed: eager for the rest of the run
+  };
+  bool graphs_armed_ = false;  ///< the decode loop of generate(), with device_options::decode_graphs
+  std::map<graph_key, graph_slot> graphs_;
+  index_t graph_launches_ = 0, graph_captures_ = 0, graph_fallbacks_ = 0;
+  std::string graph_fallback_why_;  ///< the first failed capture: where and why
 
   std::unique_ptr<cache_type> cache_;
   std::unique_ptr<writescope::hybrid_attention<cache_type>> hybrid_;
