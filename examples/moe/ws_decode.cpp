@@ -80,6 +80,7 @@ struct cli {
   std::string launch_thread = "off", grouped_experts = "on";
   std::string hbm_resident_kernel = "off";  // --hbm-resident-kernel
   std::string caller_stream_steps = "on";   // --caller-stream-steps
+  std::string decode_graphs = "on";         // --decode-graphs
   int grouped_expert_max_rows = 32, grouped_expert_min_active = 16;
   std::string device_experts_issue = "auto";
   std::string stream_experts = "on", flash_prefill = "on", cudnn_prefill = "on";
@@ -513,7 +514,7 @@ int run(cli& a) {
         "--migrate-max-experts", "--migration",          "--prefill-expert-gemm",       "--prefill-expert-groups",
         "--decode-routing",   "--no-dram-ceiling",         "--device-experts-issue",      "--hbm-kv",
         "--hbm-kv-gib",       "--hbm-resident-kernel",     "--hbm-read-gbps",             "--prefill-moe-chunk-tokens",
-        "--caller-stream-steps"};
+        "--caller-stream-steps", "--decode-graphs"};
     for (const char* opt : cuda_only)
       if (a.gave(opt))
         refuse(opt, "acts on the CUDA path only (--device cuda or emulated)",
@@ -524,6 +525,8 @@ int run(cli& a) {
   if (kind == device_kind::emulated)  // cuda_backend's own settings: the host backend has none of them
     for (const char* opt : {"--launch-thread", "--eviction-bounce-mib", "--kv-write-bounce-mib", "--caller-stream-steps"})
       if (a.gave(opt)) refuse(opt, "acts with --device cuda only (a setting of cuda_backend)", "--device emulated");
+  if (kind == device_kind::emulated && a.gave("--decode-graphs"))  // the emulated executor has no graphs
+    refuse("--decode-graphs", "acts with --device cuda only (CUDA graphs: the emulated executor has none)", "--device emulated");
   if (a.precision == "fp32")  // the fp32 precision materialises the prefill scores and runs experts per expert
     for (const char* opt : {"--flash-prefill", "--batched-prefill-experts", "--cudnn-prefill", "--prefill-expert-gemm",
                             "--prefill-expert-groups"})
@@ -735,6 +738,7 @@ int run(cli& a) {
   dopt.launch_thread = a.launch_thread == "on";
   dopt.resident_kernel = a.hbm_resident_kernel == "on";
   dopt.caller_stream_steps = a.caller_stream_steps == "on";
+  dopt.decode_graphs = a.decode_graphs == "on";
   dopt.grouped_experts = a.grouped_experts == "on";
   dopt.grouped_expert_max_rows = a.grouped_expert_max_rows;
   dopt.grouped_expert_min_active = a.grouped_expert_min_active;
@@ -789,6 +793,7 @@ int run(cli& a) {
     j["all_gpu_steps"] = o.all_gpu_steps;
     j["hbm_resident_kernel"] = dopt.resident_kernel && kind == device_kind::cuda;
     j["caller_stream_steps"] = dopt.caller_stream_steps && kind == device_kind::cuda;
+    j["decode_graphs"] = dopt.decode_graphs && kind == device_kind::cuda;
     j["command_line"] = a.command_line;  // with the fields below, what reproduces the run
     j["model_source"] = a.random_weights ? "random weights (seed " + std::to_string(a.seed) + ") from " + config_path.string()
                                          : a.model_dir;
@@ -1092,6 +1097,11 @@ int main(int argc, char** argv) {
                  "--device cuda: on = an all-GPU attention step that streams nothing (every token of the batch "
                  "in HBM or the D-window) runs on the caller stream, no event between streams; off = on the "
                  "engine's compute and copy streams (the same bits)")
+      ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--decode-graphs", a.decode_graphs,
+                 "--device cuda: on = each decode layer's device-only work (RMSNorm and projections; output "
+                 "projection and FFN where the MoE is grouped on the device or the layer is dense) replayed from "
+                 "CUDA graphs captured at its second step; off = every call enqueued each step (the same bits)")
       ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
   app.add_option("--launch-thread", a.launch_thread,
                  "--device cuda: on = a launcher thread enqueues each layer's streamed chunks while the "
