@@ -24,7 +24,10 @@
 // attends the unpinned region with OpenMP threads while the GPU streams the
 // pinned region through ping-pong and attends it and the D-window; LSE merge on
 // the GPU), output projection (MLA: expansion by W_UV), FFN; then flush() and
-// the LM head; sampling on the host from the copied logits.
+// the LM head; sampling on the host from the copied logits. On cuda_exec the
+// layer's parts before the append and, where no host work is inside, after
+// the attention step are replayed from CUDA graphs (run_segment;
+// device_options::decode_graphs).
 //
 // MoE: the router (fp32) and top-k run on the device; the (token, expert)
 // pairs are copied to the host, grouped by expert there, and the tokens
@@ -2911,8 +2914,8 @@ class device_decoder {
         graph_slot& g = graphs_[graph_key{l, seg, n}];
         if (!g.exec && !g.failed && g.eager_runs++ >= 1) {
           std::string why;
-          x_.begin_capture();
           try {
+            x_.begin_capture();
             body();
           } catch (const writescope::cuda_error& e) {
             (void)x_.end_capture(why);
