@@ -187,6 +187,15 @@ class cuda_exec {
                   std::size_t temp_bytes) {
     launch_sort_pairs(keys_in, keys_out, values_in, values_out, n, temp, temp_bytes, stream_.get());
   }
+  /// A decode step's routed pairs grouped by expert in one launch (ops.hpp
+  /// launch_group_pairs: the tables of sort_pairs + expert_bounds_op +
+  /// scatter_rows_op), for n <= group_pairs_max pairs.
+  static constexpr idx group_pairs_max = gpu::group_pairs_max;
+  void group_pairs(const int* experts, const float* weights, idx n, int k, int E, unsigned* sorted_keys,
+                   int* sorted_pairs, int* first, int* src_rows, int* comb_rows, float* comb_w) {
+    launch_group_pairs(experts, weights, n, k, E, sorted_keys, sorted_pairs, first, src_rows, comb_rows, comb_w,
+                       stream_.get());
+  }
   void flash_prefill(const flash_prefill_params& p) {
     check_flash_prefill(p);
     launch_flash_prefill(p, stream_.get());

@@ -1940,10 +1940,19 @@ class device_decoder {
   /// expert (stable: tokens ascending inside an expert), the experts' row
   /// bounds, and the gather and combine tables, with no padding (packed row p
   /// is sorted pair p), so the bounds are the grouped kernels' row offsets.
-  /// Nothing is read back.
+  /// Nothing is read back. Up to gpu::group_pairs_max pairs on an executor
+  /// that has it, one launch (group_pairs) writes the same tables as the
+  /// sort, bounds and scatter launches.
   void group_decode_on_device(index_t n) {
     const int E = c_.num_experts, k = c_.experts_per_tok;
     const index_t nk = n * k;
+    if constexpr (requires(Exec& e) { e.group_pairs(sel_e_, sel_w_, nk, k, E, sort_keys_, sort_pairs_, expert_first_, route_dev_, route_dev_, sel_w_); }) {
+      if (nk <= Exec::group_pairs_max) {
+        x_.group_pairs(sel_e_, sel_w_, nk, k, E, sort_keys_, sort_pairs_, expert_first_, route_dev_, route_dev_ + nk,
+                       reinterpret_cast<float*>(route_dev_ + 2 * nk));
+        return;
+      }
+    }
     x_.sort_pairs(reinterpret_cast<const unsigned*>(sel_e_), sort_keys_, pair_ids_, sort_pairs_, nk, sort_temp_,
                   std::size_t(sort_temp_bytes_));
     x_.run(gpu::expert_bounds_op{sort_keys_, nk, E, expert_first_}, nk + 1);
