@@ -20,6 +20,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <writescope/cuda/cuda_backend.hpp>
@@ -65,6 +66,39 @@ class dev_array {
   T* p_ = nullptr;
   std::size_t n_;
 };
+
+/// fp64 decode attention (reference.hpp) of one sequence's query rows `q`
+/// ([Hq][q_dim]) over the tokens at `where` (each: a block of `pool`, the
+/// block format's row in it), in that order, into o [Hq][v_dim] and lse [Hq]:
+/// the reference of the device tests that lay tokens out in a pool of blocks.
+template <class Layout>
+void reference_over_pool(const Layout& layout, int block_tokens, const std::vector<bf16>& pool, const float* q,
+                         const std::vector<std::pair<index_t, int>>& where, double scale, std::vector<double>& o,
+                         std::vector<double>& lse) {
+  const int hq = layout.num_q_heads();
+  const int hkv = layout.kv_heads();
+  constexpr int R = Layout::row_elems;
+  const index_t block_elems = block_format<Layout>{layout, block_tokens}.block_elems();
+  const auto L = index_t(where.size());
+  std::vector<bf16> planes[2];
+  for (int pl = 0; pl < Layout::planes; ++pl) planes[pl].resize(std::size_t(L) * hkv * R);
+  for (index_t t = 0; t < L; ++t) {
+    const auto [blk, row] = where[std::size_t(t)];
+    for (int pl = 0; pl < Layout::planes; ++pl)
+      for (int h = 0; h < hkv; ++h) {
+        const bf16* src = pool.data() + blk * block_elems + block_format<Layout>::offset_in(hkv, block_tokens, pl, h, row, 0);
+        std::memcpy(planes[pl].data() + (t * hkv + h) * R, src, R * sizeof(bf16));
+      }
+  }
+  o.assign(std::size_t(hq) * Layout::v_dim, 0.0);
+  lse.assign(std::size_t(hq), 0.0);
+  if constexpr (Layout::is_mla)
+    reference::mla_absorbed_decode(hq, Layout::kv_lora_rank, Layout::rope_dim, q, planes[0].data(), L, scale, o.data(),
+                                   lse.data());
+  else
+    reference::gqa_decode(hq, hkv, Layout::head_dim, q, planes[0].data(), planes[1].data(), L, scale, o.data(),
+                          lse.data());
+}
 
 /// A device buffer that only grows; growing waits for `stream` first (the old
 /// buffer may still be read by work enqueued there).

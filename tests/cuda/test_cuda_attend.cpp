@@ -55,33 +55,12 @@ struct attend_case {
 
   /// fp64 attention of sequence `seq`'s query over the tokens of `its`, concatenated.
   void reference(int seq, const std::vector<item>& its, std::vector<double>& o, std::vector<double>& lse) const {
-    const int hq = layout.num_q_heads();
-    const int hkv = layout.kv_heads();
-    constexpr int R = Layout::row_elems;
-    index_t L = 0;
-    for (const item& it : its) L += it.tokens;
-    std::vector<bf16> planes[2];
-    for (int pl = 0; pl < Layout::planes; ++pl) planes[pl].resize(std::size_t(L) * hkv * R);
-    index_t t = 0;
+    std::vector<std::pair<index_t, int>> where;
     for (const item& it : its)
-      for (int i = 0; i < it.tokens; ++i, ++t) {
-        const index_t blk = it.first_block + i / block_tokens;
-        for (int pl = 0; pl < Layout::planes; ++pl)
-          for (int h = 0; h < hkv; ++h) {
-            const bf16* src = pool.data() + blk * block_elems() +
-                              block_format<Layout>::offset_in(hkv, block_tokens, pl, h, i % block_tokens, 0);
-            std::memcpy(planes[pl].data() + (t * hkv + h) * R, src, R * sizeof(bf16));
-          }
-      }
-    o.assign(std::size_t(hq) * Layout::v_dim, 0.0);
-    lse.assign(std::size_t(hq), 0.0);
-    const float* qs = q.data() + std::size_t(seq) * hq * Layout::q_dim;
-    if constexpr (Layout::is_mla)
-      reference::mla_absorbed_decode(hq, Layout::kv_lora_rank, Layout::rope_dim, qs, planes[0].data(), L, scale,
-                                     o.data(), lse.data());
-    else
-      reference::gqa_decode(hq, hkv, Layout::head_dim, qs, planes[0].data(), planes[1].data(), L, scale, o.data(),
-                            lse.data());
+      for (int i = 0; i < it.tokens; ++i) where.emplace_back(it.first_block + i / block_tokens, i % block_tokens);
+    wstest::dev::reference_over_pool(layout, block_tokens, pool,
+                                     q.data() + std::size_t(seq) * layout.num_q_heads() * Layout::q_dim, where, scale,
+                                     o, lse);
   }
 };
 
