@@ -241,7 +241,8 @@ void launch_merge(const merge_params& p, cudaStream_t stream);
 /// state written to state_o/state_lse (the streamed partial), out to
 /// out/out_lse: the same merge_state_row calls in the same order as
 /// launch_init_state + launch_fold + launch_merge (no CPU partial), so the same
-/// bits. Grid (batch, hq).
+/// bits. Grid (batch, hq). launch_fold_merge throws config_error for a batch
+/// over max_fold_segments; a batch of 0 launches nothing.
 struct fold_merge_params {
   float* state_o;           ///< [batch][hq][v_dim]
   float* state_lse;         ///< [batch][hq]
