@@ -898,10 +898,11 @@ int main(int argc, char** argv) {
       ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"auto", "before", "during"}));
   app.add_option("--decode-routing", a.decode_routing,
                  "CUDA path: host = each decode MoE layer downloads its routing and the host groups the rows; device = a "
-                 "decode layer with no host expert groups them on the device and runs the grouped launches from there "
-                 "(no routing download, no wait for the router) when the batch is at most --grouped-expert-max-rows "
-                 "sequences and the experts are bf16, other layers as host; refused where it cannot act; auto = device "
-                 "where it applies, host elsewhere")
+                 "decode layer groups them on the device and runs the grouped launches from there (no routing download, "
+                 "no wait for the router; a layer with bf16 host experts downloads the experts chosen and its rows once "
+                 "and uploads the CPU's rows) when the batch is at most --grouped-expert-max-rows sequences and the "
+                 "experts are bf16, other layers as host; refused where it cannot act; auto = device where it applies, "
+                 "host elsewhere")
       ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"auto", "host", "device"}));
   app.add_option("--stream-experts", a.stream_experts,
                  "CUDA path: on = prefill waves with at least --stream-min-rows routed rows per host expert run the host "

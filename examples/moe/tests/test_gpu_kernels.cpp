@@ -292,6 +292,58 @@ TEST_CASE("launch_group_pairs writes the tables of sort_pairs + expert_bounds_op
   }
 }
 
+// Greedy selection on the device (launch_argmax_rows: chunks of a row reduced
+// per CTA, folded by an atomic max) against the first maximum on the host:
+// ties to the lower column (also across chunks), -0 equal to +0, NaN never
+// chosen, rows of -inf or NaN give column 0; the keys buffer poisoned first
+// (the launch zeroes it itself), rows past the launch's untouched.
+TEST_CASE("launch_argmax_rows gives the first maximum of each row") {
+  for (const idx cols : {idx(1), idx(77), idx(4096), idx(151936), idx(102400)}) {
+    CAPTURE(cols);
+    const idx rows = 9;
+    std::vector<float> v(std::size_t(rows * cols));
+    std::mt19937_64 rng(std::uint64_t(cols) * 31);
+    std::normal_distribution<float> d(0.0f, 3.0f);
+    for (float& f : v) f = d(rng);
+    auto row = [&](idx r) { return v.data() + r * cols; };
+    if (cols > 8) {
+      const float m = *std::max_element(row(1), row(1) + cols) + 1.0f;  // tie in two far chunks
+      row(1)[cols - 1] = m;
+      row(1)[1] = m;
+      for (idx c = 0; c < cols; ++c) row(2)[c] = -1.0f - float(c % 5);
+      row(2)[cols / 3] = -0.0f;
+      row(2)[cols / 2] = 0.0f;
+      row(3)[0] = NAN;
+      row(3)[cols - 1] = NAN;
+      const float m7 = *std::max_element(row(7), row(7) + cols);  // tie inside one chunk
+      row(7)[6] = m7;
+    }
+    std::fill(row(4), row(4) + cols, -INFINITY);
+    std::fill(row(5), row(5) + cols, NAN);
+    row(6)[cols - 1] = INFINITY;
+    device_array<float> dx(v);
+    const idx launched = rows - 1;  // the last key is outside the launch
+    device_array<std::uint64_t> keys(std::vector<std::uint64_t>(std::size_t(rows), 0xababababababababull));
+    gpu::launch_argmax_rows(dx.p, launched, cols, keys.p, nullptr);
+    WS_CUDA_TRY(cudaDeviceSynchronize());
+    const std::vector<std::uint64_t> k = keys.get();
+    for (idx r = 0; r < launched; ++r) {
+      CAPTURE(r);
+      int ref = -1;
+      for (idx c = 0; c < cols; ++c)
+        if (!std::isnan(row(r)[c]) && (ref < 0 || row(r)[c] > row(r)[ref])) ref = int(c);
+      CHECK(gpu::argmax_key_column(k[std::size_t(r)]) == (ref < 0 ? 0 : ref));
+    }
+    CHECK(k[std::size_t(launched)] == 0xababababababababull);
+    if (cols > 8) {
+      CHECK(gpu::argmax_key_column(k[1]) == 1);
+      CHECK(gpu::argmax_key_column(k[2]) == int(cols / 3));
+    }
+  }
+  CHECK_THROWS_AS(gpu::launch_argmax_rows(nullptr, 65536, 10, nullptr, nullptr), writescope::config_error);
+  CHECK_THROWS_AS(gpu::launch_argmax_rows(nullptr, 1, 0, nullptr, nullptr), writescope::config_error);
+}
+
 TEST_CASE("launch_group_pairs refuses what one launch cannot take") {
   CHECK_THROWS_AS(gpu::launch_group_pairs(nullptr, nullptr, 0, 8, 128, nullptr, nullptr, nullptr, nullptr, nullptr,
                                           nullptr, nullptr),

@@ -453,3 +453,76 @@ TEST_CASE("fitted_group_rows: the least-cost partition of sorted loads, against 
   CHECK_THROWS_AS(gpu::fitted_group_rows({3}, 0, 1.0, 1.0), std::invalid_argument);
   CHECK_THROWS_AS(gpu::fitted_group_rows({3}, pad, -1.0, 1.0), std::invalid_argument);
 }
+
+namespace {
+/// The first maximum of a row (std::max_element with -0 equal to +0), NaN
+/// skipped; 0 for a row with no number.
+int first_max(const float* x, idx cols) {
+  int best = -1;
+  for (idx c = 0; c < cols; ++c) {
+    if (std::isnan(x[c])) continue;
+    if (best < 0 || x[c] > x[best]) best = int(c);
+  }
+  return best < 0 ? 0 : best;
+}
+}  // namespace
+
+// Greedy selection on the device (emulated executor's argmax_rows and the keys'
+// encoding the CUDA kernel shares): the first maximum, ties to the lower column,
+// -0 equal to +0, NaN never chosen, rows of -inf or of NaN give column 0.
+TEST_CASE("argmax_rows: the first maximum of each row (ties, signed zeros, NaN, infinities)") {
+  gpu::emulated_exec x;
+  for (const idx cols : {idx(1), idx(5), idx(4099), idx(151936)}) {
+    CAPTURE(cols);
+    const idx rows = 7;
+    std::vector<float> v(std::size_t(rows * cols));
+    std::mt19937_64 rng{std::uint64_t(cols)};
+    std::normal_distribution<float> d(0.0f, 3.0f);
+    for (float& f : v) f = d(rng);
+    auto row = [&](idx r) { return v.data() + r * cols; };
+    if (cols > 4) {
+      const float m = *std::max_element(row(1), row(1) + cols) + 1.0f;  // row 1: a tie, the lower column wins
+      row(1)[cols - 2] = m;
+      row(1)[3] = m;
+      for (idx c = 0; c < cols; ++c) row(2)[c] = -1.0f - float(c % 7);  // row 2: -0 then +0 are the maximum
+      row(2)[2] = -0.0f;
+      row(2)[4] = 0.0f;
+      row(3)[0] = NAN;  // row 3: NaN first and in the middle, never chosen
+      row(3)[cols / 2] = NAN;
+    }
+    std::fill(row(4), row(4) + cols, -INFINITY);  // row 4: all -inf
+    std::fill(row(5), row(5) + cols, NAN);        // row 5: all NaN
+    row(6)[cols - 1] = INFINITY;                  // row 6: +inf last
+    std::vector<std::uint64_t> keys(std::size_t(rows), 0xababababababababull);
+    x.argmax_rows(v.data(), rows, cols, keys.data());
+    for (idx r = 0; r < rows; ++r) {
+      CAPTURE(r);
+      CHECK(gpu::argmax_key_column(keys[std::size_t(r)]) == first_max(row(r), cols));
+    }
+    if (cols > 4) {
+      CHECK(gpu::argmax_key_column(keys[1]) == 3);
+      CHECK(gpu::argmax_key_column(keys[2]) == 2);
+    }
+    CHECK(gpu::argmax_key_column(keys[6]) == int(cols - 1));
+  }
+}
+
+// Split routing's upload: the host experts' packed rows (null table entries)
+// come from the CPU's rows, the device experts' rows stay as they are.
+TEST_CASE("host_rows_op copies exactly the host experts' packed rows") {
+  const int E = 5;
+  const idx H = 6, pairs = 9;
+  std::vector<const void*> table(std::size_t(E), nullptr);
+  static const int weights = 0;
+  table[1] = table[3] = &weights;  // experts 1 and 3 on the device
+  const std::vector<unsigned> keys = {0, 1, 1, 2, 3, 3, 3, 4, 4};
+  std::vector<float> src(std::size_t(pairs * H)), dst(std::size_t(pairs * H), -7.0f);
+  for (std::size_t i = 0; i < src.size(); ++i) src[i] = float(i);
+  const gpu::host_rows_op op{keys.data(), table.data(), src.data(), H, dst.data()};
+  for (idx i = 0; i < pairs * H; ++i) op(i);
+  for (idx p = 0; p < pairs; ++p)
+    for (idx e = 0; e < H; ++e) {
+      const bool host = table[keys[std::size_t(p)]] == nullptr;
+      CHECK(dst[std::size_t(p * H + e)] == (host ? float(p * H + e) : -7.0f));
+    }
+}

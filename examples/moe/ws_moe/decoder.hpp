@@ -197,6 +197,11 @@ struct device_report {
   std::string expert_kernels;
   index_t grouped_moe_passes = 0;    ///< MoE layer passes through the grouped kernels
   index_t device_routed_moe_passes = 0;  ///< decode MoE passes grouped on the device (--decode-routing device)
+  /// Of those, passes of layers with routed experts in host memory (split
+  /// routing: one download of the routing and inputs, the CPU's rows back).
+  index_t split_routed_moe_passes = 0;
+  /// Decode steps chose their tokens on the device (greedy, no recorded logits).
+  bool greedy_on_device = false;
   index_t per_expert_moe_passes = 0; ///< MoE layer passes with one cuBLAS product per expert
   /// Decode MoE layers with host experts: the device experts enqueued "before"
   /// the CPU experts or "during" them (--device-experts-issue).
@@ -496,6 +501,7 @@ share_point share_of(const Cache& cache, const std::vector<writescope::sequence_
 /// token fed back (the pick, or the forced one under teacher forcing).
 inline void take_token(generation_result& res, sampler& pick, int i, const float* lg, int vocab, std::vector<int>& cur,
                        const run_options& o);
+inline void take_token_id(generation_result& res, int i, int t, std::vector<int>& cur, const run_options& o);
 
 /// take_token for sequences [first, first + n) with logits rows lg[0 .. n):
 /// in parallel (OpenMP) when greedy — each sequence's token, logits and
@@ -515,7 +521,13 @@ inline void take_token(generation_result& res, sampler& pick, int i, const float
                        const run_options& o) {
   const std::span<const float> row(lg, std::size_t(vocab));
   if (o.record_logits) res.logits[std::size_t(i)].insert(res.logits[std::size_t(i)].end(), row.begin(), row.end());
-  const int t = pick.next(i, row);
+  take_token_id(res, i, pick.next(i, row), cur, o);
+}
+
+/// Sequence i's next token t, chosen already (greedy selection on the device:
+/// no logits to record): appended to its tokens and made the next input
+/// (or the forced token of that step, run_options::forced_tokens).
+inline void take_token_id(generation_result& res, int i, int t, std::vector<int>& cur, const run_options& o) {
   res.tokens[std::size_t(i)].push_back(t);
   cur[std::size_t(i)] = t;
   if (o.forced_tokens && std::size_t(i) < o.forced_tokens->size()) {

@@ -286,11 +286,12 @@ inline void print_device(std::FILE* f, const generation_result& r) {
   if (d.batched_moe_passes > 0 && d.prefill_expert_gemm == "batched")
     groups = ", " + d.prefill_expert_groups + " groups: " + std::to_string(d.batched_groups);
   std::fprintf(f, "           device experts: %s; MoE layer passes %lld grouped, %lld per expert, %lld batched (prefill%s%s%s)"
-                  "; %lld decode passes routed on the device\n",
+                  "; %lld decode passes routed on the device (%lld with host experts)\n",
                d.expert_kernels.c_str(), static_cast<long long>(d.grouped_moe_passes),
                static_cast<long long>(d.per_expert_moe_passes), static_cast<long long>(d.batched_moe_passes),
                d.batched_moe_passes > 0 ? ", GEMMs issued " : "", d.batched_moe_passes > 0 ? d.prefill_expert_gemm.c_str() : "",
-               groups.c_str(), static_cast<long long>(d.device_routed_moe_passes));
+               groups.c_str(), static_cast<long long>(d.device_routed_moe_passes),
+               static_cast<long long>(d.split_routed_moe_passes));
   if (d.experts_host > 0) {  // layers with the same host set, grouped
     for (std::size_t l = 0; l < d.host_experts.size();) {
       std::size_t m = l;
@@ -479,6 +480,8 @@ inline void print_summary(std::FILE* f, const model_config& c, const generation_
                  r.device.decode_graph_fallback_reason.empty() ? "" : " (first: ",
                  r.device.decode_graph_fallback_reason.empty() ? "" : (r.device.decode_graph_fallback_reason + ")").c_str());
   }
+  if (r.device.greedy_on_device)
+    std::fprintf(f, "sampling   greedy on the device (one key per sequence copied back per step, not the logits)\n");
   if (r.assist_tokens > 0)
     std::fprintf(f, "assist     the CPU engine attended %lld pinned KV tokens in place (%.3f of the pinned tokens attended)\n",
                  static_cast<long long>(r.assist_tokens),
@@ -628,6 +631,7 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
                     {"hbm_tokens", r.resident_tokens},
                     {"assist_tokens", r.assist_tokens},
                     {"caller_stream_steps", r.device.caller_stream_steps}};
+  j["greedy_on_device"] = r.device.greedy_on_device;
   j["decode_graph_segments"] = {{"launches", r.device.decode_graph_launches},
                                 {"captures", r.device.decode_graph_captures},
                                 {"fallbacks", r.device.decode_graph_fallbacks},
@@ -749,6 +753,7 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
                     {"batched_groups", d.batched_groups},
                     {"grouped_passes", d.grouped_moe_passes},
                     {"device_routed_passes", d.device_routed_moe_passes},
+                    {"split_routed_passes", d.split_routed_moe_passes},
                     {"per_expert_passes", d.per_expert_moe_passes}};
     {  // the decode step's CPU experts against their bound (expert_bound_of); null: not measured
       const expert_bound b = expert_bound_of(r);

@@ -196,6 +196,11 @@ class cuda_exec {
     launch_group_pairs(experts, weights, n, k, E, sorted_keys, sorted_pairs, first, src_rows, comb_rows, comb_w,
                        stream_.get());
   }
+  /// Greedy sampling: keys[r] = the largest argmax_key of row r of x
+  /// [rows][cols] (ops.hpp launch_argmax_rows; keys zeroed by the call).
+  void argmax_rows(const float* x, idx rows, idx cols, std::uint64_t* keys) {
+    launch_argmax_rows(x, rows, cols, keys, stream_.get());
+  }
   void flash_prefill(const flash_prefill_params& p) {
     check_flash_prefill(p);
     launch_flash_prefill(p, stream_.get());

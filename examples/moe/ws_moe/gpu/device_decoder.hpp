@@ -24,14 +24,20 @@
 // attends the unpinned region with OpenMP threads while the GPU streams the
 // pinned region through ping-pong and attends it and the D-window; LSE merge on
 // the GPU), output projection (MLA: expansion by W_UV), FFN; then flush() and
-// the LM head; sampling on the host from the copied logits. On cuda_exec the
-// layer's parts before the append and, where no host work is inside, after
-// the attention step are replayed from CUDA graphs (run_segment;
+// the LM head; greedy decoding without recorded logits picks its tokens on
+// the device (head_greedy), other sampling on the host from the copied
+// logits. On cuda_exec the layer's parts before the append and after the
+// attention step (split at the host's one wait where a layer has host
+// experts) and the LM head are replayed from CUDA graphs (run_segment;
 // device_options::decode_graphs).
 //
-// MoE: the router (fp32) and top-k run on the device; the (token, expert)
-// pairs are copied to the host, grouped by expert there, and the tokens
-// gathered on the device in expert order. GPU experts: with few rows per
+// MoE: the router (fp32) and top-k run on the device. A decode step groups
+// the (token, expert) pairs by expert on the device (decode_routing); where
+// the layer has host experts the host downloads the experts chosen and the
+// normed rows once, runs its experts on the CPU while the GPU runs the
+// device ones, and uploads its rows (split_decode_ffn). Elsewhere (prefill,
+// --decode-routing host) the pairs are copied to the host, grouped by expert
+// there, and the tokens gathered on the device in expert order. GPU experts: with few rows per
 // expert (decode) all of a layer's run in two launches (launch_expert_gemv:
 // gate‖up with SiLU, then down — the per-expert launches cost DeepSeek-V2-Lite
 // ~1,100 launches a step); otherwise each active expert runs as three GEMMs
@@ -152,10 +158,15 @@ struct device_options {
   /// on the host it turns off instead of being refused.
   bool device_experts_during_cpu_default = false;
   /// Decode MoE layers without host experts group their routed rows on the
-  /// device (the prefill's sort, bounds and scatter kernels) and run the
-  /// grouped kernels from those device-side offsets: no routing download, no
-  /// host grouping, no wait for the router before the layer's expert work is
-  /// enqueued. Applies to a step of at most grouped_expert_max_rows sequences
+  /// device (group_pairs, or the prefill's sort, bounds and scatter kernels)
+  /// and run the grouped kernels from those device-side offsets: no routing
+  /// download, no host grouping, no wait for the router before the layer's
+  /// expert work is enqueued. Layers with host experts, all bf16, group on
+  /// the device too (split routing, split_decode_ffn): the host waits once,
+  /// for the experts chosen and the normed rows, runs its experts and
+  /// uploads their rows, while the GPU runs the device experts (not with
+  /// --device-experts-issue during given by the user, which needs the host
+  /// grouping). Applies to a step of at most grouped_expert_max_rows sequences
   /// with bf16 grouped tables and the device grouping's buffers (a batched
   /// prefill), and not with hot placement (whose counters need the rows on
   /// the host); elsewhere the host groups as before. `automatic` (the
@@ -543,6 +554,10 @@ class device_decoder {
     // timeline marks (step start, routing round trips, overlap windows, LM
     // head done): the CPU experts against their bound (report.hpp expert_bound).
     const bool bound_marks = any_host_experts_;
+    // Greedy decoding whose logits are not recorded picks its tokens on the
+    // device (head_greedy: the same first maximum as the host's argmax).
+    const bool device_greedy = pick.greedy() && !o.record_logits;
+    res.device.greedy_on_device = device_greedy;
     for (int s = 1; s <= steps && !live.empty(); ++s) {
       const auto t0 = std::chrono::steady_clock::now();
       const int n = live.size();  // row r = sequence live.rows()[r]
@@ -575,9 +590,15 @@ class device_decoder {
       res.hbm_batches += fr.hbm_batches;
       if (fr.evicted_sequences > 0) res.trajectory.push_back(share_of(*cache_, live.seqs(), s));
       const auto t_head = std::chrono::steady_clock::now();
-      logits = head(x_buf_, n);
-      if (bound_marks) span1 = x_.mark();  // the logits are on the host: the step's GPU work is done
-      take_tokens_rows(res, pick, live.rows(), logits, V, cur, o);
+      if (device_greedy) {  // greedy without recorded logits: the choice is made on the device
+        head_greedy(n, greedy_ids_);
+        if (bound_marks) span1 = x_.mark();  // the tokens are on the host: the step's GPU work is done
+        for (int r = 0; r < n; ++r) take_token_id(res, live.rows()[std::size_t(r)], greedy_ids_[std::size_t(r)], cur, o);
+      } else {
+        logits = head(x_buf_, n);
+        if (bound_marks) span1 = x_.mark();  // the logits are on the host: the step's GPU work is done
+        take_tokens_rows(res, pick, live.rows(), logits, V, cur, o);
+      }
       res.step_head_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t_head).count());
       res.step_sequences.push_back(n);
       live.finish_stopped(*cache_, res, o);
@@ -624,6 +645,7 @@ class device_decoder {
     res.device.cpu_expert_rows = cpu_expert_rows_;
     res.device.grouped_moe_passes = grouped_passes_;
     res.device.device_routed_moe_passes = device_routed_passes_;
+    res.device.split_routed_moe_passes = split_passes_;
     res.device.prefill_expert_gemm = d_.grouped_prefill_gemm ? "grouped" : "batched";
     res.device.prefill_expert_groups = d_.fitted_expert_groups ? "fitted" : "ladder";
     res.device.per_expert_moe_passes = per_expert_passes_;
@@ -901,6 +923,9 @@ class device_decoder {
     last_rows_ = buffer<int>(B, "last prompt rows");
     head_n_ = buffer<float>(index_t(B) * H, "final norm");
     logits_ = buffer<float>(index_t(B) * c_.vocab_size, "logits");
+    argmax_keys_ = buffer<std::uint64_t>(B, "greedy selection keys");
+    argmax_keys_host_mem_ = x_.host_staging(index_t(B) * 8);
+    argmax_keys_host_ = reinterpret_cast<std::uint64_t*>(argmax_keys_host_mem_.data());
     // Page-locked: the per-step copy of B x vocab fp32 logits (13 MiB for
     // DeepSeek-V2-Lite at batch 32) runs at the link's rate, not a pageable one.
     logits_host_mem_ = x_.host_staging(index_t(B) * c_.vocab_size * 4);
@@ -1438,6 +1463,7 @@ class device_decoder {
     cpu_expert_rows_ = 0;
     grouped_passes_ = per_expert_passes_ = batched_passes_ = batched_groups_ = stream_batched_passes_ = 0;
     device_routed_passes_ = 0;
+    split_passes_ = 0;
   }
 
   /// One untimed layer of the first prefill wave's shape on pseudo-random
@@ -1564,6 +1590,23 @@ class device_decoder {
 
   void embed(index_t n) {
     x_.run(gpu::embed_op{m_.embed.p, m_.embed.type, ids_, c_.hidden_size, x_buf_}, n * c_.hidden_size);
+  }
+
+  /// A decode step's final norm + LM head of its n rows (x_buf_) with greedy
+  /// selection on the device: ids[r] = the first maximum of logits row r
+  /// (argmax_rows; only n keys of 8 bytes come back, not n x vocab logits).
+  /// Replayed from a CUDA graph while decode graphs are armed (run_segment,
+  /// key: layer num_layers, segment A, n rows); returns when ids is written.
+  void head_greedy(index_t n, std::vector<int>& ids) {
+    run_segment(c_.num_layers, 0, n, true, [&] {
+      rms_norm(x_buf_, c_.hidden_size, m_.final_norm, n, c_.hidden_size, head_n_, c_.hidden_size);
+      linear(m_.lm_head, head_n_, n, logits_);
+      x_.argmax_rows(logits_, n, c_.vocab_size, argmax_keys_);
+      x_.d2h_async(argmax_keys_host_, argmax_keys_, n * 8);
+    });
+    x_.sync();
+    ids.resize(std::size_t(n));
+    for (index_t r = 0; r < n; ++r) ids[std::size_t(r)] = gpu::argmax_key_column(argmax_keys_host_[r]);
   }
 
   /// Final norm + LM head of n rows at `in` [n][hidden]; returns the logits
@@ -1716,11 +1759,10 @@ class device_decoder {
     x_.run(gpu::add_op{x_buf_, y_}, n * H);
   }
 
-  /// y_ = routed experts (+ shared experts) of h_, n tokens.
-  void moe(const gpu::dlayer& L, int l, index_t n, bool decode) {
+  /// The router of layer L over n rows of h_: logits, softmax and top-k into
+  /// sel_e_ / sel_w_ [n][k] (route_op's semantics).
+  void route_rows(const gpu::dlayer& L, index_t n) {
     const int E = c_.num_experts, k = c_.experts_per_tok;
-    const bool timed = !decode;  // prefill: the MoE layer's phases (moe_marks_, read after the wave's sync)
-    if (timed) moe_marks_.push_back({x_.mark(), 0, 0, 0, 0});
     linear(L.router, h_, n, router_logits_);
     gpu::route_op r{};
     r.logits = router_logits_;
@@ -1735,6 +1777,14 @@ class device_decoder {
     r.experts = sel_e_;
     r.weights = sel_w_;
     x_.route(r, n);
+  }
+
+  /// y_ = routed experts (+ shared experts) of h_, n tokens.
+  void moe(const gpu::dlayer& L, int l, index_t n, bool decode) {
+    const int E = c_.num_experts;
+    const bool timed = !decode;  // prefill: the MoE layer's phases (moe_marks_, read after the wave's sync)
+    if (timed) moe_marks_.push_back({x_.mark(), 0, 0, 0, 0});
+    route_rows(L, n);
     // Group the (token, slot) pairs by expert: on the device for a batched
     // prefill, else on the host.
     stream_batched_ = !decode && batched_prefill_ && streams_batched(L);
@@ -1899,6 +1949,8 @@ class device_decoder {
   /// device). Marks the layers it applies to (device_only_layer_).
   void check_decode_routing(int batch, const std::string& expert_kernels) {
     device_only_layer_.assign(std::size_t(c_.num_layers), 0);
+    split_layer_.assign(std::size_t(c_.num_layers), 0);
+    split_rows_cap_ = 0;
     if (d_.decode_routing == decode_routing_mode::host) return;
     const bool strict = d_.decode_routing == decode_routing_mode::device;
     bool refused = false;
@@ -1914,18 +1966,61 @@ class device_decoder {
     if (batch > d_.grouped_expert_max_rows)
       refuse("a batch of " + std::to_string(batch) + " sequences, more than the grouped kernels' " +
              std::to_string(d_.grouped_expert_max_rows) + " rows per expert");
+    // A layer with host experts routes on the device too (split routing) when
+    // every host expert is bf16 (the CPU experts' kernels) and the host does
+    // not order the device experts' enqueue against the CPU experts itself
+    // (--device-experts-issue during, given by the user, needs the host grouping).
+    const bool split_ok = !(d_.device_experts_during_cpu && !d_.device_experts_during_cpu_default);
     bool any = false;
     for (int l = 0; l < c_.num_layers; ++l) {
       const gpu::dlayer& L = m_.layers[std::size_t(l)];
       if (!L.is_moe) continue;
       const bool all_on_device = std::none_of(L.on_host.begin(), L.on_host.end(), [](char h) { return h != 0; });
-      device_only_layer_[std::size_t(l)] = all_on_device ? 1 : 0;
-      any = any || all_on_device;
+      bool host_bf16 = true;
+      for (int e = 0; e < c_.num_experts; ++e)
+        if (L.on_host[std::size_t(e)] && !L.host_experts[std::size_t(e)].is_bf16()) host_bf16 = false;
+      const bool all_on_host = std::all_of(L.on_host.begin(), L.on_host.end(), [](char h) { return h != 0; });
+      // the device experts run through the grouped kernels (a layer with none needs no tables)
+      const bool kernels = grouped_ok_ && L.expert_tables != nullptr;
+      device_only_layer_[std::size_t(l)] = all_on_device && kernels ? 1 : 0;
+      split_layer_[std::size_t(l)] = !all_on_device && host_bf16 && split_ok && (kernels || all_on_host) ? 1 : 0;
+      any = any || device_only_layer_[std::size_t(l)] != 0 || split_layer_[std::size_t(l)] != 0;
     }
-    if (!any) refuse("every MoE layer has routed experts in host memory");
     if (sort_temp_ == nullptr) refuse("no batched prefill grouping (bf16 precision and bf16 experts needed)");
-    if (!grouped_ok_) refuse("the grouped expert kernels do not apply: " + expert_kernels);
-    if (refused) device_only_layer_.assign(std::size_t(c_.num_layers), 0);
+    if (!any) {
+      if (!split_ok)
+        refuse("every MoE layer has routed experts in host memory, and --device-experts-issue during needs their "
+               "rows grouped on the host");
+      else if (!grouped_ok_ && expert_kernels != "none on the device")
+        refuse("the grouped expert kernels do not apply: " + expert_kernels);
+      else
+        refuse("every MoE layer has routed experts in host memory that are not bf16");
+    }
+    if (refused) {
+      device_only_layer_.assign(std::size_t(c_.num_layers), 0);
+      split_layer_.assign(std::size_t(c_.num_layers), 0);
+    }
+    // The split layers' host side: page-locked copies of the routing and the
+    // normed rows (down) and the CPU experts' packed rows (up), at fixed
+    // addresses for the decode graphs, sized for the batch.
+    if (std::any_of(split_layer_.begin(), split_layer_.end(), [](char v) { return v != 0; })) {
+      const index_t H = c_.hidden_size, nk = index_t(batch) * c_.experts_per_tok;
+      split_down_mem_ = x_.host_staging(nk * 4 + index_t(batch) * H * 4);
+      split_up_mem_ = x_.host_staging(nk * H * 4);
+      split_sel_host_ = reinterpret_cast<int*>(split_down_mem_.data());
+      split_h_host_ = reinterpret_cast<float*>(split_down_mem_.data()) + nk;
+      split_y_host_ = reinterpret_cast<float*>(split_up_mem_.data());
+      split_x_.assign(std::size_t(nk * H), 0.0f);
+      split_rows_cap_ = nk;
+      // where every layer with host experts is split, the device experts are enqueued before the CPU's
+      if (d_.device_experts_during_cpu_default) {
+        bool host_grouped = false;
+        for (int l = 0; l < c_.num_layers; ++l)
+          host_grouped = host_grouped || (m_.layers[std::size_t(l)].is_moe && !device_only_layer_[std::size_t(l)] &&
+                                          !split_layer_[std::size_t(l)]);
+        if (!host_grouped) d_.device_experts_during_cpu = false;
+      }
+    }
   }
 
   /// Whether decode layer l groups its n sequences' routed rows on the device:
@@ -2123,29 +2218,7 @@ class device_decoder {
         }
       if (device_routed_ || (decode && grouped_ok_ && nk <= grouped_rows_cap_ && most <= d_.grouped_expert_max_rows &&
                              active >= d_.grouped_expert_min_active)) {
-        // y [rows][out] = x [rows][in] · W_eᵀ per expert (with `up`: silu(x·W_eᵀ) * (x·U_eᵀ))
-        auto products = [&](const void* const* w, const void* const* up, index_t out, index_t in, const float* x, float* y) {
-          gpu::expert_gemv_params gp;
-          gp.w = w;
-          gp.up = up;
-          gp.offsets = offsets;
-          gp.experts = E;
-          gp.out = int(out);
-          gp.in = int(in);
-          gp.x = x;
-          gp.x_stride = in;
-          gp.y = y;
-          gp.y_stride = out;
-          gp.round_x = prec_ == wtype::bf16 ? 1 : 0;
-          if (device_routed_) {  // a block row per routed pair, not per expert: at batch 1, 8 of 128
-            gp.block_experts = sort_keys_;
-            gp.blocks = int(nk);
-          }
-          x_.expert_gemv(gp);
-        };
-        const index_t I = c_.moe_intermediate_size;
-        products(L.expert_tables, L.expert_tables + E, I, H, xg_, eg_);  // gate‖up with SiLU
-        products(L.expert_tables + 2 * E, nullptr, H, I, eg_, yg_);      // down
+        grouped_experts_on_device(L, offsets, device_routed_ ? nk : 0);
         if (!device_routed_) ++grouped_passes_;  // device-routed: count_device_routed_pass
       } else if (batched) {
         const auto t_gemms = std::chrono::steady_clock::now();
@@ -2240,6 +2313,39 @@ class device_decoder {
       step_phases_.output_issue += std::chrono::duration<double>(clk::now() - t_out).count();
     }
     if (timed) moe_marks_.back()[4] = x_.mark();
+  }
+
+  /// Layer L's device experts over the packed rows xg_ -> yg_ through the
+  /// grouped kernels (launch_expert_gemv, gate‖up with SiLU into eg_, then
+  /// down): y [rows][out] = x [rows][in] · W_eᵀ per expert, rows of expert e
+  /// at offsets[e] .. offsets[e + 1]. pairs > 0: a block row per routed pair
+  /// over sort_keys_ (device routing: at batch 1, 8 block rows of 128);
+  /// 0: a block row per expert. Host experts' rows (null table entries) are
+  /// not written.
+  void grouped_experts_on_device(const gpu::dlayer& L, const int* offsets, index_t pairs) {
+    const int E = c_.num_experts;
+    const index_t H = c_.hidden_size, I = c_.moe_intermediate_size;
+    auto products = [&](const void* const* w, const void* const* up, index_t out, index_t in, const float* x, float* y) {
+      gpu::expert_gemv_params gp;
+      gp.w = w;
+      gp.up = up;
+      gp.offsets = offsets;
+      gp.experts = E;
+      gp.out = int(out);
+      gp.in = int(in);
+      gp.x = x;
+      gp.x_stride = in;
+      gp.y = y;
+      gp.y_stride = out;
+      gp.round_x = prec_ == wtype::bf16 ? 1 : 0;
+      if (pairs > 0) {
+        gp.block_experts = sort_keys_;
+        gp.blocks = int(pairs);
+      }
+      x_.expert_gemv(gp);
+    };
+    products(L.expert_tables, L.expert_tables + E, I, H, xg_, eg_);  // gate‖up with SiLU
+    products(L.expert_tables + 2 * E, nullptr, H, I, eg_, yg_);      // down
   }
 
   /// Rows of a prefill expert in the batched GEMMs are padded to a multiple of this (padded_rows).
@@ -2395,24 +2501,27 @@ class device_decoder {
   }
 
   /// The layer's CPU host runs (host_runs_, inputs in stage_x_, outputs to
-  /// stage_y_): bf16 experts through cpu::run_experts on the engine's thread
+  /// stage_y_, or in x_rows / y_rows where given): bf16 experts through cpu::run_experts on the engine's thread
   /// count (one call for the whole layer: every weight read once, all cores);
   /// fp32 experts (F16/F32 checkpoints) through the widening loop. `side`:
   /// work for this thread inside run_experts' team (cpu::side_work; the
   /// caller passes one only when every run is bf16); `stats`: its host seconds.
-  void run_cpu_experts(const gpu::dlayer& L, const cpu::side_work* side = nullptr, cpu::run_stats* stats = nullptr) {
+  void run_cpu_experts(const gpu::dlayer& L, const cpu::side_work* side = nullptr, cpu::run_stats* stats = nullptr,
+                       const float* x_rows = nullptr, float* y_rows = nullptr) {
     const index_t H = c_.hidden_size;
+    const float* const xb = x_rows != nullptr ? x_rows : stage_x_;  // split routing: its own rows
+    float* const yb = y_rows != nullptr ? y_rows : stage_y_;
     cpu_tasks_.clear();
     for (const host_run& hr : host_runs_) {
       const gpu::hmlp& w = L.host_experts[std::size_t(hr.expert)];
       if (!w.is_bf16()) {
-        cpu_expert(w, stage_x_ + hr.stage_row * H, hr.rows, stage_y_ + hr.stage_row * H);
+        cpu_expert(w, xb + hr.stage_row * H, hr.rows, yb + hr.stage_row * H);
         continue;
       }
       cpu::expert_task t;
       t.w = cpu::expert_view{w.gate.bf16, w.up.bf16, w.down.bf16};
-      t.x = stage_x_ + hr.stage_row * H;
-      t.y = stage_y_ + hr.stage_row * H;
+      t.x = xb + hr.stage_row * H;
+      t.y = yb + hr.stage_row * H;
       t.rows = hr.rows;
       cpu_tasks_.push_back(t);
     }
@@ -2872,12 +2981,156 @@ class device_decoder {
     res.streamed_tokens += r.streamed_tokens;
     res.window_tokens += r.window_tokens;
     res.resident_tokens += r.resident_tokens;
+    if (L.is_moe && split_routes_decode(l, B)) {
+      split_decode_ffn(l, B);
+      return;
+    }
     run_segment(l, 1, B, decode_segment_b_graphable(l, B), [&] {
       attention_output(L, B);
       x_.run(gpu::add_op{x_buf_, y_}, B * H);
       ffn_residual(l, B, true);
     });
     if (L.is_moe && device_routes_decode(l, B)) count_device_routed_pass(B);
+  }
+
+  /// Whether decode MoE layer l at n rows takes split_decode_ffn: check_decode_routing
+  /// marked it (host experts, all bf16, grouped tables), the pairs fit the
+  /// split buffers and the grouped kernels, and this is not the warm-up (whose
+  /// pass neither runs nor counts host experts).
+  [[nodiscard]] bool split_routes_decode(int l, index_t n) const {
+    const index_t nk = n * c_.experts_per_tok;
+    return split_layer_[std::size_t(l)] != 0 && !warming_ && nk <= split_rows_cap_ && nk <= grouped_rows_cap_ &&
+           nk <= xg_rows_;
+  }
+
+  /// Decode segment B of a layer whose routed experts are on both sides,
+  /// grouped on the device (split routing): one wait of the host per layer.
+  ///   graph B  attention output, residual, RMSNorm, router, top-k, the pairs
+  ///            grouped by expert (group_decode_on_device); the experts chosen
+  ///            and the normed rows downloaded to page-locked memory
+  ///   graph C  the device experts (grouped kernels, a block row per pair;
+  ///            host experts' rows skipped) and the shared experts
+  ///   host     waits for graph B's downloads only, groups the pairs as the
+  ///            device did (stable by expert), runs the host experts on the
+  ///            CPU into their packed rows while graph C runs
+  ///   graph D  those rows uploaded (into xg_, free once C is done), copied
+  ///            into the packed outputs (host_rows_op; a layer with every
+  ///            routed expert on the host uploads straight into them),
+  ///            combine, shared experts, residual
+  /// The same arithmetic in the same order as the host grouping's pass (the
+  /// CPU reads the rows it would have gathered; the combine sums each token's
+  /// slots in expert order): the same bits. Graphs B, C and D are run_segment
+  /// keys (l, 1), (l, 2), (l, 3): replayed while decode graphs are armed.
+  void split_decode_ffn(int l, index_t n) {
+    const gpu::dlayer& L = m_.layers[std::size_t(l)];
+    const int E = c_.num_experts, k = c_.experts_per_tok;
+    const index_t H = c_.hidden_size, nk = n * k;
+    using clk = std::chrono::steady_clock;
+    const bool phases = step_marking_;
+    const clk::time_point t_stage = phases ? clk::now() : clk::time_point{};
+    run_segment(l, 1, n, true, [&] {
+      attention_output(L, n);
+      x_.run(gpu::add_op{x_buf_, y_}, n * H);
+      rms_norm(x_buf_, H, L.post_norm, n, int(H), h_, H);
+      route_rows(L, n);
+      group_decode_on_device(n);
+      x_.d2h_async(split_sel_host_, sel_e_, nk * 4);
+      x_.d2h_async(split_h_host_, h_, n * H * 4);
+    });
+    x_.record();  // the host's inputs
+    const int window0 = phases ? x_.mark() : -1;
+    const clk::time_point t_window = phases ? clk::now() : clk::time_point{};
+    const bool device_experts = L.expert_tables != nullptr;  // else every routed expert of L is on the host
+    if (device_experts || L.has_shared)
+      run_segment(l, 2, n, true, [&] {
+        if (device_experts) {
+          x_.run(gpu::gather_rows_op{h_, H, route_dev_, int(H), xg_}, nk * H);
+          grouped_experts_on_device(L, expert_first_, nk);
+        }
+        if (L.has_shared) mlp(L.shared, h_, n, y2_);
+      });
+    const int window_dev = phases ? x_.mark() : -1;
+    const clk::time_point t_issued = phases ? clk::now() : clk::time_point{};
+    x_.wait_recorded();
+    const clk::time_point t_inputs = clk::now();
+    // The device's grouping on the host: packed row of pair i (token i / k) in
+    // the order of a stable sort by expert; the host experts' runs of rows.
+    split_first_.assign(std::size_t(E) + 1, 0);
+    for (index_t i = 0; i < nk; ++i) {
+      const int e = split_sel_host_[i];
+      if (e < 0 || e >= E) throw std::logic_error("router returned expert " + std::to_string(e));
+      ++split_first_[std::size_t(e) + 1];
+    }
+    for (int e = 0; e < E; ++e) split_first_[std::size_t(e) + 1] += split_first_[std::size_t(e)];
+    cursor_.assign(split_first_.begin(), split_first_.end() - 1);
+    host_runs_.clear();
+    index_t host_rows = 0, device_rows = 0, device_rows_initial = 0;
+    const std::vector<char>& init = initial_on_host_[std::size_t(l)];
+    for (index_t i = 0; i < nk; ++i) {
+      const int e = split_sel_host_[i];
+      const index_t row = cursor_[std::size_t(e)]++;
+      if (L.on_host[std::size_t(e)]) {
+        std::memcpy(split_x_.data() + row * H, split_h_host_ + (i / k) * H, std::size_t(H) * 4);
+        ++host_rows;
+      } else {
+        ++device_rows;
+      }
+      if (!init[std::size_t(e)]) ++device_rows_initial;
+    }
+    for (int e = 0; e < E; ++e) {
+      const index_t m = split_first_[std::size_t(e) + 1] - split_first_[std::size_t(e)];
+      if (m > 0 && L.on_host[std::size_t(e)])
+        host_runs_.push_back({e, split_first_[std::size_t(e)], m, split_first_[std::size_t(e)]});
+    }
+    cpu::run_stats cpu_stats;
+    const clk::time_point t0 = t_inputs;  // the CPU experts' time includes gathering their rows
+    if (host_rows > 0) run_cpu_experts(L, nullptr, phases ? &cpu_stats : nullptr, split_x_.data(), split_y_host_);
+    const clk::time_point t1 = clk::now();
+    const double dt = std::chrono::duration<double>(t1 - t0).count();
+    cpu_expert_seconds_ += dt;
+    cpu_expert_rows_ += host_rows;
+    if (counting_ == counting::decode) {
+      decode_rows_total_ += nk;
+      decode_rows_device_ += device_rows;
+      decode_rows_device_initial_ += device_rows_initial;
+      decode_cpu_expert_seconds_ += dt;
+      for (const host_run& hr : host_runs_) decode_host_expert_bytes_ += L.host_experts[std::size_t(hr.expert)].bytes();
+    }
+    const int window1 = phases ? x_.mark() : -1;
+    const clk::time_point t_out = phases ? clk::now() : clk::time_point{};
+    run_segment(l, 3, n, true, [&] {
+      if (device_experts) {  // into xg_ (free once graph C is done), then the host experts' rows of yg_
+        x_.h2d_async(xg_, split_y_host_, nk * H * 4);
+        x_.run(gpu::host_rows_op{sort_keys_, L.expert_tables, xg_, H, yg_}, nk * H);
+      } else {
+        x_.h2d_async(yg_, split_y_host_, nk * H * 4);  // every row is a host expert's
+      }
+      const int* comb_rows = route_dev_ + nk;
+      const float* comb_w = reinterpret_cast<const float*>(route_dev_ + 2 * nk);
+      if (gpu::fits_x4(H, yg_) && gpu::fits_x4(H, y_))
+        x_.run(gpu::combine_x4_op{yg_, comb_rows, comb_w, k, int(H / 4), y_}, n * H / 4);
+      else
+        x_.run(gpu::combine_op{yg_, comb_rows, comb_w, k, int(H), y_}, n * H);
+      if (L.has_shared) x_.run(gpu::add_op{y_, y2_}, n * H);
+      x_.run(gpu::add_op{x_buf_, y_}, n * H);
+    });
+    if (device_experts) ++grouped_passes_;
+    ++device_routed_passes_;
+    ++split_passes_;
+    if (phases) {
+      window_marks_.push_back({window0, window_dev, window1, x_.mark()});
+      auto sec = [](clk::time_point a, clk::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+      window_phases& w = step_phases_;
+      ++w.layers;
+      w.stage_issue += sec(t_stage, t_window);
+      w.device_issue += sec(t_window, t_issued);
+      w.input_wait += sec(t_issued, t_inputs);
+      w.cpu_setup += cpu_stats.setup_seconds;
+      w.cpu_wake += cpu_stats.wake_seconds;
+      w.cpu_experts += dt;
+      w.host_window += sec(t_window, t1);
+      w.output_issue += sec(t_out, clk::now());
+    }
   }
 
   /// Whether decode segment B of layer l at n rows (attention output, residual,
@@ -2994,6 +3247,10 @@ class device_decoder {
   float *op_ = nullptr, *head_n_ = nullptr, *logits_ = nullptr;
   writescope::host_allocation logits_host_mem_;  ///< page-locked [batch][vocab] (host_staging)
   float* logits_host_ = nullptr;
+  std::uint64_t* argmax_keys_ = nullptr;              ///< [batch] device: head_greedy's keys (argmax_key)
+  writescope::host_allocation argmax_keys_host_mem_;  ///< page-locked [batch]: their copy
+  std::uint64_t* argmax_keys_host_ = nullptr;
+  std::vector<int> greedy_ids_;                       ///< [live rows] head_greedy's tokens
 
   // host-side state
   std::vector<int> ids_host_;
@@ -3008,6 +3265,15 @@ class device_decoder {
   index_t device_routed_passes_ = 0;  ///< decode MoE passes grouped on the device (decode_routing)
   bool device_routed_ = false;        ///< the current MoE pass was grouped on the device
   std::vector<char> device_only_layer_;  ///< [layer] decode routing on the device applies (check_decode_routing)
+  std::vector<char> split_layer_;        ///< [layer] split routing applies: host experts, grouped on the device too
+  index_t split_passes_ = 0;             ///< decode MoE passes through split_decode_ffn
+  index_t split_rows_cap_ = 0;           ///< routed pairs the split buffers hold (batch x k)
+  writescope::host_allocation split_down_mem_, split_up_mem_;  ///< page-locked (host_staging)
+  int* split_sel_host_ = nullptr;        ///< [batch x k] the router's experts, downloaded
+  float* split_h_host_ = nullptr;        ///< [batch][hidden] the normed rows, downloaded
+  float* split_y_host_ = nullptr;        ///< [batch x k][hidden] the CPU experts' packed rows, uploaded
+  std::vector<float> split_x_;           ///< [batch x k][hidden] the CPU experts' packed inputs
+  std::vector<int> split_first_;         ///< [experts + 1] packed row bounds (host copy of the device grouping)
   std::vector<host_run> host_runs_;
   double* router_wait_ = nullptr;  ///< decode: the result's router wait, summed while a step runs
   /// prefill: the host-side times of the wave being issued (null outside prefill_wave's layer loop)

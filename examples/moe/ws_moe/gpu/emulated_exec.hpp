@@ -150,6 +150,16 @@ class emulated_exec {
       values_out[i] = values_in[order[std::size_t(i)]];
     }
   }
+  /// Greedy sampling (the CUDA executor's launch_argmax_rows, on the host):
+  /// keys[r] = the largest argmax_key of row r of x [rows][cols].
+  void argmax_rows(const float* x, idx rows, idx cols, std::uint64_t* keys) {
+#pragma omp parallel for schedule(static)
+    for (idx r = 0; r < rows; ++r) {
+      std::uint64_t best = 0;
+      for (idx c = 0; c < cols; ++c) best = std::max(best, argmax_key(x[r * cols + c], c));
+      keys[r] = best;
+    }
+  }
   /// The flash prefill's host twin (fp32 arithmetic on the same bf16 inputs).
   void flash_prefill(const flash_prefill_params& p) {
     check_flash_prefill(p);

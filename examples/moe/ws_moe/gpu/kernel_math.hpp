@@ -427,6 +427,43 @@ struct combine_op {
   }
 };
 
+/// The host experts' rows of a decode MoE pass grouped on the device with
+/// experts on both sides (device_decoder's split routing): for packed row
+/// p = i / hidden, dst[i] = src[i] where the grouped-kernel table has no
+/// device weights for the row's expert (w[keys[p]] null: an expert in host
+/// memory, whose output the CPU computed into src); the device experts' rows
+/// of dst are left as they are. keys: [pairs] the sorted expert of each
+/// packed row (group_pairs' sorted_keys). Size pairs * hidden.
+struct host_rows_op {
+  const unsigned* keys;
+  const void* const* w;
+  const float* src;
+  idx hidden;
+  float* dst;
+  WS_MOE_HD void operator()(idx i) const {
+    const idx p = i / hidden;
+    if (w[keys[p]] == nullptr) dst[i] = src[i];
+  }
+};
+
+/// Greedy sampling on the device: the key of logit v at column c, so that the
+/// largest key of a row is its first maximum (std::max_element, torch.argmax):
+/// the high word orders the floats (-0 counted as +0), the low word is
+/// 0xffffffff - c (a lower column wins a tie). NaN gets key 0, below every
+/// other key: never chosen unless the whole row is NaN.
+[[nodiscard]] WS_MOE_HD inline std::uint64_t argmax_key(float v, idx c) {
+  if (v != v) return 0;
+  if (v == 0.0f) v = 0.0f;
+  std::uint32_t u = 0;
+  std::memcpy(&u, &v, 4);
+  const std::uint32_t ordered = (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
+  return (std::uint64_t(ordered) << 32) | std::uint64_t(0xffffffffu - std::uint32_t(c));
+}
+/// The column of a row's largest argmax_key (0 for a row whose key stayed 0).
+[[nodiscard]] WS_MOE_HD inline int argmax_key_column(std::uint64_t key) {
+  return key == 0 ? 0 : int(0xffffffffu - std::uint32_t(key & 0xffffffffu));
+}
+
 /// Fills n floats with `value`. Size n.
 struct fill_op {
   float* p;

@@ -8,6 +8,7 @@
 
 #include <cub/block/block_reduce.cuh>
 #include <cub/device/device_radix_sort.cuh>
+#include <cuda/atomic>
 
 #include <algorithm>
 #include <string>
@@ -418,6 +419,47 @@ void launch_group_pairs(const int* experts, const float* weights, idx n, int k, 
   WS_CUDA_CHECK_LAST();
 }
 
+namespace {
+// launch_argmax_rows: grid (chunks, rows); each CTA reduces its chunk of one
+// row to the largest argmax_key (CUB block reduction), then one device-scope
+// atomic max (libcu++) folds the chunks. Max is associative and commutative
+// and the keys are distinct per column, so the result is exact and
+// deterministic.
+__global__ void __launch_bounds__(threads) argmax_rows_kernel(const float* x, idx cols, idx chunk,
+                                                              unsigned long long* keys) {
+  using block_key_reduce = cub::BlockReduce<unsigned long long, threads>;
+  __shared__ typename block_key_reduce::TempStorage tmp;
+  const idx row = idx(blockIdx.y);
+  const idx c0 = idx(blockIdx.x) * chunk;
+  const idx c1 = c0 + chunk < cols ? c0 + chunk : cols;
+  const float* xr = x + row * cols;
+  unsigned long long best = 0;
+  for (idx c = c0 + threadIdx.x; c < c1; c += threads) {
+    const unsigned long long k = argmax_key(xr[c], c);
+    best = k > best ? k : best;
+  }
+  best = block_key_reduce(tmp).Reduce(best, [](unsigned long long a, unsigned long long b) { return a > b ? a : b; });
+  if (threadIdx.x == 0) cuda::atomic_ref<unsigned long long, cuda::thread_scope_device>(keys[row]).fetch_max(best);
+}
+}  // namespace
+
+void launch_argmax_rows(const float* x, idx rows, idx cols, std::uint64_t* keys, cudaStream_t stream) {
+  if (rows < 0 || rows > 65535)
+    throw writescope::config_error("argmax_rows: " + std::to_string(rows) + " rows (one launch takes 0 to 65535)");
+  if (cols < 1 || cols > idx(0x7fffffff))
+    throw writescope::config_error("argmax_rows: " + std::to_string(cols) + " columns (needs 1 to 2^31-1)");
+  if (rows == 0) return;
+  static_assert(sizeof(unsigned long long) == sizeof(std::uint64_t));
+  WS_CUDA_TRY(cudaMemsetAsync(keys, 0, std::size_t(rows) * sizeof(std::uint64_t), stream));
+  // chunks of at least 16 columns per thread, at most 64 chunks per row
+  idx chunks = (cols + idx(threads) * 16 - 1) / (idx(threads) * 16);
+  chunks = chunks < 1 ? 1 : (chunks > 64 ? 64 : chunks);
+  const idx chunk = (cols + chunks - 1) / chunks;
+  argmax_rows_kernel<<<dim3(unsigned(chunks), unsigned(rows)), threads, 0, stream>>>(
+      x, cols, chunk, reinterpret_cast<unsigned long long*>(keys));
+  WS_CUDA_CHECK_LAST();
+}
+
 std::size_t sort_pairs_temp_bytes(idx n) {
   if (n > idx(0x7fffffff)) throw writescope::config_error("sort_pairs: more than 2^31-1 items");
   std::size_t bytes = 0;
@@ -454,6 +496,7 @@ template void launch_elementwise<combine_x4_op>(const combine_x4_op&, idx, cudaS
 template void launch_elementwise<gather_rows_bf16x4_op>(const gather_rows_bf16x4_op&, idx, cudaStream_t);
 template void launch_elementwise<silu_mul_bf16x4_op>(const silu_mul_bf16x4_op&, idx, cudaStream_t);
 template void launch_elementwise<fill_op>(const fill_op&, idx, cudaStream_t);
+template void launch_elementwise<host_rows_op>(const host_rows_op&, idx, cudaStream_t);
 template void launch_elementwise<random_op>(const random_op&, idx, cudaStream_t);
 template void launch_elementwise<pack_q_op>(const pack_q_op&, idx, cudaStream_t);
 template void launch_elementwise<unpack_o_op>(const unpack_o_op&, idx, cudaStream_t);

@@ -12,6 +12,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <cstdint>
 
 #include "kernel_math.hpp"
 
@@ -54,6 +55,14 @@ void launch_expert_gemv(const expert_gemv_params& p, cudaStream_t stream);
 /// little scratch.
 void launch_sort_pairs(const unsigned* keys_in, unsigned* keys_out, const int* values_in, int* values_out, idx n,
                        void* temp, std::size_t temp_bytes, cudaStream_t stream);
+
+/// Greedy sampling on the device: keys[r] = the largest argmax_key of row r of
+/// x [rows][cols] fp32 (kernel_math.hpp; argmax_key_column gives its column,
+/// the first maximum, NaN never chosen), for rows in [0, 65535]. keys: [rows]
+/// device memory, zeroed by the launch itself. Asynchronous on `stream`
+/// (a memset and one kernel); throws config_error for rows or cols outside
+/// their ranges.
+void launch_argmax_rows(const float* x, idx rows, idx cols, std::uint64_t* keys, cudaStream_t stream);
 
 /// Pairs launch_group_pairs takes in one launch (one CTA, a thread per pair).
 inline constexpr idx group_pairs_max = 1024;
