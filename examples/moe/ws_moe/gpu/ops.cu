@@ -287,13 +287,16 @@ __global__ void __launch_bounds__(threads) route_warp_kernel(const route_op p, i
   }
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
   double sum = 0.0;
+  double ex[route_per_lane];  // each exponential once: the sum's and the probability's are the same value
 #pragma unroll
-  for (int j = 0; j < route_per_lane; ++j)
-    if (lane + 32 * j < p.E) sum += exp(double(v[j]) - double(m));
+  for (int j = 0; j < route_per_lane; ++j) {
+    ex[j] = lane + 32 * j < p.E ? exp(double(v[j]) - double(m)) : 0.0;
+    sum += ex[j];
+  }
   for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
 #pragma unroll
   for (int j = 0; j < route_per_lane; ++j)
-    if (lane + 32 * j < p.E) v[j] = float(exp(double(v[j]) - double(m)) / sum);  // route_op::prob
+    if (lane + 32 * j < p.E) v[j] = float(ex[j] / sum);  // route_op::prob
   const int per = p.group_limited ? p.E / p.n_group : p.E;
   unsigned long long kept_groups = ~0ull;
   if (p.group_limited) {
