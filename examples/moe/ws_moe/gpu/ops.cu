@@ -188,80 +188,6 @@ __global__ void __launch_bounds__(threads) expert_gemv_kernel(const expert_gemv_
 }
 
 
-// Plain products (down) over short weight rows (in <= cols_max_in), Cols
-// output columns per warp (consecutive, o0 .. o0 + Cols - 1): each lane loads
-// its whole share of the Cols rows (at most 4 x Cols 16-byte loads) at once,
-// before any product, and keeps it in registers for every pass over the
-// expert's rows; expert_gemv_kernel has three loads in flight per lane at 768
-// inputs. Every output's arithmetic (the lane partition of `in`, the fma
-// order, the butterfly) is expert_gemv_kernel's: the same bits.
-constexpr int cols_max_in = 32 * 8 * 4;
-template <int Cols>
-__global__ void __launch_bounds__(threads) expert_gemv_cols_kernel(const expert_gemv_params p) {
-  constexpr int steps = cols_max_in / (32 * 8);
-  constexpr int rows_pass = 1;
-  int e = int(blockIdx.y);
-  if (p.block_experts != nullptr) {  // one block row per routed pair: the first of each expert runs it
-    e = int(p.block_experts[blockIdx.y]);
-    if (blockIdx.y > 0 && int(p.block_experts[blockIdx.y - 1]) == e) return;
-  }
-  const void* wp = p.w[e];
-  if (wp == nullptr) return;
-  const int r0 = p.offsets[e], r1 = p.offsets[e + 1];
-  const int o0 = (int(blockIdx.x) * gemv_warps + int(threadIdx.x) / 32) * Cols;
-  if (r1 <= r0 || o0 >= p.out) return;
-  const int lane = int(threadIdx.x) % 32;
-  uint4 wv[steps][Cols];
-#pragma unroll
-  for (int j = 0; j < Cols; ++j) {  // a column past `out` reads the last row and is never stored
-    const std::uint16_t* w = static_cast<const std::uint16_t*>(wp) + idx(min(o0 + j, p.out - 1)) * p.in;
-#pragma unroll
-    for (int s = 0; s < steps; ++s) {
-      const int c = lane * 8 + s * 256;
-      if (c < p.in) wv[s][j] = __ldg(reinterpret_cast<const uint4*>(w + c));
-    }
-  }
-  for (int rb = r0; rb < r1; rb += rows_pass) {
-    const int nr = min(rows_pass, r1 - rb);
-    float acc[rows_pass][Cols];
-#pragma unroll
-    for (int r = 0; r < rows_pass; ++r)
-#pragma unroll
-      for (int j = 0; j < Cols; ++j) acc[r][j] = 0.0f;
-#pragma unroll
-    for (int s = 0; s < steps; ++s) {
-      const int c = lane * 8 + s * 256;
-      if (c >= p.in) break;
-      float wf[Cols][8];
-#pragma unroll
-      for (int j = 0; j < Cols; ++j) unpack_bf16x8(wv[s][j], wf[j]);
-#pragma unroll
-      for (int r = 0; r < rows_pass; ++r) {
-        if (r < nr) {
-          const float4* xr = reinterpret_cast<const float4*>(p.x + idx(rb + r) * p.x_stride + c);
-          const float4 a = xr[0], b = xr[1];
-          const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-          for (int j = 0; j < Cols; ++j)
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[r][j] = fmaf(expert_input(xv[i], p.round_x), wf[j][i], acc[r][j]);
-        }
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < rows_pass; ++r) {
-      if (r < nr) {
-#pragma unroll
-        for (int j = 0; j < Cols; ++j) {
-          const float v = warp_sum(acc[r][j]);
-          if (lane == 0 && o0 + j < p.out) p.y[idx(rb + r) * p.y_stride + o0 + j] = v;
-        }
-      }
-    }
-  }
-}
-
-
 // The router's softmax + top-k (route_op's semantics), one warp per token row:
 // lane j holds experts j, j + 32, ... (at most route_op::max_experts / 32 each).
 // Max and the double sum of exponentials are warp reductions; every probability
@@ -400,20 +326,11 @@ void launch_expert_gemv(const expert_gemv_params& p, cudaStream_t stream) {
     throw writescope::config_error("expert_gemv: " + std::to_string(p.blocks) +
                                    " block rows over the routed pairs (needs 1 to 65535)");
   const unsigned rows_y = unsigned(p.block_experts != nullptr ? p.blocks : p.experts);
-  // gate‖up: a column per warp (two weight rows each); down-shaped products
-  // with short rows (in <= cols_max_in, e.g. 768 for Qwen3's experts): four
-  // columns per warp, each lane's loads all in flight at once (twelve at 768)
-  if (p.up != nullptr) {
-    const dim3 grid(unsigned((p.out + gemv_warps - 1) / gemv_warps), rows_y);
+  const dim3 grid(unsigned((p.out + gemv_warps - 1) / gemv_warps), rows_y);
+  if (p.up != nullptr)
     expert_gemv_kernel<true><<<grid, threads, 0, stream>>>(p);
-  } else if (p.in <= cols_max_in) {
-    constexpr int cols = 4;
-    const dim3 grid(unsigned((p.out + gemv_warps * cols - 1) / (gemv_warps * cols)), rows_y);
-    expert_gemv_cols_kernel<cols><<<grid, threads, 0, stream>>>(p);
-  } else {
-    const dim3 grid(unsigned((p.out + gemv_warps - 1) / gemv_warps), rows_y);
+  else
     expert_gemv_kernel<false><<<grid, threads, 0, stream>>>(p);
-  }
   WS_CUDA_CHECK_LAST();
 }
 
