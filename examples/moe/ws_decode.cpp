@@ -106,6 +106,7 @@ struct cli {
   double hbm_kv_gib = 0.0;      // --hbm-kv-gib: auto's cap (0 = off), fixed's size
   double hbm_read_gbps = nominal_hbm_read_gbps;  // --hbm-read-gbps: the region's attention rate (H's prior)
   int migrate_max_experts = 8;
+  int migrate_every_steps = 0;  // --migrate-every-steps: hot placement during the decode (0: after the prefill only)
   /// The options the user gave, by long name, with their values as typed
   /// (several uses joined by ','): an option acts or is refused (run()).
   std::map<std::string, std::string> given;
@@ -511,10 +512,10 @@ int run(cli& a) {
         "--prefill-chunk-tokens", "--prefill-attn-mib",    "--stream-experts",            "--stream-min-rows",
         "--expert-staging-mib", "--flash-prefill",         "--batched-prefill-experts",   "--kv-write-bounce-mib",
         "--cudnn-prefill",    "--no-warmup",               "--router-zipf",               "--expert-placement",
-        "--migrate-max-experts", "--migration",          "--prefill-expert-gemm",       "--prefill-expert-groups",
+        "--migrate-max-experts", "--migration",         "--prefill-expert-gemm",       "--prefill-expert-groups",
         "--decode-routing",   "--no-dram-ceiling",         "--device-experts-issue",      "--hbm-kv",
         "--hbm-kv-gib",       "--hbm-resident-kernel",     "--hbm-read-gbps",             "--prefill-moe-chunk-tokens",
-        "--caller-stream-steps", "--decode-graphs"};
+        "--caller-stream-steps", "--decode-graphs",      "--migrate-every-steps"};
     for (const char* opt : cuda_only)
       if (a.gave(opt))
         refuse(opt, "acts on the CUDA path only (--device cuda or emulated)",
@@ -575,7 +576,7 @@ int run(cli& a) {
         refuse(opt, "auto acts on the emulated device with --vram-budget only (without it the device has no size to split)",
                std::string(opt) + " " + a.given[opt] + " without --vram-budget");
   if (a.expert_placement != "hot")
-    for (const char* opt : {"--migrate-max-experts", "--migration"})
+    for (const char* opt : {"--migrate-max-experts", "--migration", "--migrate-every-steps"})
       if (a.gave(opt)) refuse(opt, "acts with --expert-placement hot only", "--expert-placement " + a.expert_placement);
 
   // ---- expectation, prompts ------------------------------------------------------
@@ -762,6 +763,7 @@ int run(cli& a) {
   dopt.layer_major_placement = a.expert_placement == "layers";
   dopt.migrate_max_experts = a.migrate_max_experts;
   dopt.migrate_reload = a.migration == "reload";
+  dopt.migrate_every_steps = a.migrate_every_steps;
   dopt.hbm_kv = a.hbm_kv == "off" || (a.hbm_kv == "auto" && a.gave("--hbm-kv-gib") && !(a.hbm_kv_gib > 0.0))
                     ? hbm_kv_mode::off
                 : a.hbm_kv == "fixed" ? hbm_kv_mode::fixed
@@ -969,12 +971,17 @@ int main(int argc, char** argv) {
                  "CUDA path: id = routed experts on the GPU by id while the budget lasts; hot = the same at load, then "
                  "after the prefill each MoE layer's hottest host experts (routed rows counted in the prefill) swap "
                  "places with its coldest GPU experts where the host one got more rows, at most "
-                 "--migrate-max-experts pairs per layer (no migration during decode); layers = whole MoE layers' "
+                 "--migrate-max-experts pairs per layer (and during the decode with --migrate-every-steps); layers = whole MoE layers' "
                  "routed experts on the GPU, first layers first, while the budget lasts (the later layers' experts all "
                  "in host memory, as llama.cpp's per-layer -ot overrides put them; no migration)")
       ->group(g_dev)->capture_default_str()->check(CLI::IsMember({"id", "hot", "layers"}));
   app.add_option("--migrate-max-experts", a.migrate_max_experts,
                  "CUDA path, --expert-placement hot: most expert swaps per MoE layer after the prefill")
+      ->group(g_dev)->capture_default_str()->check(CLI::Range(0, 1 << 20));
+  app.add_option("--migrate-every-steps", a.migrate_every_steps,
+                 "CUDA path, --expert-placement hot: 0 = migrate after the prefill only; N = also after every N-th "
+                 "decode step, by the routed rows counted from the prefill on, at most --migrate-max-experts pairs per "
+                 "layer each time (the copies run between the steps, in their time)")
       ->group(g_dev)->capture_default_str()->check(CLI::Range(0, 1 << 20));
   app.add_option("--migration", a.migration,
                  "CUDA path, --expert-placement hot: swap = move the loaded bytes (device expert to host memory, host "

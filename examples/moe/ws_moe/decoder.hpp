@@ -232,6 +232,12 @@ struct device_report {
   index_t migrate_h2d_bytes = 0, migrate_d2h_bytes = 0;
   double migrate_seconds = 0.0;
   int migrate_max_experts = 0;
+  /// Hot placement during the decode (--migrate-every-steps N): the rounds
+  /// run after decode steps, the swaps they made and their time (in the
+  /// steps' time); included in migrations and the bytes above.
+  int migrate_every_steps = 0;
+  index_t decode_migration_rounds = 0, decode_migrations = 0;
+  double decode_migrate_seconds = 0.0;
   double router_zipf = 0.0;
   /// Routed (token, expert) rows of the MoE passes and those of device
   /// experts: prefill (placement at load); decode under the placement at

@@ -346,15 +346,22 @@ inline void print_device(std::FILE* f, const generation_result& r) {
                  d.stream_min_rows, static_cast<long long>(d.streamed_experts), human_bytes(d.streamed_bytes).c_str(),
                  d.staging_slots, human_bytes(d.staging_bytes).c_str(), static_cast<long long>(d.streamed_batched_passes));
   auto share = [](index_t part, index_t all) { return all > 0 ? 100.0 * double(part) / double(all) : 0.0; };
-  if (d.placement == "hot")
+  if (d.placement == "hot") {
     std::fprintf(f, "placement  hot: %lld experts migrated after the prefill (at most %d per layer, %lld pairs skipped), "
                     "%s H2D + %s D2H in %.3f s\n",
-                 static_cast<long long>(d.migrations), d.migrate_max_experts, static_cast<long long>(d.migrations_skipped),
-                 human_bytes(d.migrate_h2d_bytes).c_str(), human_bytes(d.migrate_d2h_bytes).c_str(), d.migrate_seconds);
-  else if (d.placement == "layers")
+                 static_cast<long long>(d.migrations - d.decode_migrations), d.migrate_max_experts,
+                 static_cast<long long>(d.migrations_skipped), human_bytes(d.migrate_h2d_bytes).c_str(),
+                 human_bytes(d.migrate_d2h_bytes).c_str(), d.migrate_seconds);
+    if (d.migrate_every_steps > 0)
+      std::fprintf(f, "           during the decode: %lld rounds (after every %d steps, rows counted from the prefill "
+                      "on), %lld experts migrated in %.3f s of the steps (bytes above: every round)\n",
+                   static_cast<long long>(d.decode_migration_rounds), d.migrate_every_steps,
+                   static_cast<long long>(d.decode_migrations), d.decode_migrate_seconds);
+  } else if (d.placement == "layers") {
     std::fprintf(f, "placement  layers (whole MoE layers' experts on the GPU, first layers first, no migration)\n");
-  else
+  } else {
     std::fprintf(f, "placement  id (experts on the GPU by id, no migration)\n");
+  }
   std::fprintf(f, "           device share of routed rows: prefill %.1f%% of %lld; decode %.1f%% before migration -> "
                   "%.1f%% after, of %lld\n",
                share(d.prefill_device_rows, d.prefill_routed_rows), static_cast<long long>(d.prefill_routed_rows),
@@ -734,6 +741,10 @@ inline nlohmann::json summary_json(const model_config& c, const generation_resul
                       {"migrate_d2h_bytes", d.migrate_d2h_bytes},
                       {"migrate_seconds", d.migrate_seconds},
                       {"migrate_max_experts", d.migrate_max_experts},
+                      {"migrate_every_steps", d.migrate_every_steps},
+                      {"decode_migration_rounds", d.decode_migration_rounds},
+                      {"decode_migrations", d.decode_migrations},
+                      {"decode_migrate_seconds", d.decode_migrate_seconds},
                       {"router_zipf", d.router_zipf},
                       {"prefill_routed_rows", d.prefill_routed_rows},
                       {"prefill_device_rows", d.prefill_device_rows},

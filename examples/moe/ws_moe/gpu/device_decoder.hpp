@@ -243,6 +243,12 @@ struct device_options {
   /// their new places instead of swapping the loaded bytes: the same final
   /// placement by another route (the bit-identity test of the swap).
   bool migrate_reload = false;
+  /// Hot placement during the decode: 0 = after the prefill only; N > 0 =
+  /// also after every N-th decode step, with the routed rows counted from the
+  /// prefill on (the decode steps' rows added), the same rule and per-layer
+  /// bound (migrate_max_experts pairs each time). The swaps' copies run
+  /// between the steps, synchronously, and their time is the step's.
+  int migrate_every_steps = 0;
   /// Measure the host's DRAM read ceiling at setup (dram_ceiling.hpp; with the
   /// CPU experts' threads, after the weights are loaded) when the run has host
   /// experts: the denominator of the decode step's CPU expert bound. false
@@ -339,6 +345,11 @@ class device_decoder {
                                      ": a bias for random weights only (the checkpoint's routers are kept)");
     if (d.migrate_max_experts < 0)
       throw writescope::config_error("migrate_max_experts " + std::to_string(d.migrate_max_experts) + ": must be >= 0");
+    if (d.migrate_every_steps < 0)
+      throw writescope::config_error("migrate_every_steps " + std::to_string(d.migrate_every_steps) + ": must be >= 0");
+    if (d.migrate_every_steps > 0 && !d.hot_placement)
+      throw writescope::config_error("migrate_every_steps " + std::to_string(d.migrate_every_steps) +
+                                     ": acts with hot placement only");
   }
   device_decoder(const device_decoder&) = delete;
   device_decoder& operator=(const device_decoder&) = delete;
@@ -602,6 +613,9 @@ class device_decoder {
       res.step_head_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t_head).count());
       res.step_sequences.push_back(n);
       live.finish_stopped(*cache_, res, o);
+      // hot placement during the decode: a migration round after every N-th step (its time is this step's)
+      if (d_.migrate_every_steps > 0 && s % d_.migrate_every_steps == 0 && s < steps && !live.empty())
+        migrate_hot_experts(res.device, true);
       res.step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       if (bound_marks) {  // outside the step's time: the marks are read after a sync
         step_marking_ = false;
@@ -1274,10 +1288,12 @@ class device_decoder {
   /// grouped-kernel table follow. One copy of each expert remains, no device
   /// memory is added. With migrate_reload a layer with swaps is instead
   /// rebuilt from the weight source (reload_layer_experts): the same final state.
-  void migrate_hot_experts(device_report& rep) {
+  void migrate_hot_experts(device_report& rep, bool decode = false) {
     const auto t0 = std::chrono::steady_clock::now();
+    const index_t migrations0 = rep.migrations;
     const int E = c_.num_experts;
     rep.migrate_max_experts = d_.migrate_max_experts;
+    rep.migrate_every_steps = d_.migrate_every_steps;
     writescope::host_allocation tmp;
     x_.sync();
     for (int l = 0; l < c_.num_layers; ++l) {
@@ -1322,14 +1338,21 @@ class device_decoder {
         rep.migrate_h2d_bytes += L.experts[std::size_t(h)].gate.w.bytes() + L.experts[std::size_t(h)].up.w.bytes() +
                                  L.experts[std::size_t(h)].down.w.bytes();
       }
-      rep.migrate_d2h_bytes = rep.migrate_h2d_bytes;
+      rep.migrate_d2h_bytes = rep.migrate_h2d_bytes;  // every swap moves as much each way
       std::vector<int>& list = rep.host_experts[std::size_t(l)];
       list.clear();
       for (int e = 0; e < E; ++e)
         if (L.on_host[std::size_t(e)]) list.push_back(e);
     }
     x_.sync();
-    rep.migrate_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (decode) {  // the rounds after decode steps, apart from the one after the prefill
+      ++rep.decode_migration_rounds;
+      rep.decode_migrations += rep.migrations - migrations0;
+      rep.decode_migrate_seconds += dt;
+    } else {
+      rep.migrate_seconds += dt;
+    }
   }
 
   /// Layer l's (host expert, device expert) swaps: host experts by prefill
@@ -1420,6 +1443,7 @@ class device_decoder {
         prefill_rows_total_ += m;
         if (!L.on_host[std::size_t(e)]) prefill_rows_device_ += m;
       } else {
+        if (d_.migrate_every_steps > 0) expert_rows_[std::size_t(l)][std::size_t(e)] += m;  // hot placement during the decode
         decode_rows_total_ += m;
         if (!L.on_host[std::size_t(e)]) decode_rows_device_ += m;
         if (!init[std::size_t(e)]) decode_rows_device_initial_ += m;
