@@ -550,9 +550,6 @@ int run(cli& a) {
       refuse("--router-zipf", "acts with --random-weights only (a synthetic bias of random routers)",
              a.given["--router-zipf"] + " with the checkpoint's routers");
   }
-  if (a.decode_routing == "device" && a.expert_placement == "hot")
-    refuse("--decode-routing", "device acts without --expert-placement hot (its counters need the rows on the host)",
-           "--expert-placement hot");
   if (a.decode_routing == "device" && a.grouped_experts == "off")
     refuse("--decode-routing", "device runs the grouped expert kernels", "--grouped-experts off");
   // the HBM-resident KV region: auto weighs it against the experts (a device

@@ -168,8 +168,9 @@ struct device_options {
   /// --device-experts-issue during given by the user, which needs the host
   /// grouping). Applies to a step of at most grouped_expert_max_rows sequences
   /// with bf16 grouped tables and the device grouping's buffers (a batched
-  /// prefill), and not with hot placement (whose counters need the rows on
-  /// the host); elsewhere the host groups as before. `automatic` (the
+  /// prefill); elsewhere the host groups as before. With hot placement the
+  /// routed rows a migration counts are those of layers with host experts,
+  /// which split routing downloads (a layer without any never migrates). `automatic` (the
   /// default) does this wherever it applies and the experts are narrow (one
   /// matrix at most auto_routing_max_matrix_bytes: Qwen3, DeepSeek-V2-Lite,
   /// not Mixtral) and groups on the host elsewhere;
@@ -1982,7 +1983,6 @@ class device_decoder {
       if (strict) throw writescope::config_error("decode routing on the device: " + why);
       refused = true;  // automatic: the host groups every layer
     };
-    if (d_.hot_placement) refuse("not with hot placement (its counters need the routed rows on the host)");
     // automatic: wide experts (Mixtral's 14336 x 4096) run faster as one cuBLAS product each than in the
     // grouped kernels that device routing needs, so only narrow ones route on the device by default
     if (!strict && index_t(c_.moe_intermediate_size) * c_.hidden_size * 2 > auto_routing_max_matrix_bytes)
@@ -3100,6 +3100,8 @@ class device_decoder {
         ++device_rows;
       }
       if (!init[std::size_t(e)]) ++device_rows_initial;
+      if (counting_ == counting::decode && d_.migrate_every_steps > 0)
+        ++expert_rows_[std::size_t(l)][std::size_t(e)];  // hot placement during the decode
     }
     for (int e = 0; e < E; ++e) {
       const index_t m = split_first_[std::size_t(e) + 1] - split_first_[std::size_t(e)];
