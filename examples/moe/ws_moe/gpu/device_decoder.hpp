@@ -569,7 +569,7 @@ class device_decoder {
     // Greedy decoding whose logits are not recorded picks its tokens on the
     // device (head_greedy: the same first maximum as the host's argmax).
     const bool device_greedy = pick.greedy() && !o.record_logits;
-    res.device.greedy_on_device = device_greedy;
+    res.device.greedy_on_device = device_greedy && steps > 0;
     for (int s = 1; s <= steps && !live.empty(); ++s) {
       const auto t0 = std::chrono::steady_clock::now();
       const int n = live.size();  // row r = sequence live.rows()[r]
@@ -1995,6 +1995,8 @@ class device_decoder {
     // not order the device experts' enqueue against the CPU experts itself
     // (--device-experts-issue during, given by the user, needs the host grouping).
     const bool split_ok = !(d_.device_experts_during_cpu && !d_.device_experts_during_cpu_default);
+    const index_t batch_pairs = index_t(batch) * c_.experts_per_tok;  // split_routes_decode's room at the full batch
+    const bool split_fits = batch_pairs <= grouped_rows_cap_ && batch_pairs <= xg_rows_;
     bool any = false;
     for (int l = 0; l < c_.num_layers; ++l) {
       const gpu::dlayer& L = m_.layers[std::size_t(l)];
@@ -2007,7 +2009,8 @@ class device_decoder {
       // the device experts run through the grouped kernels (a layer with none needs no tables)
       const bool kernels = grouped_ok_ && L.expert_tables != nullptr;
       device_only_layer_[std::size_t(l)] = all_on_device && kernels ? 1 : 0;
-      split_layer_[std::size_t(l)] = !all_on_device && host_bf16 && split_ok && (kernels || all_on_host) ? 1 : 0;
+      split_layer_[std::size_t(l)] =
+          !all_on_device && host_bf16 && split_ok && split_fits && (kernels || all_on_host) ? 1 : 0;
       any = any || device_only_layer_[std::size_t(l)] != 0 || split_layer_[std::size_t(l)] != 0;
     }
     if (sort_temp_ == nullptr) refuse("no batched prefill grouping (bf16 precision and bf16 experts needed)");
@@ -3019,8 +3022,8 @@ class device_decoder {
 
   /// Whether decode MoE layer l at n rows takes split_decode_ffn: check_decode_routing
   /// marked it (host experts, all bf16, grouped tables), the pairs fit the
-  /// split buffers and the grouped kernels, and this is not the warm-up (whose
-  /// pass neither runs nor counts host experts).
+  /// split buffers and the grouped kernels, and this is not a prefill warm-up
+  /// pass (the decode warm-up step takes it, counting nothing).
   [[nodiscard]] bool split_routes_decode(int l, index_t n) const {
     const index_t nk = n * c_.experts_per_tok;
     return split_layer_[std::size_t(l)] != 0 && !warming_ && nk <= split_rows_cap_ && nk <= grouped_rows_cap_ &&
@@ -3064,7 +3067,9 @@ class device_decoder {
     x_.record();  // the host's inputs
     const int window0 = phases ? x_.mark() : -1;
     const clk::time_point t_window = phases ? clk::now() : clk::time_point{};
-    const bool device_experts = L.expert_tables != nullptr;  // else every routed expert of L is on the host
+    // a layer with every routed expert on the host skips the device experts (its table, if any, is all null)
+    const bool device_experts =
+        L.expert_tables != nullptr && std::any_of(L.on_host.begin(), L.on_host.end(), [](char h) { return h == 0; });
     if (device_experts || L.has_shared)
       run_segment(l, 2, n, true, [&] {
         if (device_experts) {
@@ -3219,7 +3224,8 @@ class device_decoder {
             g.failed = true;
             ++graph_fallbacks_;
             if (graph_fallback_why_.empty())
-              graph_fallback_why_ = "layer " + std::to_string(l) + " segment " + (seg == 0 ? "A" : "B") + ", " +
+              graph_fallback_why_ = (l == c_.num_layers ? std::string("LM head") : "layer " + std::to_string(l) +
+                                                                                  " segment " + "ABCD"[seg & 3]) + ", " +
                                     std::to_string(n) + " rows: " + why;
           }
         }

@@ -447,7 +447,8 @@ struct host_rows_op {
 };
 
 /// Greedy sampling on the device: the key of logit v at column c, so that the
-/// largest key of a row is its first maximum (std::max_element, torch.argmax):
+/// largest key of a row is its first maximum among the numbers (std::max_element's
+/// tie rule; unlike torch.argmax, which returns a NaN's index):
 /// the high word orders the floats (-0 counted as +0), the low word is
 /// 0xffffffff - c (a lower column wins a tie). NaN gets key 0, below every
 /// other key: never chosen unless the whole row is NaN.

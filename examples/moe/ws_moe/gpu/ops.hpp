@@ -58,7 +58,7 @@ void launch_sort_pairs(const unsigned* keys_in, unsigned* keys_out, const int* v
 
 /// Greedy sampling on the device: keys[r] = the largest argmax_key of row r of
 /// x [rows][cols] fp32 (kernel_math.hpp; argmax_key_column gives its column,
-/// the first maximum, NaN never chosen), for rows in [0, 65535]. keys: [rows]
+/// the first maximum among the numbers, NaN never chosen), for rows in [0, 65535]. keys: [rows]
 /// device memory, zeroed by the launch itself. Asynchronous on `stream`
 /// (a memset and one kernel); throws config_error for rows or cols outside
 /// their ranges.
